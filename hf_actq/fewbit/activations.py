@@ -1,0 +1,240 @@
+"""Pointwise activations that few-bit backward supports.
+
+Each activation has two faces:
+
+* ``forward``: the exact PyTorch / HF expression, op for op, so that the few-bit module returns
+  bit-identical outputs to the module it replaces (HF's ``NewGELUActivation`` is not
+  ``F.gelu(approximate="tanh")`` bit for bit, so each HF formula is kept separately);
+* ``derivative``: a float64 NumPy derivative used only offline, by the DP table builder.
+
+How the backward code is formed depends on the derivative's shape (``code_mode``):
+
+* ``"table"``: code = number of table borders strictly below ``x`` (2**b intervals);
+* ``"symmetric"``: the derivative is even (sigmoid, tanh), so the 2**b intervals cover ``|x|``
+  (paper, Figure 3), which doubles the resolution for the same bits;
+* ``"interval"``: the derivative is one value inside ``(lo, hi)`` and another outside (ReLU6,
+  hardtanh, hardsigmoid), so the single bit ``lo < x < hi`` is exact.
+
+ReLU and LeakyReLU are exact 1-bit tables with the one border 0. All strict inequalities match
+PyTorch's own backward kernels (``threshold_backward``, ``hardtanh_backward``, ...), so exact
+activations get exactly PyTorch's gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """One supported activation; ``params`` are its keyword parameters with their defaults."""
+
+    name: str
+    forward: Callable[..., torch.Tensor]
+    code_mode: str  # "table" | "symmetric" | "interval"
+    derivative: Callable[..., np.ndarray] | None = None
+    # Name of the shipped table family; activations with the same derivative share one.
+    table_name: str | None = None
+    # Derivatives with two values are stored exactly in 1 bit: params -> (borders, levels).
+    exact: Callable[..., tuple[tuple[float, ...], tuple[float, float]]] | None = None
+    params: dict[str, float] = field(default_factory=dict)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    from scipy.special import expit
+
+    return expit(x)
+
+
+def _d_gelu(x):
+    from scipy.special import erf
+
+    return 0.5 * (1.0 + erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(
+        2.0 * math.pi
+    )
+
+
+def _d_gelu_tanh(x):
+    u = _SQRT_2_OVER_PI * (x + 0.044715 * x**3)
+    t = np.tanh(u)
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+        1.0 + 3.0 * 0.044715 * x * x
+    )
+
+
+def _d_quick_gelu(x):
+    s = _sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1.0 - s)
+
+
+def _d_silu(x):
+    s = _sigmoid(x)
+    return s + x * s * (1.0 - s)
+
+
+def _d_sigmoid(x):
+    s = _sigmoid(x)
+    return s * (1.0 - s)
+
+
+def _d_tanh(x):
+    return 1.0 - np.tanh(x) ** 2
+
+
+def _d_selu(x):
+    return np.where(x > 0, _SELU_SCALE, _SELU_SCALE * _SELU_ALPHA * np.exp(np.minimum(x, 0.0)))
+
+
+def _d_softplus(x, beta=1.0, threshold=20.0):
+    return np.where(beta * x > threshold, 1.0, _sigmoid(beta * x))
+
+
+def _d_mish(x):
+    sp = np.logaddexp(0.0, x)
+    t = np.tanh(sp)
+    return t + x * (1.0 - t * t) * _sigmoid(x)
+
+
+def _d_elu(x, alpha=1.0):
+    return np.where(x > 0, 1.0, alpha * np.exp(np.minimum(x, 0.0)))
+
+
+def _d_celu(x, alpha=1.0):
+    return np.where(x > 0, 1.0, np.exp(np.minimum(x, 0.0) / alpha))
+
+
+def _d_hardswish(x):
+    return np.where(x < -3.0, 0.0, np.where(x > 3.0, 1.0, x / 3.0 + 0.5))
+
+
+# HF formulas, copied op for op from transformers.activations (rounding happens per op in
+# half precision, so any reordering would change the output bits).
+def _gelu_new(x):
+    return 0.5 * x * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_fast(x):
+    return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+def _gelu_python(x):
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def _gelu_python_tanh(x):
+    return x * 0.5 * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _gelu_accurate(x):
+    return 0.5 * x * (1 + torch.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * torch.pow(x, 3))))
+
+
+def _quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _table(name, forward, derivative, table_name=None, symmetric=False, **params):
+    mode = "symmetric" if symmetric else "table"
+    return ActivationSpec(name, forward, mode, derivative, table_name or name, None, params)
+
+
+def _exact(name, forward, code_mode, exact, **params):
+    return ActivationSpec(name, forward, code_mode, None, None, exact, params)
+
+
+_SPECS = [
+    _table("gelu", lambda x: F.gelu(x), _d_gelu),
+    _table("gelu_python", _gelu_python, _d_gelu, "gelu"),
+    _table("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"), _d_gelu_tanh),
+    _table("gelu_new", _gelu_new, _d_gelu_tanh, "gelu_tanh"),
+    _table("gelu_fast", _gelu_fast, _d_gelu_tanh, "gelu_tanh"),
+    _table("gelu_python_tanh", _gelu_python_tanh, _d_gelu_tanh, "gelu_tanh"),
+    _table("gelu_accurate", _gelu_accurate, _d_gelu_tanh, "gelu_tanh"),
+    _table("quick_gelu", _quick_gelu, _d_quick_gelu),
+    _table("silu", F.silu, _d_silu),
+    _table("sigmoid", torch.sigmoid, _d_sigmoid, symmetric=True),
+    _table("tanh", torch.tanh, _d_tanh, symmetric=True),
+    _table("selu", F.selu, _d_selu),
+    _table(
+        "softplus",
+        lambda x, beta, threshold: F.softplus(x, beta, threshold),
+        _d_softplus,
+        beta=1.0,
+        threshold=20.0,
+    ),
+    _table("mish", F.mish, _d_mish),
+    _table("elu", lambda x, alpha: F.elu(x, alpha), _d_elu, alpha=1.0),
+    _table("celu", lambda x, alpha: F.celu(x, alpha), _d_celu, alpha=1.0),
+    _table("hardswish", F.hardswish, _d_hardswish),
+    _exact("relu", F.relu, "table", lambda: ((0.0,), (0.0, 1.0))),
+    _exact(
+        "leaky_relu",
+        lambda x, negative_slope: F.leaky_relu(x, negative_slope),
+        "table",
+        lambda negative_slope: ((0.0,), (negative_slope, 1.0)),
+        negative_slope=0.01,
+    ),
+    _exact("relu6", F.relu6, "interval", lambda: ((0.0, 6.0), (0.0, 1.0))),
+    _exact(
+        "hardtanh",
+        lambda x, min_val, max_val: F.hardtanh(x, min_val, max_val),
+        "interval",
+        lambda min_val, max_val: ((min_val, max_val), (0.0, 1.0)),
+        min_val=-1.0,
+        max_val=1.0,
+    ),
+    _exact("hardsigmoid", F.hardsigmoid, "interval", lambda: ((-3.0, 3.0), (0.0, 1.0 / 6.0))),
+]
+
+ACTIVATIONS: dict[str, ActivationSpec] = {spec.name: spec for spec in _SPECS}
+
+# Names used by transformers' ACT2FN and torch.nn for the same functions.
+ALIASES = {
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_erf": "gelu",
+}
+
+
+def get_activation(name: str) -> ActivationSpec:
+    """The spec for ``name`` (aliases accepted); ValueError naming the allowed values otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"activation must be a string name, got {type(name).__name__}")
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in ACTIVATIONS:
+        allowed = ", ".join(sorted([*ACTIVATIONS, *ALIASES]))
+        raise ValueError(f"unknown activation {name!r}; allowed values: {allowed}")
+    return ACTIVATIONS[key]
+
+
+def resolve_params(spec: ActivationSpec, params: dict[str, float]) -> dict[str, float]:
+    """``spec.params`` overridden by ``params``; unknown keys raise ValueError."""
+    unknown = set(params) - set(spec.params)
+    if unknown:
+        allowed = ", ".join(sorted(spec.params)) or "none"
+        raise ValueError(
+            f"activation {spec.name!r} got unknown parameter(s) {sorted(unknown)}; allowed: {allowed}"
+        )
+    resolved = {key: float(params.get(key, default)) for key, default in spec.params.items()}
+    for key, value in resolved.items():
+        if not math.isfinite(value):
+            raise ValueError(f"activation parameter {key} must be finite, got {value}")
+    if spec.name == "celu" and resolved["alpha"] == 0.0:
+        raise ValueError("celu alpha must be non-zero, got 0.0")
+    if spec.name == "softplus" and resolved["beta"] <= 0.0:
+        raise ValueError(f"softplus beta must be positive, got {resolved['beta']}")
+    if spec.name == "hardtanh" and not resolved["min_val"] < resolved["max_val"]:
+        raise ValueError(
+            f"hardtanh needs min_val < max_val, got {resolved['min_val']} and {resolved['max_val']}"
+        )
+    return resolved

@@ -1,0 +1,144 @@
+"""Compile every Triton kernel variant the dispatcher can launch, ahead of time, for real GPUs.
+
+The interpreter accepts code the GPU compiler rejects, so each (kernel, dtype, constexpr) variant
+is compiled to a cubin with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
+no GPU is needed. Run ``python -m hf_actq.kernels.aot --cc 80 90`` (not under TRITON_INTERPRET).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+# Sizes above 2**31 - 1 are passed as i64; Triton specialises smaller ones to i32. Both launch.
+INDEX_TYPES = ("i32", "i64")
+FLOAT_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    signature: dict
+    constexprs: dict
+
+    @property
+    def label(self) -> str:
+        parts = [self.kernel, *(f"{k}={v}" for k, v in self.constexprs.items())]
+        parts += [f"{k}:{v}" for k, v in self.signature.items() if v != "constexpr"]
+        return " ".join(parts)
+
+
+def variants() -> list[Variant]:
+    """Every launchable variant, derived from the launchers' own tables."""
+    from hf_actq.fewbit.activations import ACTIVATIONS
+    from hf_actq.kernels.fewbit import (
+        ACTIVATION_IDS,
+        BACKWARD_BLOCK,
+        CODE_MODES,
+        FORWARD_GROUPS,
+    )
+
+    out = []
+    for dtype in FLOAT_TYPES.values():
+        for index in INDEX_TYPES:
+            for name, act_id in ACTIVATION_IDS.items():
+                out.append(
+                    Variant(
+                        "fewbit_forward_kernel",
+                        {
+                            "x_ptr": f"*{dtype}",
+                            "y_ptr": f"*{dtype}",
+                            "packed_ptr": "*u8",
+                            "borders_ptr": "*fp32",
+                            "nan_flag_ptr": "*i32",
+                            "n_elements": index,
+                            "n_bytes": index,
+                            "num_borders": "i32",
+                            "bits": "i32",
+                            "p0": "fp32",
+                            "p1": "fp32",
+                            "ACTIVATION": "constexpr",
+                            "CODE_MODE": "constexpr",
+                            "GROUPS": "constexpr",
+                        },
+                        {
+                            "ACTIVATION": act_id,
+                            "CODE_MODE": CODE_MODES[ACTIVATIONS[name].code_mode],
+                            "GROUPS": FORWARD_GROUPS,
+                        },
+                    )
+                )
+            out.append(
+                Variant(
+                    "fewbit_backward_kernel",
+                    {
+                        "grad_ptr": f"*{dtype}",
+                        "packed_ptr": "*u8",
+                        "levels_ptr": "*fp32",
+                        "nan_flag_ptr": "*i32",
+                        "out_ptr": f"*{dtype}",
+                        "n_elements": index,
+                        "n_bytes": index,
+                        "bits": "i32",
+                        "BLOCK": "constexpr",
+                    },
+                    {"BLOCK": BACKWARD_BLOCK},
+                )
+            )
+    return out
+
+
+def compile_variant(variant: Variant, cc: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_actq.kernels import fewbit
+
+    fn = getattr(fewbit, variant.kernel)
+    start = time.perf_counter()
+    source = ASTSource(fn=fn, signature=variant.signature, constexprs=variant.constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32))
+    return {
+        "variant": variant.label,
+        "cc": cc,
+        "cubin_bytes": len(compiled.asm["cubin"]),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def _compile_star(args):
+    return compile_variant(*args)
+
+
+def compile_all(ccs=(80, 90), jobs: int = 2) -> list[dict]:
+    work = [(v, cc) for v in variants() for cc in ccs]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_compile_star, work, chunksize=4))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cc", type=int, nargs="+", default=[80, 90])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--json", help="write the per-variant results here")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    results = compile_all(tuple(args.cc), args.jobs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    empty = [r for r in results if r["cubin_bytes"] == 0]
+    print(
+        f"compiled {len(results)} kernel variants for sm_{', sm_'.join(map(str, args.cc))} "
+        f"in {time.perf_counter() - start:.1f} s; {len(empty)} empty cubins"
+    )
+    return 1 if empty else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Triton kernels for few-bit activations: fused forward (activation + bucket search + bit
+packing) and backward (unpack + table lookup + multiply), with their launchers.
+
+The PyTorch twins are ``fewbit_forward_reference`` / ``fewbit_backward_reference`` in
+``reference.py``; packed codes are bit-identical to theirs (same fp32 comparisons, same layout).
+
+The fused forward computes the activation in fp32 with Triton math. Transcendentals are written
+with ``tl.math`` primitives only (``libdevice`` does not run under the Triton interpreter, where
+the tests run), using Kahan's forms of expm1/log1p so that tanh, ELU and softplus stay accurate
+near 0. HF's formula activations (gelu_new, gelu_fast, quick_gelu, ...) round to the input dtype
+after every op, as the eager PyTorch expression does, so half-precision outputs follow the same
+rounding path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_actq.fewbit.activations import get_activation
+from hf_actq.kernels.reference import packed_nbytes
+
+# constexpr id of each activation's Triton forward.
+ACTIVATION_IDS = {
+    "gelu": 0,
+    "gelu_python": 1,
+    "gelu_tanh": 2,
+    "gelu_new": 3,
+    "gelu_fast": 4,
+    "gelu_python_tanh": 5,
+    "gelu_accurate": 6,
+    "quick_gelu": 7,
+    "silu": 8,
+    "sigmoid": 9,
+    "tanh": 10,
+    "selu": 11,
+    "softplus": 12,
+    "mish": 13,
+    "elu": 14,
+    "celu": 15,
+    "hardswish": 16,
+    "relu": 17,
+    "leaky_relu": 18,
+    "relu6": 19,
+    "hardtanh": 20,
+    "hardsigmoid": 21,
+}
+CODE_MODES = {"table": 0, "symmetric": 1, "interval": 2}
+
+FORWARD_GROUPS = 256  # 8 elements per group: 2048 elements per program
+BACKWARD_BLOCK = 2048
+
+
+@triton.jit
+def _expm1(x):
+    # Kahan: (u - 1) * x / log(u) cancels the rounding error of u = exp(x).
+    u = tl.exp(x)
+    um1 = u - 1.0
+    safe = tl.where((um1 == 0.0) | (u == float("inf")), 1.0, um1)
+    kahan = safe * x / tl.log(tl.where(um1 == 0.0, 2.0, u))
+    out = tl.where(um1 == 0.0, x, kahan)
+    out = tl.where(um1 == -1.0, -1.0, out)
+    return tl.where(u == float("inf"), float("inf"), out)
+
+
+@triton.jit
+def _log1p(x):
+    u = 1.0 + x
+    um1 = u - 1.0
+    safe = tl.where(um1 == 0.0, 1.0, um1)
+    out = tl.where(um1 == 0.0, x, tl.log(u) * x / safe)
+    return tl.where(u == float("inf"), float("inf"), out)
+
+
+@triton.jit
+def _tanh(x):
+    a = tl.abs(x)
+    e = _expm1(2.0 * tl.minimum(a, 20.0))
+    t = tl.where(a > 20.0, 1.0, e / (e + 2.0))
+    return tl.where(x < 0.0, -t, t)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _to_dtype(v, DTYPE: tl.constexpr):
+    """fp32 -> DTYPE, round to nearest even.
+
+    bf16 is rounded by hand because the Triton interpreter's fp32 -> bf16 cast truncates, and the
+    kernels must round identically under the interpreter (where the tests run) and on a GPU.
+    """
+    if tl.bfloat16 == DTYPE:
+        raw = v.to(tl.uint32, bitcast=True)
+        rounded = (raw + 0x7FFF + ((raw >> 16) & 1)) >> 16
+        rounded = tl.where(v != v, 0x7FC0, rounded)  # keep NaN a (quiet) NaN
+        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(DTYPE)
+
+
+@triton.jit
+def _rnd(v, DTYPE: tl.constexpr):
+    # Round to the input dtype, as each op of an eager half-precision expression does.
+    return _to_dtype(v, DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
+    if ACTIVATION == 0:  # F.gelu
+        y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 1:  # HF gelu_python: x * 0.5 * (1 + erf(x / sqrt(2)))
+        h = _rnd(x * 0.5, DTYPE)
+        e = _rnd(tl.math.erf(_rnd(x / 1.4142135623730951, DTYPE)), DTYPE)
+        y = h * _rnd(1.0 + e, DTYPE)
+    elif ACTIVATION == 2:  # F.gelu(approximate="tanh")
+        inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        y = 0.5 * x * (1.0 + _tanh(inner))
+    elif ACTIVATION == 3 or ACTIVATION == 6:  # HF gelu_new / gelu_accurate
+        cube = _rnd(x * x * x, DTYPE)
+        inner = _rnd(x + _rnd(0.044715 * cube, DTYPE), DTYPE)
+        t = _rnd(_tanh(_rnd(0.7978845608028654 * inner, DTYPE)), DTYPE)
+        y = _rnd(0.5 * x, DTYPE) * _rnd(1.0 + t, DTYPE)
+    elif ACTIVATION == 4:  # HF gelu_fast
+        a = _rnd(
+            _rnd(x * 0.7978845608, DTYPE)
+            * _rnd(1.0 + _rnd(_rnd(0.044715 * x, DTYPE) * x, DTYPE), DTYPE),
+            DTYPE,
+        )
+        y = _rnd(0.5 * x, DTYPE) * _rnd(1.0 + _rnd(_tanh(a), DTYPE), DTYPE)
+    elif ACTIVATION == 5:  # HF gelu_python_tanh
+        cube = _rnd(x * x * x, DTYPE)
+        inner = _rnd(x + _rnd(0.044715 * cube, DTYPE), DTYPE)
+        t = _rnd(_tanh(_rnd(0.7978845608028654 * inner, DTYPE)), DTYPE)
+        y = _rnd(x * 0.5, DTYPE) * _rnd(1.0 + t, DTYPE)
+    elif ACTIVATION == 7:  # HF quick_gelu: x * sigmoid(1.702 x)
+        y = x * _rnd(_sigmoid(_rnd(1.702 * x, DTYPE)), DTYPE)
+    elif ACTIVATION == 8:  # silu
+        y = x / (1.0 + tl.exp(-x))
+    elif ACTIVATION == 9:  # sigmoid
+        y = _sigmoid(x)
+    elif ACTIVATION == 10:  # tanh
+        y = _tanh(x)
+    elif ACTIVATION == 11:  # selu
+        y = tl.where(x > 0.0, 1.0507009873554805 * x, 1.7580993408473766 * _expm1(x))
+    elif ACTIVATION == 12:  # softplus(beta=p0, threshold=p1)
+        bx = x * p0
+        y = tl.where(bx > p1, x, _log1p(tl.exp(bx)) / p0)
+    elif ACTIVATION == 13:  # mish
+        y = x * _tanh(_log1p(tl.exp(x)))
+    elif ACTIVATION == 14:  # elu(alpha=p0)
+        y = tl.where(x > 0.0, x, p0 * _expm1(x))
+    elif ACTIVATION == 15:  # celu(alpha=p0)
+        y = tl.where(x > 0.0, x, p0 * _expm1(x / p0))
+    elif ACTIVATION == 16:  # hardswish
+        y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
+    elif ACTIVATION == 17:  # relu (NaN stays NaN)
+        y = tl.where(x < 0.0, 0.0, x)
+    elif ACTIVATION == 18:  # leaky_relu(negative_slope=p0)
+        y = tl.where(x > 0.0, x, x * p0)
+    elif ACTIVATION == 19:  # relu6
+        y = tl.where(x < 0.0, 0.0, tl.where(x > 6.0, 6.0, x))
+    elif ACTIVATION == 20:  # hardtanh(min_val=p0, max_val=p1)
+        y = tl.where(x < p0, p0, tl.where(x > p1, p1, x))
+    else:  # hardsigmoid
+        y = tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) / 6.0
+    return y
+
+
+@triton.jit
+def fewbit_forward_kernel(
+    x_ptr,
+    y_ptr,
+    packed_ptr,
+    borders_ptr,
+    nan_flag_ptr,
+    n_elements,
+    n_bytes,
+    num_borders,
+    bits,
+    p0,
+    p1,
+    ACTIVATION: tl.constexpr,
+    CODE_MODE: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    # Each program owns GROUPS groups of 8 elements; a group's 8 codes fill exactly `bits` bytes.
+    group = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    lane = tl.arange(0, 8)
+    offsets = group[:, None] * 8 + lane[None, :]
+    mask = offsets < n_elements
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
+    tl.store(y_ptr + offsets, _to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
+
+    if CODE_MODE == 2:
+        code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.uint32)
+    else:
+        v = x
+        if CODE_MODE == 1:
+            v = tl.abs(x)
+        code = tl.zeros([GROUPS, 8], dtype=tl.uint32)
+        for i in range(num_borders):
+            code += (v > tl.load(borders_ptr + i)).to(tl.uint32)
+    code = tl.where(mask, code, 0)
+    word = tl.sum(code << (lane[None, :] * bits).to(tl.uint32), axis=1)  # disjoint bits: sum == or
+
+    byte = tl.arange(0, 4)
+    byte_offsets = group[:, None] * bits + byte[None, :]
+    values = (word[:, None] >> (byte[None, :] * 8).to(tl.uint32)) & 0xFF
+    byte_mask = (byte[None, :] < bits) & (byte_offsets < n_bytes)
+    tl.store(packed_ptr + byte_offsets, values.to(tl.uint8), mask=byte_mask)
+
+    has_nan = tl.max(((x != x) & mask).to(tl.int32))
+    tl.atomic_max(nan_flag_ptr, has_nan, mask=has_nan > 0)
+
+
+@triton.jit
+def fewbit_backward_kernel(
+    grad_ptr,
+    packed_ptr,
+    levels_ptr,
+    nan_flag_ptr,
+    out_ptr,
+    n_elements,
+    n_bytes,
+    bits,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    bit_pos = offsets * bits
+    byte_pos = bit_pos >> 3
+    shift = (bit_pos & 7).to(tl.int32)
+    low = tl.load(packed_ptr + byte_pos, mask=mask, other=0).to(tl.int32)
+    # A 3-bit code can straddle two bytes.
+    straddles = mask & (shift + bits > 8) & (byte_pos + 1 < n_bytes)
+    high = tl.load(packed_ptr + byte_pos + 1, mask=straddles, other=0).to(tl.int32)
+    code = ((low | (high << 8)) >> shift) & ((1 << bits) - 1)
+    level = tl.load(levels_ptr + code, mask=mask, other=0.0)
+    level = tl.where(tl.load(nan_flag_ptr) != 0, float("nan"), level)
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, _to_dtype(grad * level, out_ptr.dtype.element_ty), mask=mask)
+
+
+def fewbit_forward_triton(
+    x: torch.Tensor,
+    activation: str,
+    borders: torch.Tensor,
+    bits: int,
+    params: tuple[float, ...] = (),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton twin of :func:`hf_actq.kernels.reference.fewbit_forward_reference`."""
+    spec = get_activation(activation)
+    x = x.contiguous()
+    n = x.numel()
+    y = torch.empty_like(x)
+    n_bytes = packed_nbytes(n, bits)
+    packed = torch.empty(n_bytes, dtype=torch.uint8, device=x.device)
+    nan_flag = torch.zeros(1, dtype=torch.int32, device=x.device)
+    p0, p1 = (tuple(float(p) for p in params) + (0.0, 0.0))[:2]
+    if n:
+        grid = (triton.cdiv(n, 8 * FORWARD_GROUPS),)
+        fewbit_forward_kernel[grid](
+            x,
+            y,
+            packed,
+            borders,
+            nan_flag,
+            n,
+            n_bytes,
+            borders.numel(),
+            bits,
+            p0,
+            p1,
+            ACTIVATION=ACTIVATION_IDS[spec.name],
+            CODE_MODE=CODE_MODES[spec.code_mode],
+            GROUPS=FORWARD_GROUPS,
+        )
+    return y, packed, nan_flag
+
+
+def fewbit_backward_triton(
+    grad_y: torch.Tensor,
+    packed: torch.Tensor,
+    levels: torch.Tensor,
+    nan_flag: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
+    """Triton twin of :func:`hf_actq.kernels.reference.fewbit_backward_reference`."""
+    grad_y = grad_y.contiguous()
+    n = grad_y.numel()
+    out = torch.empty_like(grad_y)
+    if n:
+        grid = (triton.cdiv(n, BACKWARD_BLOCK),)
+        fewbit_backward_kernel[grid](
+            grad_y, packed, levels, nan_flag, out, n, packed.numel(), bits, BLOCK=BACKWARD_BLOCK
+        )
+    return out

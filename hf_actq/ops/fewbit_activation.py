@@ -1,0 +1,167 @@
+"""Few-bit activations: exact forward, backward from a ``bits``-bit piecewise-constant derivative.
+
+What autograd keeps per call is the packed code buffer (``ceil(n*bits/8)`` bytes), a 4-byte NaN
+flag, and a reference to the module's 2**bits-entry level table; all three go through
+``ctx.save_for_backward`` so checkpointing and saved-tensor hooks (CPU offload) manage them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from hf_actq.fewbit.activations import get_activation, resolve_params
+from hf_actq.fewbit.dp import FewBitTable
+from hf_actq.fewbit.tables import table_for, validate_bits
+from hf_actq.kernels import fewbit_backward, fewbit_forward
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class FewBitActivationFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, activation, params, borders, levels, bits):
+        y, packed, nan_flag = fewbit_forward(x, activation, borders, bits, params)
+        ctx.save_for_backward(packed, levels, nan_flag)
+        ctx.bits = bits
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        packed, levels, nan_flag = ctx.saved_tensors
+        grad_x = fewbit_backward(grad_y, packed, levels, nan_flag, ctx.bits)
+        return grad_x, None, None, None, None, None
+
+
+def fewbit_activation(
+    x: torch.Tensor, activation: str, bits: int = 3, *, table: FewBitTable | None = None, **params
+) -> torch.Tensor:
+    """Functional form of :class:`FewBitActivation` (builds the table tensors on each call)."""
+    return FewBitActivation(activation, bits, table=table, **params).to(x.device)(x)
+
+
+class FewBitActivation(nn.Module):
+    """Drop-in few-bit replacement for a pointwise activation.
+
+    ``activation`` is a name from :data:`hf_actq.fewbit.ACTIVATIONS` or an alias (``"swish"``,
+    ``"gelu_pytorch_tanh"``); ``params`` are its parameters (``alpha``, ``negative_slope``, ...).
+    ``table`` overrides the shipped table, e.g. one from :func:`hf_actq.fewbit.optimal_table`
+    with a normal weight. Activations with a two-valued derivative (ReLU family) always use their
+    exact 1-bit table.
+
+    In eval mode, under ``torch.no_grad()`` or for inputs that do not require grad, the module is
+    the plain activation and keeps nothing.
+    """
+
+    def __init__(
+        self,
+        activation: str,
+        bits: int = 3,
+        *,
+        table: FewBitTable | None = None,
+        **params: float,
+    ) -> None:
+        super().__init__()
+        self.spec = get_activation(activation)
+        validate_bits(bits)
+        self.params = resolve_params(self.spec, params)
+        if table is None:
+            table = table_for(self.spec.name, bits, **self.params)
+        else:
+            _check_table(table, self.spec)
+        self.table = table
+        self.bits = table.bits
+        self.exact = self.spec.exact is not None
+        self._param_values = tuple(self.params.values())
+        # Not persistent: patching a model must not change its state_dict.
+        self.register_buffer(
+            "borders", torch.tensor(table.borders, dtype=torch.float32), persistent=False
+        )
+        self.register_buffer(
+            "levels", torch.tensor(table.levels, dtype=torch.float32), persistent=False
+        )
+
+    def _apply(self, fn, recurse=True):
+        # model.half() / .to(bfloat16) would round the table; keep it fp32 on the new device.
+        super()._apply(fn, recurse)
+        device = self.levels.device
+        self.borders = torch.tensor(self.table.borders, dtype=torch.float32, device=device)
+        self.levels = torch.tensor(self.table.levels, dtype=torch.float32, device=device)
+        return self
+
+    @property
+    def activation(self) -> str:
+        return self.spec.name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in _FLOAT_DTYPES:
+            raise ValueError(
+                f"{type(self).__name__} needs a floating-point input (float32, float16, bfloat16 "
+                f"or float64), got {x.dtype}"
+            )
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return self.spec.forward(x, **self.params)
+        borders, levels = self.borders, self.levels
+        if borders.device != x.device:
+            borders, levels = borders.to(x.device), levels.to(x.device)
+        return FewBitActivationFunction.apply(
+            x, self.spec.name, self._param_values, borders, levels, self.bits
+        )
+
+    def extra_repr(self) -> str:
+        params = "".join(f", {k}={v:g}" for k, v in self.params.items())
+        kind = "exact" if self.exact else f"error={self.table.error:.4f}"
+        return f"{self.spec.name!r}, bits={self.bits} ({kind}){params}"
+
+
+def _check_table(table: FewBitTable, spec) -> None:
+    if not isinstance(table, FewBitTable):
+        raise ValueError(f"table must be a FewBitTable, got {type(table).__name__}")
+    if spec.exact is not None:
+        raise ValueError(f"{spec.name} uses its exact 1-bit table; do not pass table=")
+    if len(table.levels) != 2**table.bits or len(table.borders) != 2**table.bits - 1:
+        raise ValueError(
+            f"a {table.bits}-bit table needs {2**table.bits} levels and {2**table.bits - 1} "
+            f"borders, got {len(table.levels)} and {len(table.borders)}"
+        )
+    if table.symmetric != (spec.code_mode == "symmetric"):
+        raise ValueError(
+            f"{spec.name} needs a {'symmetric' if spec.code_mode == 'symmetric' else 'plain'} "
+            f"table (symmetric={spec.code_mode == 'symmetric'}), got symmetric={table.symmetric}"
+        )
+
+
+class FewBitGELU(FewBitActivation):
+    """``nn.GELU(approximate=...)`` with a few-bit backward."""
+
+    def __init__(self, bits: int = 3, approximate: str = "none", **kwargs) -> None:
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f'approximate must be "none" or "tanh", got {approximate!r}')
+        super().__init__("gelu" if approximate == "none" else "gelu_tanh", bits, **kwargs)
+
+
+def _fixed(name: str, doc: str):
+    def __init__(self, bits: int = 3, **kwargs) -> None:
+        FewBitActivation.__init__(self, name, bits, **kwargs)
+
+    namespace = {"__init__": __init__, "__doc__": f"Few-bit {name}.", "__module__": __name__}
+    return type(doc, (FewBitActivation,), namespace)
+
+
+FewBitSiLU = _fixed("silu", "FewBitSiLU")
+FewBitQuickGELU = _fixed("quick_gelu", "FewBitQuickGELU")
+FewBitSigmoid = _fixed("sigmoid", "FewBitSigmoid")
+FewBitTanh = _fixed("tanh", "FewBitTanh")
+FewBitSELU = _fixed("selu", "FewBitSELU")
+FewBitSoftplus = _fixed("softplus", "FewBitSoftplus")
+FewBitMish = _fixed("mish", "FewBitMish")
+FewBitELU = _fixed("elu", "FewBitELU")
+FewBitCELU = _fixed("celu", "FewBitCELU")
+FewBitHardswish = _fixed("hardswish", "FewBitHardswish")
+FewBitReLU = _fixed("relu", "FewBitReLU")
+FewBitLeakyReLU = _fixed("leaky_relu", "FewBitLeakyReLU")
+FewBitReLU6 = _fixed("relu6", "FewBitReLU6")
+FewBitHardtanh = _fixed("hardtanh", "FewBitHardtanh")
+FewBitHardsigmoid = _fixed("hardsigmoid", "FewBitHardsigmoid")

@@ -1,0 +1,85 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hf_actq.fewbit import table_for
+from hf_actq.kernels import reference
+from hf_actq.kernels.reference import (
+    fewbit_backward_reference,
+    fewbit_forward_reference,
+    pack_codes,
+    packed_nbytes,
+    unpack_codes,
+)
+
+
+def _bitstream_pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Independent oracle: code i at bits [i*bits, (i+1)*bits) of a little-endian stream."""
+    stream = np.unpackbits(codes.astype(np.uint8)[:, None], axis=1, count=bits, bitorder="little")
+    return np.packbits(stream.reshape(-1), bitorder="little")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4097])
+def test_pack_matches_bitstream_oracle_and_round_trips(bits, n):
+    rng = np.random.default_rng(bits * 1000 + n)
+    codes = rng.integers(0, 2**bits, size=n, dtype=np.uint8)
+    packed = pack_codes(torch.from_numpy(codes), bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n * bits / 8)
+    np.testing.assert_array_equal(packed.numpy(), _bitstream_pack(codes, bits))
+    np.testing.assert_array_equal(unpack_codes(packed, n, bits).numpy(), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 3])
+def test_chunk_boundaries_do_not_shift_codes(monkeypatch, bits):
+    # A tiny chunk makes every path cross many chunk boundaries, including a partial last one.
+    monkeypatch.setattr(reference, "CHUNK", 64)
+    table = table_for("gelu", bits)
+    x = torch.randn(1001)
+    borders = torch.tensor(table.borders, dtype=torch.float32)
+    _, packed, _ = fewbit_forward_reference(x, "gelu", borders, bits)
+    codes = np.searchsorted(np.float32(table.borders), x.numpy(), side="left")
+    np.testing.assert_array_equal(packed.numpy(), _bitstream_pack(codes, bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name,bits", [("gelu", 3), ("tanh", 2), ("relu6", 1), ("silu", 4)])
+def test_backward_is_grad_times_level_of_code(name, bits, dtype):
+    table = table_for(name, bits)
+    x = (torch.randn(3000) * 4).to(dtype)
+    borders = torch.tensor(table.borders, dtype=torch.float32)
+    levels = torch.tensor(table.levels, dtype=torch.float32)
+    y, packed, flag = fewbit_forward_reference(x, name, borders, table.bits)
+    assert flag.item() == 0
+    grad = torch.randn(3000).to(dtype)
+    got = fewbit_backward_reference(grad, packed, levels, flag, table.bits)
+    xv = x.float().numpy()
+    if name == "tanh":
+        codes = np.searchsorted(np.float32(table.borders), np.abs(xv), side="left")
+    elif name == "relu6":
+        codes = ((xv > 0) & (xv < 6)).astype(np.int64)
+    else:
+        codes = np.searchsorted(np.float32(table.borders), xv, side="left")
+    expected = (grad.float() * levels[torch.from_numpy(codes)]).to(dtype)
+    assert torch.equal(got, expected)
+
+
+def test_nan_input_poisons_the_gradient_and_inf_does_not_crash():
+    table = table_for("gelu", 3)
+    borders = torch.tensor(table.borders, dtype=torch.float32)
+    levels = torch.tensor(table.levels, dtype=torch.float32)
+    x = torch.tensor([1.0, float("inf"), -float("inf"), 0.5])
+    _, packed, flag = fewbit_forward_reference(x, "gelu", borders, 3)
+    grad = fewbit_backward_reference(torch.ones(4), packed, levels, flag, 3)
+    assert flag.item() == 0 and torch.isfinite(grad).all()
+    assert grad[1] == levels[-1] and grad[2] == levels[0]
+    x[3] = float("nan")
+    _, packed, flag = fewbit_forward_reference(x, "gelu", borders, 3)
+    grad = fewbit_backward_reference(torch.ones(4), packed, levels, flag, 3)
+    assert flag.item() == 1 and torch.isnan(grad[3])
+
+
+def test_packed_nbytes():
+    assert [packed_nbytes(n, 3) for n in (0, 1, 8, 9, 2**31 + 1)] == [0, 1, 3, 4, 805306369]

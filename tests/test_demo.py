@@ -1,0 +1,32 @@
+import subprocess
+import sys
+
+from hf_actq import demo
+
+
+def test_demo_saves_gelu_bytes_and_trains_alike():
+    result = demo.run(bits=3, steps=4, batch_size=4, seq_len=32)
+    assert result["patched"] == [
+        "bert.encoder.layer.0.intermediate.intermediate_act_fn",
+        "bert.encoder.layer.1.intermediate.intermediate_act_fn",
+    ]
+    act = result["activation_slot_bytes"]
+    # Two GELU inputs of 4 x 32 x 512 fp32 vs their 3-bit codes (+ tiny metadata).
+    assert act["baseline"] == 2 * 4 * 32 * 512 * 4
+    assert act["fewbit"] <= 2 * (4 * 32 * 512 * 3 // 8 + 1024)
+    saved = result["saved_bytes"]
+    assert saved["baseline"] - saved["fewbit"] == act["baseline"] - act["fewbit"]
+    losses = result["losses"]
+    assert losses["baseline"][0] == losses["fewbit"][0]  # identical forward
+    assert abs(losses["baseline"][-1] - losses["fewbit"][-1]) < 0.05
+
+
+def test_console_command_runs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_actq", "demo", "--steps", "2", "--batch-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "GELU slots" in proc.stdout and "activation memory saved" in proc.stdout
