@@ -88,6 +88,37 @@ def bench_case(activation, bits, shape, dtype, repeats):
     }
 
 
+def bench_training_step(bits, batch_size, seq_len, repeats):
+    """One AdamW step of the demo's tiny BERT, exact vs few-bit GELU (what a user feels)."""
+    import copy
+
+    from hf_actq import demo
+
+    baseline = demo.tiny_bert()
+    fewbit = copy.deepcopy(baseline)
+    demo.swap_activations(fewbit, bits)
+    ids, labels = next(demo.synthetic_batches(1, batch_size, seq_len))
+    steps = {}
+    for name, model in (("torch", baseline), ("fewbit", fewbit)):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, optimizer=optimizer):
+            model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        step()
+        steps[name] = step
+    base, few = _time_pair(steps["torch"], steps["fewbit"], repeats)
+    return {
+        "bits": bits,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "seconds": {"torch": base, "fewbit": few},
+        "time_ratio": few / base,
+    }
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--activations", nargs="+", default=["gelu"], choices=sorted(BASELINES))
@@ -100,6 +131,7 @@ def main(argv=None):
     )
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--step-bits", type=int, nargs="*", default=[3])
     parser.add_argument("--output", help="write JSON results here")
     args = parser.parse_args(argv)
 
@@ -127,13 +159,26 @@ def main(argv=None):
                         f"{ratio['backward']:5.2f}x {ratio['forward_backward']:5.2f}x",
                         flush=True,
                     )
-    if args.output:
-        with open(args.output, "w") as f:
-            json.dump(
-                {"torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows},
-                f,
-                indent=1,
+    steps = []
+    if args.step_bits:
+        print("\ntraining step (forward + backward + AdamW) of the demo's tiny BERT, fp32:")
+        for bits in args.step_bits:
+            row = bench_training_step(bits, batch_size=16, seq_len=128, repeats=args.repeats)
+            steps.append(row)
+            print(
+                f"  {bits}-bit GELU: torch {row['seconds']['torch'] * 1e3:.1f} ms, few-bit "
+                f"{row['seconds']['fewbit'] * 1e3:.1f} ms, ratio {row['time_ratio']:.3f}x",
+                flush=True,
             )
+    if args.output:
+        result = {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "rows": rows,
+            "training_steps": steps,
+        }
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=1)
         print(f"wrote {args.output}")
 
 

@@ -12,12 +12,16 @@ How the backward code is formed depends on the derivative's shape (``code_mode``
 * ``"table"``: code = number of table borders strictly below ``x`` (2**b intervals);
 * ``"symmetric"``: the derivative is even (sigmoid, tanh), so the 2**b intervals cover ``|x|``
   (paper, Figure 3), which doubles the resolution for the same bits;
-* ``"interval"``: the derivative is one value inside ``(lo, hi)`` and another outside (ReLU6,
-  hardtanh, hardsigmoid), so the single bit ``lo < x < hi`` is exact.
+* ``"threshold"``: exact 1 bit ``x > border`` (ReLU, LeakyReLU);
+* ``"interval"``: exact 1 bit ``lo < x < hi`` (ReLU6, hardtanh, hardsigmoid).
 
-ReLU and LeakyReLU are exact 1-bit tables with the one border 0. All strict inequalities match
-PyTorch's own backward kernels (``threshold_backward``, ``hardtanh_backward``, ...), so exact
-activations get exactly PyTorch's gradient.
+For the DP tables ("table", "symmetric") the comparison is made on ``x`` truncated toward zero
+to bfloat16 precision (its top 16 bits; bf16 inputs are unchanged). That moves each border by
+less than one bf16 ulp, which changes nothing measurable in the gradient, and makes the code a
+function of 16 bits, so the CPU path finds it with one table lookup instead of 2**b comparisons.
+The exact modes compare ``x`` itself with the strict inequalities of PyTorch's own backward
+kernels (``threshold_backward``, ``hardtanh_backward``, ...), so they give exactly PyTorch's
+gradient.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class ActivationSpec:
 
     name: str
     forward: Callable[..., torch.Tensor]
-    code_mode: str  # "table" | "symmetric" | "interval"
+    code_mode: str  # "table" | "symmetric" | "threshold" | "interval"
     derivative: Callable[..., np.ndarray] | None = None
     # Name of the shipped table family; activations with the same derivative share one.
     table_name: str | None = None
@@ -176,11 +180,11 @@ _SPECS = [
     _table("elu", lambda x, alpha: F.elu(x, alpha), _d_elu, alpha=1.0),
     _table("celu", lambda x, alpha: F.celu(x, alpha), _d_celu, alpha=1.0),
     _table("hardswish", F.hardswish, _d_hardswish),
-    _exact("relu", F.relu, "table", lambda: ((0.0,), (0.0, 1.0))),
+    _exact("relu", F.relu, "threshold", lambda: ((0.0,), (0.0, 1.0))),
     _exact(
         "leaky_relu",
         lambda x, negative_slope: F.leaky_relu(x, negative_slope),
-        "table",
+        "threshold",
         lambda negative_slope: ((0.0,), (negative_slope, 1.0)),
         negative_slope=0.01,
     ),

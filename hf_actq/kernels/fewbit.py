@@ -46,7 +46,7 @@ ACTIVATION_IDS = {
     "hardtanh": 20,
     "hardsigmoid": 21,
 }
-CODE_MODES = {"table": 0, "symmetric": 1, "interval": 2}
+CODE_MODES = {"table": 0, "symmetric": 1, "threshold": 2, "interval": 3}
 
 FORWARD_GROUPS = 256  # 8 elements per group: 2048 elements per program
 BACKWARD_BLOCK = 2048
@@ -197,12 +197,15 @@ def fewbit_forward_kernel(
     y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
     tl.store(y_ptr + offsets, _to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
 
-    if CODE_MODE == 2:
+    if CODE_MODE == 3:
         code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.uint32)
+    elif CODE_MODE == 2:
+        code = (x > tl.load(borders_ptr)).to(tl.uint32)
     else:
-        v = x
+        # DP tables compare x truncated to bf16 precision (see hf_actq.fewbit.activations).
+        v = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
         if CODE_MODE == 1:
-            v = tl.abs(x)
+            v = tl.abs(v)
         code = tl.zeros([GROUPS, 8], dtype=tl.uint32)
         for i in range(num_borders):
             code += (v > tl.load(borders_ptr + i)).to(tl.uint32)

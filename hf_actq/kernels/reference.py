@@ -13,8 +13,11 @@ bounded no matter how large the tensor is (no int64 index tensor the size of the
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 
+import numpy as np
 import torch
 
 from hf_actq.fewbit.activations import get_activation
@@ -49,36 +52,69 @@ def fewbit_forward_reference(
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     flat = x.reshape(-1)
     cuts = borders.tolist()
+    lut = None
+    if spec.code_mode in ("table", "symmetric"):
+        lut = code_lookup_table(tuple(cuts), spec.code_mode == "symmetric", x.dtype, x.device)
     nan_seen = torch.zeros(1, dtype=torch.bool, device=x.device)
-    codes = torch.empty(min(n, CHUNK) + 8, dtype=torch.uint8, device=x.device)
-    hits = torch.empty(min(n, CHUNK), dtype=torch.bool, device=x.device)
+    # Codes are kept as fp32 so that packing is a GEMV with no conversion pass.
+    codes = torch.zeros(min(n, CHUNK) + 8, dtype=torch.float32, device=x.device)
+    hits = torch.empty(min(n, CHUNK), dtype=torch.float32, device=x.device)
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
         m = stop - start
-        # Compare in fp32 as the Triton kernel does: a Python scalar against a bf16 tensor would be
-        # rounded to bf16 first and move the border.
-        v = flat[start:stop].float()
+        part = flat[start:stop]
         # max() propagates NaN, so one cheap reduction over cached data finds any NaN.
-        nan_seen |= torch.isnan(v.max())
-        if spec.code_mode == "symmetric":
-            v = v.abs()
-        c, hit = codes[:m], hits[:m]
-        if spec.code_mode == "interval":
-            torch.gt(v, cuts[0], out=c)
-            torch.lt(v, cuts[1], out=hit)
-            c.mul_(hit)
+        nan_seen |= torch.isnan(part.max())
+        c = codes[:m]
+        if lut is not None:
+            torch.index_select(lut, 0, _top16_bits(part), out=c)
         else:
-            c.zero_()
-            for cut in cuts:
-                torch.gt(v, cut, out=hit)
-                c.add_(hit)
+            # Compare in fp32 as the Triton kernel does: a Python scalar against a bf16 tensor
+            # would be rounded to bf16 first and move the border.
+            v = part.float()
+            torch.gt(v, cuts[0], out=c)
+            if spec.code_mode == "interval":
+                torch.lt(v, cuts[1], out=hits[:m])
+                c.mul_(hits[:m])
         padded = (m + 7) // 8 * 8
         codes[m:padded] = 0
-        byte_start = start * bits // 8
-        packed[byte_start : byte_start + packed_nbytes(m, bits)] = _pack(codes[:padded], bits)[
-            : packed_nbytes(m, bits)
-        ]
+        byte_start, nbytes = start * bits // 8, packed_nbytes(m, bits)
+        if padded == m:
+            _pack_into(codes[:padded], bits, packed[byte_start : byte_start + nbytes])
+        else:
+            tail = torch.empty(padded * bits // 8, dtype=torch.uint8, device=x.device)
+            _pack_into(codes[:padded], bits, tail)
+            packed[byte_start : byte_start + nbytes] = tail[:nbytes]
     return y, packed, nan_seen.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def code_lookup_table(
+    cuts: tuple[float, ...], symmetric: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The code of every 16-bit pattern: ``x``'s top 16 bits for fp32 (bf16 truncation), the
+    whole value for bf16 and fp16. Exactly the Triton kernel's comparisons, one lookup each."""
+    patterns = np.arange(65536, dtype=np.uint32)
+    if dtype == torch.float16:
+        values = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+        values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    else:
+        values = (patterns << np.uint32(16)).view(np.float32)
+    if symmetric:
+        values = np.abs(values)
+    with np.errstate(invalid="ignore"):
+        codes = (values[:, None] > np.asarray(cuts, dtype=np.float32)[None, :]).sum(axis=1)
+    return torch.from_numpy(codes.astype(np.float32)).to(device)
+
+
+def _top16_bits(part: torch.Tensor) -> torch.Tensor:
+    """int32 index of each element's 16-bit pattern (see :func:`code_lookup_table`)."""
+    if part.dtype in (torch.bfloat16, torch.float16):
+        return part.view(torch.uint16).to(torch.int32)
+    if part.dtype != torch.float32:
+        part = part.float()
+    high = 1 if sys.byteorder == "little" else 0
+    return part.view(torch.uint16)[high::2].to(torch.int32)
 
 
 def fewbit_backward_reference(
@@ -108,13 +144,14 @@ def fewbit_backward_reference(
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes (each < 2**bits) into ``ceil(n*bits/8)`` bytes."""
+    """Pack integer codes (each < 2**bits) into ``ceil(n*bits/8)`` bytes."""
     n = codes.numel()
-    flat = codes.reshape(-1).to(torch.uint8)
     padded = (n + 7) // 8 * 8
-    if padded != n:
-        flat = torch.cat([flat, flat.new_zeros(padded - n)])
-    return _pack(flat, bits)[: packed_nbytes(n, bits)]
+    flat = torch.zeros(padded, dtype=torch.float32, device=codes.device)
+    flat[:n] = codes.reshape(-1)
+    out = torch.empty(padded * bits // 8, dtype=torch.uint8, device=codes.device)
+    _pack_into(flat, bits, out)
+    return out[: packed_nbytes(n, bits)]
 
 
 def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
@@ -125,20 +162,23 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     return fewbit_backward_reference(ones, packed, levels, flag, bits).to(torch.uint8)
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack a multiple-of-8 run of uint8 codes; a float GEMV forms each word exactly (< 2**24)."""
+def _pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Pack a multiple-of-8 run of fp32 codes into ``out``; a GEMV forms each word exactly
+    (words stay below 2**24, where fp32 holds integers exactly)."""
     if bits in (1, 2, 4, 8):
         per_byte = 8 // bits
-        weights = torch.tensor(
-            [float(1 << (bits * j)) for j in range(per_byte)], device=codes.device
-        )
-        return (codes.view(-1, per_byte).float() @ weights).to(torch.uint8)
-    if bits == 3:
-        weights = torch.tensor([float(1 << (3 * j)) for j in range(8)], device=codes.device)
-        word = (codes.view(-1, 8).float() @ weights).to(torch.int32)
-        shifts = torch.tensor([0, 8, 16], dtype=torch.int32, device=codes.device)
-        return ((word[:, None] >> shifts) & 0xFF).to(torch.uint8).view(-1)
-    raise ValueError(f"bits must be one of 1, 2, 3, 4, 8 for packing, got {bits}")
+        weights = torch.tensor([float(1 << (bits * j)) for j in range(per_byte)], device=out.device)
+        out.copy_(codes.view(-1, per_byte) @ weights)
+    elif bits == 3:
+        weights = torch.tensor([float(1 << (3 * j)) for j in range(8)], device=out.device)
+        word = (codes.view(-1, 8) @ weights).to(torch.int32)
+        if sys.byteorder == "little":
+            out.view(-1, 3).copy_(word.view(torch.uint8).view(-1, 4)[:, :3])
+        else:
+            shifts = torch.tensor([0, 8, 16], dtype=torch.int32, device=out.device)
+            out.view(-1, 3).copy_((word[:, None] >> shifts) & 0xFF)
+    else:
+        raise ValueError(f"bits must be one of 1, 2, 3, 4, 8 for packing, got {bits}")
 
 
 def _expanded_lookup(lut: torch.Tensor, bits: int):

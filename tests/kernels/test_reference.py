@@ -15,6 +15,10 @@ from hf_actq.kernels.reference import (
 )
 
 
+def _bf16_truncated(v: np.ndarray) -> np.ndarray:
+    return (v.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
 def _bitstream_pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Independent oracle: code i at bits [i*bits, (i+1)*bits) of a little-endian stream."""
     stream = np.unpackbits(codes.astype(np.uint8)[:, None], axis=1, count=bits, bitorder="little")
@@ -40,7 +44,7 @@ def test_chunk_boundaries_do_not_shift_codes(monkeypatch, bits):
     x = torch.randn(1001)
     borders = torch.tensor(table.borders, dtype=torch.float32)
     _, packed, _ = fewbit_forward_reference(x, "gelu", borders, bits)
-    codes = np.searchsorted(np.float32(table.borders), x.numpy(), side="left")
+    codes = np.searchsorted(np.float32(table.borders), _bf16_truncated(x.numpy()), side="left")
     np.testing.assert_array_equal(packed.numpy(), _bitstream_pack(codes, bits))
 
 
@@ -57,11 +61,11 @@ def test_backward_is_grad_times_level_of_code(name, bits, dtype):
     got = fewbit_backward_reference(grad, packed, levels, flag, table.bits)
     xv = x.float().numpy()
     if name == "tanh":
-        codes = np.searchsorted(np.float32(table.borders), np.abs(xv), side="left")
+        codes = np.searchsorted(np.float32(table.borders), np.abs(_bf16_truncated(xv)), "left")
     elif name == "relu6":
         codes = ((xv > 0) & (xv < 6)).astype(np.int64)
     else:
-        codes = np.searchsorted(np.float32(table.borders), xv, side="left")
+        codes = np.searchsorted(np.float32(table.borders), _bf16_truncated(xv), side="left")
     expected = (grad.float() * levels[torch.from_numpy(codes)]).to(dtype)
     assert torch.equal(got, expected)
 
@@ -83,3 +87,20 @@ def test_nan_input_poisons_the_gradient_and_inf_does_not_crash():
 
 def test_packed_nbytes():
     assert [packed_nbytes(n, 3) for n in (0, 1, 8, 9, 2**31 + 1)] == [0, 1, 3, 4, 805306369]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_code_lookup_equals_comparisons_on_every_edge_case(dtype, symmetric):
+    cuts = table_for("tanh" if symmetric else "gelu", 3).borders
+    lut = reference.code_lookup_table(tuple(cuts), symmetric, dtype, torch.device("cpu"))
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 65504.0]
+    near = [c * (1 + e) for c in cuts for e in (-1e-3, -1e-6, 0.0, 1e-6, 1e-3)]
+    x = torch.tensor(special + near + torch.randn(10000).mul(5).tolist()).to(dtype)
+    got = lut.index_select(0, reference._top16_bits(x))
+    v = _bf16_truncated(x.float().numpy())
+    if symmetric:
+        v = np.abs(v)
+    with np.errstate(invalid="ignore"):
+        expected = (v[:, None] > np.float32(cuts)[None, :]).sum(axis=1)
+    np.testing.assert_array_equal(got.numpy(), expected)

@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -14,14 +16,23 @@ from hf_actq.fewbit import ACTIVATIONS, optimal_table
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def _bf16_truncated(v: np.ndarray) -> np.ndarray:
+    return (v.astype(np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
 def _codes(module, x):
+    """Independent oracle for the codes (see hf_actq.fewbit.activations for the semantics)."""
     table = module.table
     v = x.detach().float().numpy()
-    if module.spec.code_mode == "symmetric":
+    mode = module.spec.code_mode
+    if mode == "interval":
+        lo, hi = np.float32(table.borders)
+        return torch.from_numpy(((v > lo) & (v < hi)).astype(np.int64))
+    if mode == "threshold":
+        return torch.from_numpy((v > np.float32(table.borders[0])).astype(np.int64))
+    v = _bf16_truncated(v)
+    if mode == "symmetric":
         v = np.abs(v)
-    if module.spec.code_mode == "interval":
-        lo, hi = table.borders
-        return torch.from_numpy(((v > np.float32(lo)) & (v < np.float32(hi))).astype(np.int64))
     return torch.from_numpy(np.searchsorted(np.float32(table.borders), v, side="left"))
 
 
@@ -207,3 +218,24 @@ def test_more_than_2_31_elements_index_correctly():
     tail = x[-64:].detach()
     assert torch.equal(x.grad[-64:], module.levels[_codes(module, tail)].half())
     assert torch.equal(y[-64:], F.gelu(tail))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=4),
+    dtype=st.sampled_from(DTYPES),
+    name=st.sampled_from(["gelu", "silu", "tanh", "hardsigmoid", "leaky_relu"]),
+    bits=st.integers(1, 4),
+    transpose=st.booleans(),
+)
+def test_property_any_shape_stride_dtype(shape, dtype, name, bits, transpose):
+    module = FewBitActivation(name, bits)
+    x = (torch.randn(shape) * 3).to(dtype)
+    if transpose and x.dim() > 1:
+        x = x.transpose(0, -1)
+    x.requires_grad_()
+    y = module(x)
+    assert torch.equal(y, module.spec.forward(x.detach(), **module.params))
+    grad = torch.randn(y.shape).to(dtype)
+    y.backward(grad)
+    assert torch.equal(x.grad, (grad.float() * module.levels[_codes(module, x)]).to(dtype))
