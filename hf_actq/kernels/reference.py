@@ -22,6 +22,11 @@ import torch
 
 from hf_actq.fewbit.activations import get_activation
 
+if sys.byteorder != "little":
+    raise ImportError(
+        "hf_actq's bit packing views words as bytes and needs a little-endian machine"
+    )
+
 # 256 Ki elements: 1 MiB of fp32, small enough for L2, large enough to amortise op dispatch.
 CHUNK = 1 << 18
 
@@ -113,8 +118,7 @@ def _top16_bits(part: torch.Tensor) -> torch.Tensor:
         return part.view(torch.uint16).to(torch.int32)
     if part.dtype != torch.float32:
         part = part.float()
-    high = 1 if sys.byteorder == "little" else 0
-    return part.view(torch.uint16)[high::2].to(torch.int32)
+    return part.view(torch.uint16)[1::2].to(torch.int32)  # the high half, little-endian
 
 
 def fewbit_backward_reference(
@@ -144,7 +148,7 @@ def fewbit_backward_reference(
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes (each < 2**bits) into ``ceil(n*bits/8)`` bytes."""
+    """Pack integer codes (each < 2**bits, bits in 1..8) into ``ceil(n*bits/8)`` bytes."""
     n = codes.numel()
     padded = (n + 7) // 8 * 8
     flat = torch.zeros(padded, dtype=torch.float32, device=codes.device)
@@ -156,10 +160,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``numel`` uint8 codes."""
-    levels = torch.arange(2**bits, dtype=torch.float32, device=packed.device)
-    ones = torch.ones(numel, dtype=torch.float32, device=packed.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=packed.device)
-    return fewbit_backward_reference(ones, packed, levels, flag, bits).to(torch.uint8)
+    groups = (numel + 7) // 8
+    data = torch.zeros(groups * bits, dtype=torch.uint8, device=packed.device)
+    data[: packed.numel()] = packed
+    if bits in (1, 2, 3, 4, 8):
+        table, index_of = _expanded_lookup(torch.arange(2**bits, device=packed.device), bits)
+        return table.to(torch.uint8).index_select(0, index_of(data)).view(-1)[:numel]
+    words = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
+    words[:, :bits] = data.view(groups, bits)
+    words = words.view(torch.int64).view(-1, 1)
+    shifts = torch.arange(8, device=packed.device) * bits
+    return ((words >> shifts) & (2**bits - 1)).to(torch.uint8).view(-1)[:numel]
 
 
 def _pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
@@ -172,13 +183,14 @@ def _pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     elif bits == 3:
         weights = torch.tensor([float(1 << (3 * j)) for j in range(8)], device=out.device)
         word = (codes.view(-1, 8) @ weights).to(torch.int32)
-        if sys.byteorder == "little":
-            out.view(-1, 3).copy_(word.view(torch.uint8).view(-1, 4)[:, :3])
-        else:
-            shifts = torch.tensor([0, 8, 16], dtype=torch.int32, device=out.device)
-            out.view(-1, 3).copy_((word[:, None] >> shifts) & 0xFF)
+        out.view(-1, 3).copy_(word.view(torch.uint8).view(-1, 4)[:, :3])
+    elif 5 <= bits <= 7:
+        # 8 codes of up to 7 bits fill 56 bits: build the word in int64, keep its low bytes.
+        shifts = torch.arange(8, device=out.device) * bits
+        word = (codes.view(-1, 8).to(torch.int64) << shifts).sum(dim=1)
+        out.view(-1, bits).copy_(word.view(torch.uint8).view(-1, 8)[:, :bits])
     else:
-        raise ValueError(f"bits must be one of 1, 2, 3, 4, 8 for packing, got {bits}")
+        raise ValueError(f"bits must be an integer in 1..8 for packing, got {bits}")
 
 
 def _expanded_lookup(lut: torch.Tensor, bits: int):

@@ -25,7 +25,7 @@ def _bitstream_pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.packbits(stream.reshape(-1), bitorder="little")
 
 
-@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4097])
 def test_pack_matches_bitstream_oracle_and_round_trips(bits, n):
     rng = np.random.default_rng(bits * 1000 + n)

@@ -1,0 +1,31 @@
+"""Bit-packed masks: one bit per element for boolean / zero-one tensors (dropout, ReLU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_actq.codecs.packed import Codec, Packed
+from hf_actq.kernels.reference import pack_codes, packed_nbytes, unpack_codes
+
+
+@dataclass(frozen=True)
+class MaskCodec(Codec):
+    """Keeps ``x != 0`` in 1 bit per element; unpacks to ``x``'s dtype with values 0 and 1.
+
+    A dropout mask scaled by ``1 / (1 - p)`` packs the same way; multiply by the scale on use.
+    """
+
+    name = "mask"
+
+    def nbytes(self, shape) -> int:
+        return packed_nbytes(torch.Size(shape).numel(), 1)
+
+    def pack(self, x: torch.Tensor) -> Packed:
+        return Packed(self, x.shape, x.dtype, (pack_codes(x.reshape(-1) != 0, 1),))
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        (data,) = packed.tensors
+        bits = unpack_codes(data, packed.numel, 1)
+        return bits.to(packed.dtype).view(packed.shape)

@@ -1,0 +1,77 @@
+"""The compressed form of a saved tensor and the codec interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Compact buffers of one tensor plus what is needed to rebuild it.
+
+    ``tensors`` holds only compact buffers (packed codes first, then per-block metadata); their
+    sizes depend on ``shape`` and the codec's parameters, never on the data. An op saves them with
+    ``ctx.save_for_backward(*packed.tensors)`` and rebuilds the object in backward with
+    ``header.with_tensors(ctx.saved_tensors)``, where ``header = packed.with_tensors(())``.
+    """
+
+    codec: Codec
+    shape: torch.Size
+    dtype: torch.dtype
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every buffer this object holds (codes and metadata)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def with_tensors(self, tensors) -> Packed:
+        return replace(self, tensors=tuple(tensors))
+
+    def unpack(self) -> torch.Tensor:
+        return self.codec.unpack(self)
+
+
+class Codec:
+    """Base of every codec: a frozen, validated dataclass with ``pack`` and ``unpack``."""
+
+    name = "codec"
+
+    def pack(self, x: torch.Tensor) -> Packed:
+        raise NotImplementedError
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        raise NotImplementedError
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Exact bytes :meth:`pack` keeps for a tensor of ``shape`` (known before packing)."""
+        raise NotImplementedError
+
+    def bits_per_element(self, shape: tuple[int, ...]) -> float:
+        """Effective bits per element, metadata included."""
+        numel = torch.Size(shape).numel()
+        return 8 * self.nbytes(shape) / max(numel, 1)
+
+
+def check_floating(x: torch.Tensor, codec: Codec) -> None:
+    if not x.dtype.is_floating_point:
+        raise ValueError(
+            f"{codec.name} codec packs floating-point tensors (float32, float16, bfloat16), "
+            f"got {x.dtype}"
+        )
+
+
+def validate_int(name: str, value, allowed) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in allowed:
+        if list(allowed) == list(range(min(allowed), max(allowed) + 1)):
+            shown = f"an integer in {min(allowed)}..{max(allowed)}"
+        else:
+            shown = "one of " + ", ".join(map(str, allowed))
+        raise ValueError(f"{name} must be {shown}, got {value!r}")
+    return value
