@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_actq.codecs.packed import Codec, Packed
-from hf_actq.kernels.reference import pack_codes, packed_nbytes, unpack_codes
+from hf_actq.kernels import mask_pack, mask_unpack
+from hf_actq.kernels.reference import packed_nbytes
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,8 @@ class MaskCodec(Codec):
         return packed_nbytes(torch.Size(shape).numel(), 1)
 
     def pack(self, x: torch.Tensor) -> Packed:
-        return Packed(self, x.shape, x.dtype, (pack_codes(x.reshape(-1) != 0, 1),))
+        return Packed(self, x.shape, x.dtype, (mask_pack(x),))
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         (data,) = packed.tensors
-        bits = unpack_codes(data, packed.numel, 1)
-        return bits.to(packed.dtype).view(packed.shape)
+        return mask_unpack(data, packed.shape, packed.dtype)

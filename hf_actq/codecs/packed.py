@@ -6,6 +6,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+# How many values share one min/scale (or step); the Triton kernels are compiled for these.
+BLOCK_SIZES = (32, 64, 128, 256)
+
 
 @dataclass(frozen=True)
 class Packed:

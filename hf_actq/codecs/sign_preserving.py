@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import Codec, Packed, check_floating, validate_int
-from hf_actq.kernels.reference import pack_codes, packed_nbytes, unpack_codes
-
-_CHUNK = 1 << 16
+from hf_actq.codecs.packed import BLOCK_SIZES, Codec, Packed, check_floating, validate_int
+from hf_actq.kernels import blpa_dequantize, blpa_quantize
+from hf_actq.kernels.reference import packed_nbytes
 
 
 @dataclass(frozen=True)
@@ -28,12 +27,7 @@ class SignPreservingCodec(Codec):
 
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if self.block_size < 1 or _CHUNK % self.block_size:
-            raise ValueError(
-                f"block_size must be a power of two in 1..{_CHUNK}, got {self.block_size}"
-            )
+        validate_int("block_size", self.block_size, BLOCK_SIZES)
 
     def nbytes(self, shape) -> int:
         n = torch.Size(shape).numel()
@@ -41,42 +35,9 @@ class SignPreservingCodec(Codec):
 
     def pack(self, x: torch.Tensor) -> Packed:
         check_floating(x, self)
-        flat = x.reshape(-1)
-        n = flat.numel()
-        half = 2 ** (self.bits - 1)
-        blocks = -(-n // self.block_size)
-        steps = torch.empty(blocks, dtype=torch.float32, device=x.device)
-        codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-        for start in range(0, n, _CHUNK):
-            stop = min(n, start + _CHUNK)
-            chunk = flat[start:stop].float()
-            view = _blocked_zero_padded(chunk, self.block_size)
-            step = view.abs().amax(dim=1) / half
-            steps[start // self.block_size : -(-stop // self.block_size)] = step
-            inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
-            # ceil(x / step) - 1: x in (0, step] -> 0 (upper half), x = 0 -> -1 (lower half).
-            q = torch.ceil(view * inv[:, None]) - 1
-            q = q.view(-1)[: stop - start].clamp_(-half, half - 1).add_(half)
-            codes[start:stop] = q.to(torch.uint8)
-        return Packed(self, x.shape, x.dtype, (pack_codes(codes, self.bits), steps))
+        tensors = blpa_quantize(x.reshape(-1), self.bits, self.block_size)
+        return Packed(self, x.shape, x.dtype, tensors)
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         data, steps = packed.tensors
-        n = packed.numel
-        half = 2 ** (self.bits - 1)
-        codes = unpack_codes(data, n, self.bits)
-        out = torch.empty(n, dtype=packed.dtype, device=data.device)
-        for start in range(0, n, _CHUNK):
-            stop = min(n, start + _CHUNK)
-            block = torch.arange(start, stop, device=data.device) // self.block_size
-            values = (codes[start:stop].float() - (half - 0.5)) * steps[block]
-            out[start:stop] = values.to(packed.dtype)
-        return out.view(packed.shape)
-
-
-def _blocked_zero_padded(chunk: torch.Tensor, block: int) -> torch.Tensor:
-    n = chunk.numel()
-    rows = -(-n // block)
-    if rows * block == n:
-        return chunk.view(rows, block)
-    return torch.nn.functional.pad(chunk, (0, rows * block - n)).view(rows, block)
+        return blpa_dequantize(data, steps, packed.shape, packed.dtype, self.bits, self.block_size)

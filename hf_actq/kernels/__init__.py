@@ -13,16 +13,28 @@ import os
 import torch
 
 from hf_actq.kernels.reference import (
+    aq_dequantize_reference,
+    aq_quantize_reference,
+    blpa_dequantize_reference,
+    blpa_quantize_reference,
     fewbit_backward_reference,
     fewbit_forward_reference,
+    mask_pack_reference,
+    mask_unpack_reference,
     pack_codes,
     packed_nbytes,
     unpack_codes,
 )
 
 __all__ = [
+    "aq_dequantize",
+    "aq_quantize",
+    "blpa_dequantize",
+    "blpa_quantize",
     "fewbit_backward",
     "fewbit_forward",
+    "mask_pack",
+    "mask_unpack",
     "pack_codes",
     "packed_nbytes",
     "triton_available",
@@ -36,11 +48,15 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def uses_triton(tensor: torch.Tensor) -> bool:
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MASK_TRITON_DTYPES = (torch.bool, torch.uint8, *_TRITON_DTYPES)
+
+
+def uses_triton(tensor: torch.Tensor, dtypes=_TRITON_DTYPES) -> bool:
     """Whether ops on ``tensor`` run the Triton kernels."""
     return (
         tensor.is_cuda
-        and tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and tensor.dtype in dtypes
         and os.environ.get("HF_ACTQ_DISABLE_TRITON", "0") in ("", "0")
         and triton_available()
     )
@@ -60,3 +76,51 @@ def fewbit_backward(grad_y, packed, levels, nan_flag, bits):
 
         return fewbit_backward_triton(grad_y, packed, levels, nan_flag, bits)
     return fewbit_backward_reference(grad_y, packed, levels, nan_flag, bits)
+
+
+def aq_quantize(source, group, bits, block, stochastic):
+    if uses_triton(source):
+        from hf_actq.kernels.average_quant import aq_quantize_triton
+
+        return aq_quantize_triton(source, group, bits, block, stochastic)
+    return aq_quantize_reference(source, group, bits, block, stochastic)
+
+
+def aq_dequantize(data, mins, scales, shape, dtype, bits, group, block):
+    if uses_triton(mins) and dtype in _TRITON_DTYPES:
+        from hf_actq.kernels.average_quant import aq_dequantize_triton
+
+        return aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block)
+    return aq_dequantize_reference(data, mins, scales, shape, dtype, bits, group, block)
+
+
+def blpa_quantize(source, bits, block):
+    if uses_triton(source):
+        from hf_actq.kernels.sign_preserving import blpa_quantize_triton
+
+        return blpa_quantize_triton(source, bits, block)
+    return blpa_quantize_reference(source, bits, block)
+
+
+def blpa_dequantize(data, steps, shape, dtype, bits, block):
+    if uses_triton(steps) and dtype in _TRITON_DTYPES:
+        from hf_actq.kernels.sign_preserving import blpa_dequantize_triton
+
+        return blpa_dequantize_triton(data, steps, shape, dtype, bits, block)
+    return blpa_dequantize_reference(data, steps, shape, dtype, bits, block)
+
+
+def mask_pack(source):
+    if uses_triton(source, _MASK_TRITON_DTYPES):
+        from hf_actq.kernels.mask import mask_pack_triton
+
+        return mask_pack_triton(source)
+    return mask_pack_reference(source)
+
+
+def mask_unpack(data, shape, dtype):
+    if uses_triton(data, (torch.uint8,)) and dtype in _MASK_TRITON_DTYPES:
+        from hf_actq.kernels.mask import mask_unpack_triton
+
+        return mask_unpack_triton(data, shape, dtype)
+    return mask_unpack_reference(data, shape, dtype)

@@ -21,6 +21,7 @@ FLOAT_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
 @dataclass(frozen=True)
 class Variant:
+    module: str
     kernel: str
     signature: dict
     constexprs: dict
@@ -32,22 +33,29 @@ class Variant:
         return " ".join(parts)
 
 
+def _variant(module, kernel, signature, constexprs):
+    signature = dict(signature, **{name: "constexpr" for name in constexprs})
+    return Variant(module, kernel, signature, constexprs)
+
+
 def variants() -> list[Variant]:
-    """Every launchable variant, derived from the launchers' own tables."""
+    """Every launchable variant, derived from the launchers' own tables.
+
+    Triton also specialises integer arguments equal to 1 and 16-byte alignment at launch; those
+    variants compile the same code with constants folded, so the generic signature stands for
+    them.
+    """
+    from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.fewbit.activations import ACTIVATIONS
-    from hf_actq.kernels.fewbit import (
-        ACTIVATION_IDS,
-        BACKWARD_BLOCK,
-        CODE_MODES,
-        FORWARD_GROUPS,
-    )
+    from hf_actq.kernels import average_quant, fewbit, mask, sign_preserving
 
     out = []
     for dtype in FLOAT_TYPES.values():
         for index in INDEX_TYPES:
-            for name, act_id in ACTIVATION_IDS.items():
+            for name, act_id in fewbit.ACTIVATION_IDS.items():
                 out.append(
-                    Variant(
+                    _variant(
+                        "fewbit",
                         "fewbit_forward_kernel",
                         {
                             "x_ptr": f"*{dtype}",
@@ -61,19 +69,17 @@ def variants() -> list[Variant]:
                             "bits": "i32",
                             "p0": "fp32",
                             "p1": "fp32",
-                            "ACTIVATION": "constexpr",
-                            "CODE_MODE": "constexpr",
-                            "GROUPS": "constexpr",
                         },
                         {
                             "ACTIVATION": act_id,
-                            "CODE_MODE": CODE_MODES[ACTIVATIONS[name].code_mode],
-                            "GROUPS": FORWARD_GROUPS,
+                            "CODE_MODE": fewbit.CODE_MODES[ACTIVATIONS[name].code_mode],
+                            "GROUPS": fewbit.FORWARD_GROUPS,
                         },
                     )
                 )
             out.append(
-                Variant(
+                _variant(
+                    "fewbit",
                     "fewbit_backward_kernel",
                     {
                         "grad_ptr": f"*{dtype}",
@@ -84,22 +90,120 @@ def variants() -> list[Variant]:
                         "n_elements": index,
                         "n_bytes": index,
                         "bits": "i32",
-                        "BLOCK": "constexpr",
                     },
-                    {"BLOCK": BACKWARD_BLOCK},
+                    {"BLOCK": fewbit.BACKWARD_BLOCK},
+                )
+            )
+            for block in BLOCK_SIZES:
+                out.append(
+                    _variant(
+                        "average_quant",
+                        "aq_quantize_kernel",
+                        {
+                            "src_ptr": f"*{dtype}",
+                            "packed_ptr": "*u8",
+                            "mins_ptr": "*fp32",
+                            "scales_ptr": "*fp32",
+                            "n_means": index,
+                            "n_bytes": index,
+                            "group": "i32",
+                            "bits": "i32",
+                            "stochastic": "i32",
+                            "seed": "i32",
+                        },
+                        {"BLOCK": block},
+                    )
+                )
+                out.append(
+                    _variant(
+                        "sign_preserving",
+                        "blpa_quantize_kernel",
+                        {
+                            "src_ptr": f"*{dtype}",
+                            "packed_ptr": "*u8",
+                            "steps_ptr": "*fp32",
+                            "n_elements": index,
+                            "n_bytes": index,
+                            "bits": "i32",
+                        },
+                        {"BLOCK": block},
+                    )
+                )
+            out.append(
+                _variant(
+                    "average_quant",
+                    "aq_dequantize_kernel",
+                    {
+                        "packed_ptr": "*u8",
+                        "mins_ptr": "*fp32",
+                        "scales_ptr": "*fp32",
+                        "out_ptr": f"*{dtype}",
+                        "n_elements": index,
+                        "n_bytes": index,
+                        "last": "i32",
+                        "per_row": "i32",
+                        "group": "i32",
+                        "block": "i32",
+                        "bits": "i32",
+                    },
+                    {"BLOCK": average_quant.DEQUANT_BLOCK},
+                )
+            )
+            out.append(
+                _variant(
+                    "sign_preserving",
+                    "blpa_dequantize_kernel",
+                    {
+                        "packed_ptr": "*u8",
+                        "steps_ptr": "*fp32",
+                        "out_ptr": f"*{dtype}",
+                        "n_elements": index,
+                        "n_bytes": index,
+                        "block": "i32",
+                        "bits": "i32",
+                    },
+                    {"BLOCK": sign_preserving.DEQUANT_BLOCK},
+                )
+            )
+    for dtype in ("u8", *FLOAT_TYPES.values()):
+        for index in INDEX_TYPES:
+            out.append(
+                _variant(
+                    "mask",
+                    "mask_pack_kernel",
+                    {
+                        "src_ptr": f"*{dtype}",
+                        "packed_ptr": "*u8",
+                        "n_elements": index,
+                        "n_bytes": index,
+                    },
+                    {"GROUPS": mask.GROUPS},
+                )
+            )
+            out.append(
+                _variant(
+                    "mask",
+                    "mask_unpack_kernel",
+                    {
+                        "packed_ptr": "*u8",
+                        "out_ptr": f"*{dtype}",
+                        "n_elements": index,
+                        "n_bytes": index,
+                    },
+                    {"BLOCK": mask.UNPACK_BLOCK},
                 )
             )
     return out
 
 
 def compile_variant(variant: Variant, cc: int) -> dict:
+    import importlib
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hf_actq.kernels import fewbit
-
-    fn = getattr(fewbit, variant.kernel)
+    fn = getattr(importlib.import_module(f"hf_actq.kernels.{variant.module}"), variant.kernel)
     start = time.perf_counter()
     source = ASTSource(fn=fn, signature=variant.signature, constexprs=variant.constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32))

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from hf_actq.fewbit.activations import get_activation
 from hf_actq.kernels.reference import packed_nbytes
+from hf_actq.kernels.triton_common import load_codes, store_packed, to_dtype
 
 # constexpr id of each activation's Triton forward.
 ACTIVATION_IDS = {
@@ -87,25 +88,9 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _to_dtype(v, DTYPE: tl.constexpr):
-    """fp32 -> DTYPE, round to nearest even.
-
-    bf16 is rounded by hand because the Triton interpreter's fp32 -> bf16 cast truncates, and the
-    kernels must round identically under the interpreter (where the tests run) and on a GPU.
-    """
-    if tl.bfloat16 == DTYPE:
-        raw = v.to(tl.uint32, bitcast=True)
-        rounded = (raw + 0x7FFF + ((raw >> 16) & 1)) >> 16
-        rounded = tl.where(v != v, 0x7FC0, rounded)  # keep NaN a (quiet) NaN
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(DTYPE)
-
-
-@triton.jit
 def _rnd(v, DTYPE: tl.constexpr):
     # Round to the input dtype, as each op of an eager half-precision expression does.
-    return _to_dtype(v, DTYPE).to(tl.float32)
+    return to_dtype(v, DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -195,7 +180,7 @@ def fewbit_forward_kernel(
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
     y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
-    tl.store(y_ptr + offsets, _to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offsets, to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
 
     if CODE_MODE == 3:
         code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.uint32)
@@ -210,13 +195,7 @@ def fewbit_forward_kernel(
         for i in range(num_borders):
             code += (v > tl.load(borders_ptr + i)).to(tl.uint32)
     code = tl.where(mask, code, 0)
-    word = tl.sum(code << (lane[None, :] * bits).to(tl.uint32), axis=1)  # disjoint bits: sum == or
-
-    byte = tl.arange(0, 4)
-    byte_offsets = group[:, None] * bits + byte[None, :]
-    values = (word[:, None] >> (byte[None, :] * 8).to(tl.uint32)) & 0xFF
-    byte_mask = (byte[None, :] < bits) & (byte_offsets < n_bytes)
-    tl.store(packed_ptr + byte_offsets, values.to(tl.uint8), mask=byte_mask)
+    store_packed(packed_ptr, group, code, bits, n_bytes)
 
     has_nan = tl.max(((x != x) & mask).to(tl.int32))
     tl.atomic_max(nan_flag_ptr, has_nan, mask=has_nan > 0)
@@ -236,18 +215,11 @@ def fewbit_backward_kernel(
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
-    bit_pos = offsets * bits
-    byte_pos = bit_pos >> 3
-    shift = (bit_pos & 7).to(tl.int32)
-    low = tl.load(packed_ptr + byte_pos, mask=mask, other=0).to(tl.int32)
-    # A 3-bit code can straddle two bytes.
-    straddles = mask & (shift + bits > 8) & (byte_pos + 1 < n_bytes)
-    high = tl.load(packed_ptr + byte_pos + 1, mask=straddles, other=0).to(tl.int32)
-    code = ((low | (high << 8)) >> shift) & ((1 << bits) - 1)
+    code = load_codes(packed_ptr, offsets, mask, bits, n_bytes)
     level = tl.load(levels_ptr + code, mask=mask, other=0.0)
     level = tl.where(tl.load(nan_flag_ptr) != 0, float("nan"), level)
     grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, _to_dtype(grad * level, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, to_dtype(grad * level, out_ptr.dtype.element_ty), mask=mask)
 
 
 def fewbit_forward_triton(

@@ -218,3 +218,145 @@ def _expanded_lookup(lut: torch.Tensor, bits: int):
 
         return lut[codes], index_of
     raise ValueError(f"bits must be one of 1, 2, 3, 4, 8 for unpacking, got {bits}")
+
+
+# Average quantization (codecs/average.py) --------------------------------------------------------
+_CODEC_CHUNK = 1 << 16  # means per chunk; a multiple of every allowed block size
+
+
+def aq_quantize_reference(
+    source: torch.Tensor, group: int, bits: int, block: int, stochastic: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize the means of consecutive ``group``-element runs of flat ``source``.
+
+    Returns packed ``bits``-bit codes and per-block fp32 minimums and scales. Means are rounded to
+    ``source``'s dtype (as the Triton kernel does) before quantization; stochastic rounding adds
+    ``torch.rand`` noise, deterministic rounding is ``floor(q + 0.5)``.
+    """
+    means = source if group == 1 else source.view(-1, group).mean(1, dtype=torch.float32)
+    means = means.to(source.dtype)
+    m = means.numel()
+    blocks = -(-m // block)
+    mins = torch.empty(blocks, dtype=torch.float32, device=source.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=source.device)
+    packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=source.device)
+    top = float(2**bits - 1)
+    for start in range(0, m, _CODEC_CHUNK):
+        stop = min(m, start + _CODEC_CHUNK)
+        chunk = means[start:stop].float()
+        rows = -(-chunk.numel() // block)
+        lo = _padded(chunk, rows * block, math.inf).view(rows, block).amin(dim=1)
+        hi = _padded(chunk, rows * block, -math.inf).view(rows, block).amax(dim=1)
+        # hi / top - lo / top rather than (hi - lo) / top, which overflows for huge ranges.
+        scale = hi / top - lo / top
+        b0 = start // block
+        mins[b0 : b0 + rows], scales[b0 : b0 + rows] = lo, scale
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+        index = torch.arange(stop - start, device=source.device) // block
+        q = chunk * inv[index] - (lo * inv)[index]
+        q.add_(torch.rand(q.shape, device=q.device) if stochastic else 0.5).floor_()
+        _pack_chunk_into(q.clamp_(0.0, top), bits, packed, start)
+    return packed, mins, scales
+
+
+def aq_dequantize_reference(
+    data: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    bits: int,
+    group: int,
+    block: int,
+) -> torch.Tensor:
+    """The tensor of ``shape``: each dequantized mean repeated over its group along the last dim
+    (the last group of a row may be partial)."""
+    n = shape.numel()
+    out = torch.empty(n, dtype=dtype, device=data.device)
+    if n == 0:
+        return out.view(shape)
+    last = shape[-1] if len(shape) else 1
+    per_row = -(-last // group)
+    codes = unpack_codes(data, (n // last) * per_row, bits)
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        offsets = torch.arange(start, stop, device=data.device)
+        mean = (offsets // last) * per_row + (offsets % last) // group
+        blk = mean // block
+        out[start:stop] = (mins[blk] + codes[mean].float() * scales[blk]).to(dtype)
+    return out.view(shape)
+
+
+def _pack_chunk_into(codes: torch.Tensor, bits: int, packed: torch.Tensor, start: int) -> None:
+    """Pack fp32 ``codes`` of elements ``start...`` (start a multiple of 8) into ``packed``."""
+    m = codes.numel()
+    byte_start, nbytes = start * bits // 8, packed_nbytes(m, bits)
+    if m % 8 == 0:
+        _pack_into(codes, bits, packed[byte_start : byte_start + nbytes])
+        return
+    padded = _padded(codes, (m + 7) // 8 * 8, 0.0)
+    tail = torch.empty(padded.numel() * bits // 8, dtype=torch.uint8, device=codes.device)
+    _pack_into(padded, bits, tail)
+    packed[byte_start : byte_start + nbytes] = tail[:nbytes]
+
+
+def _padded(chunk: torch.Tensor, size: int, fill: float) -> torch.Tensor:
+    if chunk.numel() == size:
+        return chunk
+    out = torch.full((size,), fill, dtype=chunk.dtype, device=chunk.device)
+    out[: chunk.numel()] = chunk
+    return out
+
+
+# Sign-preserving quantization (codecs/sign_preserving.py) ----------------------------------------
+def blpa_quantize_reference(
+    source: torch.Tensor, bits: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and per-block fp32 steps; ``x > 0`` maps to the upper half of the codes."""
+    n = source.numel()
+    half = 2 ** (bits - 1)
+    blocks = -(-n // block)
+    steps = torch.empty(blocks, dtype=torch.float32, device=source.device)
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=source.device)
+    for start in range(0, n, _CODEC_CHUNK):
+        stop = min(n, start + _CODEC_CHUNK)
+        chunk = source[start:stop].float()
+        rows = -(-chunk.numel() // block)
+        step = _padded(chunk.abs(), rows * block, 0.0).view(rows, block).amax(dim=1) / half
+        steps[start // block : start // block + rows] = step
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
+        q = torch.ceil(chunk * inv[torch.arange(stop - start, device=source.device) // block])
+        _pack_chunk_into(q.sub_(1.0).clamp_(-half, half - 1).add_(half), bits, packed, start)
+    return packed, steps
+
+
+def blpa_dequantize_reference(
+    data: torch.Tensor,
+    steps: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    bits: int,
+    block: int,
+) -> torch.Tensor:
+    n = shape.numel()
+    codes = unpack_codes(data, n, bits)
+    out = torch.empty(n, dtype=dtype, device=data.device)
+    middle = 2 ** (bits - 1) - 0.5
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        blk = torch.arange(start, stop, device=data.device) // block
+        out[start:stop] = ((codes[start:stop].float() - middle) * steps[blk]).to(dtype)
+    return out.view(shape)
+
+
+# Masks (codecs/mask.py) ----------------------------------------------------------------------------
+def mask_pack_reference(source: torch.Tensor) -> torch.Tensor:
+    """``source != 0`` packed to 1 bit per element."""
+    return pack_codes(source.reshape(-1) != 0, 1)
+
+
+def mask_unpack_reference(
+    data: torch.Tensor, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    return unpack_codes(data, shape.numel(), 1).to(dtype).view(shape)

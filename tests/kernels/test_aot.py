@@ -15,13 +15,38 @@ pytest.importorskip("triton")
 
 
 def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
+    from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.fewbit import ACTIVATIONS
     from hf_actq.kernels.aot import FLOAT_TYPES, INDEX_TYPES, variants
 
-    expected = len(FLOAT_TYPES) * len(INDEX_TYPES) * (len(ACTIVATIONS) + 1)
+    per_float_type = len(ACTIVATIONS) + 1 + 2 * len(BLOCK_SIZES) + 2  # fewbit, aq, blpa
+    per_mask_type = 2
+    expected = len(INDEX_TYPES) * (
+        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
+    )
     assert len(variants()) == expected
+    # Every @triton.jit kernel in the package is among the variants (helpers are not kernels).
+    import importlib
+    import pkgutil
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    import hf_actq.kernels
+
+    defined = set()
+    for info in pkgutil.iter_modules(hf_actq.kernels.__path__):
+        module = importlib.import_module(f"hf_actq.kernels.{info.name}")
+        defined |= {
+            name
+            for name, value in vars(module).items()
+            if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
+        }
+    assert {v.kernel for v in variants()} == defined
+    assert len(defined) == 8
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run
     out = tmp_path / "aot.json"
     proc = subprocess.run(
         [sys.executable, "-m", "hf_actq.kernels.aot", "--cc", "80", "90", "--json", str(out)],

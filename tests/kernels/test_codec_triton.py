@@ -1,0 +1,110 @@
+"""Codec kernels under the Triton interpreter against their PyTorch twins."""
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
+
+from hf_actq.codecs.packed import BLOCK_SIZES  # noqa: E402
+from hf_actq.kernels import reference  # noqa: E402
+from hf_actq.kernels.average_quant import aq_dequantize_triton, aq_quantize_triton  # noqa: E402
+from hf_actq.kernels.mask import mask_pack_triton, mask_unpack_triton  # noqa: E402
+from hf_actq.kernels.sign_preserving import (  # noqa: E402
+    blpa_dequantize_triton,
+    blpa_quantize_triton,
+)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "bits,group,block", [(1, 1, 32), (3, 1, 64), (4, 2, 128), (2, 4, 256), (8, 16, 32), (5, 8, 64)]
+)
+def test_aq_deterministic_kernel_matches_twin(bits, group, block, dtype):
+    torch.manual_seed(bits * 7 + group)
+    n_means = 1000 + bits  # not a multiple of the block or of 8
+    source = (torch.randn(n_means * group) * 3).to(dtype)
+    got = aq_quantize_triton(source, group, bits, block, stochastic=False)
+    expected = reference.aq_quantize_reference(source, group, bits, block, stochastic=False)
+    # Group means are fp32 sums in a different order: equal up to the last bit.
+    tolerance = 0 if group == 1 else 1e-6
+    torch.testing.assert_close(got[1], expected[1], rtol=tolerance, atol=0)
+    torch.testing.assert_close(got[2], expected[2], rtol=max(tolerance, 1e-6), atol=0)
+    codes_got = reference.unpack_codes(got[0], n_means, bits).int()
+    codes_expected = reference.unpack_codes(expected[0], n_means, bits).int()
+    if group == 1:
+        assert torch.equal(codes_got, codes_expected)
+    else:
+        # fp32 group sums may round differently in the last bit; a code then moves by one.
+        assert (codes_got - codes_expected).abs().max() <= 1
+        assert (codes_got != codes_expected).float().mean() < 0.01
+    shape = torch.Size([n_means, group])
+    out = aq_dequantize_triton(*expected, shape, dtype, bits, group, block)
+    assert torch.equal(
+        out, reference.aq_dequantize_reference(*expected, shape, dtype, bits, group, block)
+    )
+
+
+def test_aq_dequantize_partial_groups_and_shapes():
+    shape = torch.Size([5, 7, 10])  # last dim not a multiple of the group
+    means = 5 * 7 * 3
+    source = torch.randn(means)
+    packed = reference.aq_quantize_reference(source, 1, 3, 32, stochastic=False)
+    got = aq_dequantize_triton(*packed, shape, torch.bfloat16, 3, 4, 32)
+    expected = reference.aq_dequantize_reference(*packed, shape, torch.bfloat16, 3, 4, 32)
+    assert torch.equal(got, expected)
+
+
+def test_aq_stochastic_kernel_is_unbiased_and_seeded():
+    torch.manual_seed(0)
+    source = torch.randn(256)
+    trials = 200
+    total = torch.zeros(256)
+    for _ in range(trials):
+        packed = aq_quantize_triton(source, 1, 2, 128, stochastic=True)
+        total += aq_dequantize_triton(*packed, torch.Size([256]), torch.float32, 2, 1, 128)
+    scale = packed[2].max().item()
+    assert (total / trials - source).abs().max().item() < 5 * scale / math.sqrt(trials)
+    torch.manual_seed(3)
+    first = aq_quantize_triton(source, 1, 2, 128, stochastic=True)[0]
+    torch.manual_seed(3)
+    assert torch.equal(aq_quantize_triton(source, 1, 2, 128, stochastic=True)[0], first)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits,block", [(1, 32), (2, 64), (4, 128), (8, 256), (3, 32)])
+def test_blpa_kernel_matches_twin(bits, block, dtype):
+    torch.manual_seed(bits)
+    source = (torch.randn(3001) * 2).to(dtype)
+    source[:4] = torch.tensor([0.0, -0.0, 1e-3, -1e-3]).to(dtype)
+    got = blpa_quantize_triton(source, bits, block)
+    expected = reference.blpa_quantize_reference(source, bits, block)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    shape = torch.Size([3001])
+    out = blpa_dequantize_triton(*expected, shape, dtype, bits, block)
+    assert torch.equal(
+        out, reference.blpa_dequantize_reference(*expected, shape, dtype, bits, block)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16])
+def test_mask_kernels_match_twin(dtype):
+    torch.manual_seed(0)
+    x = (torch.rand(5000) > 0.4).to(dtype)
+    packed = mask_pack_triton(x)
+    assert torch.equal(packed, reference.mask_pack_reference(x))
+    shape = torch.Size([50, 100])
+    assert torch.equal(
+        mask_unpack_triton(packed, shape, dtype),
+        reference.mask_unpack_reference(packed, shape, dtype),
+    )
+
+
+def test_block_sizes_are_the_compiled_ones():
+    assert BLOCK_SIZES == (32, 64, 128, 256)
