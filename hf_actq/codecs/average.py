@@ -6,8 +6,9 @@ against a per-block minimum and scale (``block_size`` means per block, both kept
 ``G = 1`` is plain uniform stochastic rounding; "AQ 0.5-bit" is ``G=4, b=2``. Unpacking repeats
 each dequantized mean ``G`` times, which is what ALAM's backward uses.
 
-Stochastic rounding draws its noise with ``torch.rand`` on the tensor's device, so
-``torch.manual_seed`` reproduces a run and checkpointing's RNG replay recomputes identical codes.
+Stochastic rounding is driven by one seed per pack drawn from torch's RNG
+(:func:`~hf_actq.codecs.packed.draw_seed`), so ``torch.manual_seed`` reproduces a run and
+checkpointing's RNG replay recomputes identical codes.
 Work proceeds in chunks, so no full-size fp32 copy of a half-precision input is ever made. A
 block whose range (max - min) exceeds the float32 maximum dequantizes to inf at its top.
 """
@@ -18,7 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import BLOCK_SIZES, Codec, Packed, check_floating, validate_int
+from hf_actq.codecs.packed import (
+    BLOCK_SIZES,
+    Codec,
+    Packed,
+    check_floating,
+    draw_seed,
+    validate_int,
+)
 from hf_actq.kernels import aq_dequantize, aq_quantize
 from hf_actq.kernels.reference import packed_nbytes
 
@@ -33,6 +41,10 @@ class AverageQuantCodec(Codec):
     stochastic: bool = True
 
     name = "aq"
+
+    @property
+    def uses_rng(self) -> bool:
+        return self.stochastic
 
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
@@ -54,15 +66,17 @@ class AverageQuantCodec(Codec):
         return packed_nbytes(means, self.bits) + blocks * 2 * 4
 
     # Pack / unpack ---------------------------------------------------------------------------
-    def pack(self, x: torch.Tensor) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)
+        if self.stochastic and seed is None:
+            seed = draw_seed()
         g = self.group_size
         last = x.shape[-1] if x.dim() else 1
         if g == 1 or last % g == 0:
             source, group = x.reshape(-1), g  # groups are runs of the flat tensor
         else:
             source, group = self._means(x), 1  # partial groups: average them here
-        tensors = aq_quantize(source, group, self.bits, self.block_size, self.stochastic)
+        tensors = aq_quantize(source, group, self.bits, self.block_size, self.stochastic, seed)
         return Packed(self, x.shape, x.dtype, tensors)
 
     def unpack(self, packed: Packed) -> torch.Tensor:

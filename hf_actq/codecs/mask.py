@@ -23,7 +23,7 @@ class MaskCodec(Codec):
     def nbytes(self, shape) -> int:
         return packed_nbytes(torch.Size(shape).numel(), 1)
 
-    def pack(self, x: torch.Tensor) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         return Packed(self, x.shape, x.dtype, (mask_pack(x),))
 
     def unpack(self, packed: Packed) -> torch.Tensor:

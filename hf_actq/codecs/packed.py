@@ -45,8 +45,10 @@ class Codec:
     """Base of every codec: a frozen, validated dataclass with ``pack`` and ``unpack``."""
 
     name = "codec"
+    # Codecs that round stochastically take a seed drawn from torch's RNG (draw_seed).
+    uses_rng = False
 
-    def pack(self, x: torch.Tensor) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         raise NotImplementedError
 
     def unpack(self, packed: Packed) -> torch.Tensor:
@@ -78,3 +80,10 @@ def validate_int(name: str, value, allowed) -> int:
             shown = "one of " + ", ".join(map(str, allowed))
         raise ValueError(f"{name} must be {shown}, got {value!r}")
     return value
+
+
+def draw_seed() -> int:
+    """A seed from torch's CPU generator: ``torch.manual_seed`` and checkpointing's RNG replay
+    (which restores the CPU state too) reproduce it, and drawing exactly one per pack keeps the
+    RNG stream independent of whether a shared input was found already packed."""
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())

@@ -33,7 +33,7 @@ class SignPreservingCodec(Codec):
         n = torch.Size(shape).numel()
         return packed_nbytes(n, self.bits) + -(-n // self.block_size) * 4
 
-    def pack(self, x: torch.Tensor) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)
         tensors = blpa_quantize(x.reshape(-1), self.bits, self.block_size)
         return Packed(self, x.shape, x.dtype, tensors)

@@ -78,12 +78,12 @@ def fewbit_backward(grad_y, packed, levels, nan_flag, bits):
     return fewbit_backward_reference(grad_y, packed, levels, nan_flag, bits)
 
 
-def aq_quantize(source, group, bits, block, stochastic):
+def aq_quantize(source, group, bits, block, stochastic, seed=0):
     if uses_triton(source):
         from hf_actq.kernels.average_quant import aq_quantize_triton
 
-        return aq_quantize_triton(source, group, bits, block, stochastic)
-    return aq_quantize_reference(source, group, bits, block, stochastic)
+        return aq_quantize_triton(source, group, bits, block, stochastic, seed)
+    return aq_quantize_reference(source, group, bits, block, stochastic, seed)
 
 
 def aq_dequantize(data, mins, scales, shape, dtype, bits, group, block):

@@ -2,9 +2,10 @@
 per-block min and scale, stochastic rounding, bit packing in one pass) and dequantize (unpack,
 scale, repeat over the group). Twins: ``aq_quantize_reference`` / ``aq_dequantize_reference``.
 
-Stochastic rounding uses Triton's Philox stream keyed by a seed drawn from torch's RNG, so
-``torch.manual_seed`` and checkpointing's RNG replay reproduce codes; the noise differs from the
-twin's ``torch.rand``, so the two agree in distribution, and bit for bit when deterministic.
+Stochastic rounding uses Triton's Philox stream keyed by the codec's seed (drawn from torch's
+RNG), so ``torch.manual_seed`` and checkpointing's RNG replay reproduce codes; the noise differs
+from the twin's ``torch.rand``, so the two agree in distribution, and bit for bit when
+deterministic.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def aq_dequantize_kernel(
     tl.store(out_ptr + offsets, to_dtype(value, out_ptr.dtype.element_ty), mask=mask)
 
 
-def aq_quantize_triton(source, group, bits, block, stochastic):
+def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
     """Triton twin of :func:`hf_actq.kernels.reference.aq_quantize_reference`."""
     source = source.contiguous()
     m = source.numel() // group
@@ -95,8 +96,6 @@ def aq_quantize_triton(source, group, bits, block, stochastic):
     packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=source.device)
     mins = torch.empty(blocks, dtype=torch.float32, device=source.device)
     scales = torch.empty(blocks, dtype=torch.float32, device=source.device)
-    # Drawn from torch's RNG so that manual_seed and checkpoint replay reproduce the codes.
-    seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item()) if stochastic else 0
     if m:
         aq_quantize_kernel[(blocks,)](
             source,

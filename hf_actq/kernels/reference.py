@@ -225,14 +225,19 @@ _CODEC_CHUNK = 1 << 16  # means per chunk; a multiple of every allowed block siz
 
 
 def aq_quantize_reference(
-    source: torch.Tensor, group: int, bits: int, block: int, stochastic: bool
+    source: torch.Tensor, group: int, bits: int, block: int, stochastic: bool, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize the means of consecutive ``group``-element runs of flat ``source``.
 
     Returns packed ``bits``-bit codes and per-block fp32 minimums and scales. Means are rounded to
     ``source``'s dtype (as the Triton kernel does) before quantization; stochastic rounding adds
-    ``torch.rand`` noise, deterministic rounding is ``floor(q + 0.5)``.
+    ``torch.rand`` noise from a generator seeded with ``seed``, deterministic rounding is
+    ``floor(q + 0.5)``.
     """
+    generator = None
+    if stochastic:
+        generator = torch.Generator(device=source.device)
+        generator.manual_seed(seed)
     means = source if group == 1 else source.view(-1, group).mean(1, dtype=torch.float32)
     means = means.to(source.dtype)
     m = means.numel()
@@ -254,7 +259,8 @@ def aq_quantize_reference(
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
         index = torch.arange(stop - start, device=source.device) // block
         q = chunk * inv[index] - (lo * inv)[index]
-        q.add_(torch.rand(q.shape, device=q.device) if stochastic else 0.5).floor_()
+        noise = torch.rand(q.shape, device=q.device, generator=generator) if stochastic else 0.5
+        q.add_(noise).floor_()
         _pack_chunk_into(q.clamp_(0.0, top), bits, packed, start)
     return packed, mins, scales
 

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
 
-from hf_actq.codecs.packed import BLOCK_SIZES  # noqa: E402
+from hf_actq.codecs.packed import BLOCK_SIZES, draw_seed  # noqa: E402
 from hf_actq.kernels import reference  # noqa: E402
 from hf_actq.kernels.average_quant import aq_dequantize_triton, aq_quantize_triton  # noqa: E402
 from hf_actq.kernels.mask import mask_pack_triton, mask_unpack_triton  # noqa: E402
@@ -67,14 +67,13 @@ def test_aq_stochastic_kernel_is_unbiased_and_seeded():
     trials = 200
     total = torch.zeros(256)
     for _ in range(trials):
-        packed = aq_quantize_triton(source, 1, 2, 128, stochastic=True)
+        packed = aq_quantize_triton(source, 1, 2, 128, True, draw_seed())
         total += aq_dequantize_triton(*packed, torch.Size([256]), torch.float32, 2, 1, 128)
     scale = packed[2].max().item()
     assert (total / trials - source).abs().max().item() < 5 * scale / math.sqrt(trials)
-    torch.manual_seed(3)
-    first = aq_quantize_triton(source, 1, 2, 128, stochastic=True)[0]
-    torch.manual_seed(3)
-    assert torch.equal(aq_quantize_triton(source, 1, 2, 128, stochastic=True)[0], first)
+    first = aq_quantize_triton(source, 1, 2, 128, True, 1234)[0]
+    assert torch.equal(aq_quantize_triton(source, 1, 2, 128, True, 1234)[0], first)
+    assert not torch.equal(aq_quantize_triton(source, 1, 2, 128, True, 4321)[0], first)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
