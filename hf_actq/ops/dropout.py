@@ -1,0 +1,72 @@
+"""Dropout whose backward keeps 1 bit per element, or only the RNG seed that made the mask.
+
+``nn.Dropout`` keeps a full-size mask (a byte, or on CPU a whole float, per element). Here the
+mask is either packed to 1 bit (``mode="mask"``) or regenerated in backward from a seed drawn from
+torch's RNG (``mode="seed"``: 8 bytes in all, one extra random draw in backward). Both are exact:
+backward multiplies by the very mask forward used.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from hf_actq.codecs.packed import draw_seed
+from hf_actq.kernels import mask_pack, mask_unpack
+
+MODES = ("seed", "mask")
+
+
+def _keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.rand(shape, device=device, generator=generator) >= p
+
+
+class CompressedDropoutFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, p, mode):
+        seed = draw_seed()
+        keep = _keep_mask(x.shape, p, seed, x.device)
+        scale = 1.0 / (1.0 - p)
+        ctx.p, ctx.mode, ctx.shape, ctx.scale = p, mode, x.shape, scale
+        if mode == "seed":
+            ctx.save_for_backward(torch.tensor([seed], dtype=torch.int64))
+        else:
+            ctx.save_for_backward(mask_pack(keep))
+        return x * keep * scale
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        (saved,) = ctx.saved_tensors
+        if ctx.mode == "seed":
+            keep = _keep_mask(ctx.shape, ctx.p, int(saved.item()), grad_y.device)
+        else:
+            keep = mask_unpack(saved, ctx.shape, torch.bool)
+        return grad_y * keep * ctx.scale, None, None
+
+
+class CompressedDropout(nn.Dropout):
+    """``nn.Dropout(p)`` keeping a 1-bit mask or a seed for backward (see module docstring)."""
+
+    def __init__(self, p: float = 0.5, mode: str = "seed") -> None:
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be a number in [0, 1], got {p!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        super().__init__(p)
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return torch.zeros_like(x)
+        if not (torch.is_grad_enabled() and x.requires_grad):
+            return x * _keep_mask(x.shape, self.p, draw_seed(), x.device) / (1.0 - self.p)
+        return CompressedDropoutFunction.apply(x, float(self.p), self.mode)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, mode={self.mode!r}"
