@@ -1,0 +1,84 @@
+import pytest
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hf_actq import SavedTensorMeter
+from hf_actq.codecs import uniform
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
+
+
+def _grads(module, params, x, grad):
+    x = x.detach().clone().requires_grad_()
+    for p in params:
+        p.grad = None
+    module(x).backward(grad)
+    return [x.grad] + [p.grad.clone() for p in params]
+
+
+def _layer_norm(width, affine=True):
+    torch.manual_seed(0)
+    norm = nn.LayerNorm(width, elementwise_affine=affine)
+    if affine:
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_norm_exact_forward_close_gradients_small_memory(dtype):
+    norm = _layer_norm(96).to(dtype)
+    codec = uniform(8, stochastic=False)
+    module = CompressedLayerNorm(norm, codec, PackCache())
+    x = (torch.randn(6, 20, 96) * 3 + 1).to(dtype).requires_grad_()
+    with SavedTensorMeter(exclude=list(norm.parameters())) as meter:
+        y = module(x)
+    assert torch.equal(y, norm(x))
+    # codes and scales of x_hat, plus one fp32 rstd per row
+    assert meter.nbytes == codec.nbytes(x.shape) + 6 * 20 * 4
+    grad = torch.randn(x.shape).to(dtype)
+    params = list(norm.parameters())
+    ours = _grads(module, params, x, grad)
+    exact = _grads(norm.float(), list(norm.parameters()), x.float(), grad.float())
+    norm.to(dtype)
+    for got, want in zip(ours, exact):
+        scale = want.abs().max().item()
+        assert (got.float() - want).abs().max().item() <= 0.02 * scale
+
+
+def test_layer_norm_without_affine():
+    norm = _layer_norm(32, affine=False)
+    module = CompressedLayerNorm(norm, uniform(8, stochastic=False), PackCache())
+    x = torch.randn(10, 32, requires_grad=True)
+    grad = torch.randn(10, 32)
+    ours = _grads(module, [], x, grad)[0]
+    exact = _grads(norm, [], x, grad)[0]
+    assert (ours - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_llama_rms_norm(dtype):
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    nn.init.normal_(norm.weight)
+    norm = norm.to(dtype)
+    codec = uniform(8, stochastic=False)
+    module = CompressedRMSNorm(norm, codec, PackCache())
+    x = (torch.randn(4, 16, 64) * 2).to(dtype).requires_grad_()
+    with SavedTensorMeter(exclude=[norm.weight]) as meter:
+        y = module(x)
+    assert torch.equal(y, norm(x))
+    assert meter.nbytes == codec.nbytes(x.shape) + 4 * 16 * 4
+    grad = torch.randn(x.shape).to(dtype)
+    ours = _grads(module, [norm.weight], x, grad)
+    exact = _grads(norm.float(), [norm.weight], x.float(), grad.float())
+    for got, want in zip(ours, exact):
+        assert (got.float() - want).abs().max().item() <= 0.02 * want.abs().max().item()
+
+
+def test_invalid_wrapping():
+    with pytest.raises(ValueError, match="wraps an nn.LayerNorm over the last dimension"):
+        CompressedLayerNorm(nn.LayerNorm((4, 4)))
+    with pytest.raises(ValueError, match="needs a module with weight and variance_epsilon"):
+        CompressedRMSNorm(nn.Linear(2, 2))
