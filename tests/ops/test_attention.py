@@ -1,0 +1,109 @@
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+from transformers.models.bert.modeling_bert import eager_attention_forward
+
+from hf_actq import SavedTensorMeter
+from hf_actq.codecs import uniform
+from hf_actq.codecs.packed import draw_seed
+from hf_actq.ops.attention import _keep_mask, compressed_eager_attention, register_attention
+from hf_actq.ops.dedup import PackCache
+
+B, H, S, D = 2, 4, 24, 16
+EXACT8 = uniform(8, stochastic=False)
+
+
+class Holder(torch.nn.Module):
+    pass
+
+
+def _inputs(seed=0):
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(B, 1, 1, S)
+    mask[1, ..., -5:] = torch.finfo(torch.float32).min
+    return q, k, v, mask
+
+
+def _grads(out, tensors, grad):
+    for t in tensors:
+        t.grad = None
+    out.backward(grad)
+    return [t.grad.clone() for t in tensors]
+
+
+@pytest.mark.parametrize(
+    "codecs", [{}, {"q": EXACT8, "k": EXACT8, "v": EXACT8, "probs": EXACT8}], ids=["exact", "8bit"]
+)
+def test_eval_matches_eager_forward_and_gradients(codecs):
+    module = Holder().eval()
+    q, k, v, mask = _inputs()
+    grad = torch.randn(B, S, H, D)
+    out, _ = compressed_eager_attention(
+        module, q, k, v, mask, dropout=0.1, codecs=codecs, cache=PackCache()
+    )
+    ref, _ = eager_attention_forward(module, q, k, v, mask, dropout=0.1)
+    assert torch.equal(out, ref)
+    got, want = _grads(out, (q, k, v), grad), _grads(ref, (q, k, v), grad)
+    tolerance = 1e-5 if not codecs else 0.02
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= tolerance * b.abs().max()
+
+
+def test_training_dropout_uses_one_mask_in_forward_and_backward():
+    module = Holder().train()
+    q, k, v, mask = _inputs()
+    grad = torch.randn(B, S, H, D)
+    torch.manual_seed(7)
+    out, weights = compressed_eager_attention(module, q, k, v, mask, dropout=0.2, cache=PackCache())
+    got = _grads(out, (q, k, v), grad)
+    torch.manual_seed(7)
+    keep = _keep_mask((B, H, S, S), 0.2, draw_seed(), q.device)
+    probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * D**-0.5 + mask, dim=-1)
+    ref = torch.matmul(probs * keep * (1 / 0.8), v).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-6)
+    assert torch.equal(weights != 0, keep & (probs != 0))
+    assert 0.15 < 1 - keep.float().mean().item() < 0.25
+    want = _grads(ref, (q, k, v), grad)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_saved_bytes_are_the_packed_slots_only():
+    module = Holder().train()
+    q, k, v, mask = _inputs()
+    codec = uniform(4)
+    codecs = dict.fromkeys(("q", "k", "v", "probs"), codec)
+    with SavedTensorMeter() as exact:
+        eager_attention_forward(module, q, k, v, mask, dropout=0.1)
+    with SavedTensorMeter() as ours:
+        compressed_eager_attention(
+            module, q, k, v, mask, dropout=0.1, codecs=codecs, cache=PackCache()
+        )
+    # The dropout mask is regenerated from a seed kept as a Python int: no tensor at all.
+    expected = 3 * codec.nbytes(q.shape) + codec.nbytes((B, H, S, S))
+    assert ours.nbytes == expected
+    assert exact.nbytes > 6 * ours.nbytes
+
+
+def test_registered_with_transformers_for_a_bert_model():
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(config).eval()
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    expected = model(input_ids=ids, attention_mask=mask).logits
+    model.config._attn_implementation = register_attention()
+    got = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(got, expected)
+    model.train()
+    model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1])).loss.backward()
+    assert model.bert.encoder.layer[0].attention.self.query.weight.grad is not None
