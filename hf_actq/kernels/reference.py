@@ -257,8 +257,8 @@ def aq_quantize_reference(
         b0 = start // block
         mins[b0 : b0 + rows], scales[b0 : b0 + rows] = lo, scale
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        index = torch.arange(stop - start, device=source.device) // block
-        q = chunk * inv[index] - (lo * inv)[index]
+        rows_view = _padded(chunk, rows * block, 0.0).view(rows, block)
+        q = (rows_view * inv[:, None] - (lo * inv)[:, None]).view(-1)[: stop - start]
         noise = torch.rand(q.shape, device=q.device, generator=generator) if stochastic else 0.5
         q.add_(noise).floor_()
         _pack_chunk_into(q.clamp_(0.0, top), bits, packed, start)
@@ -278,19 +278,28 @@ def aq_dequantize_reference(
     """The tensor of ``shape``: each dequantized mean repeated over its group along the last dim
     (the last group of a row may be partial)."""
     n = shape.numel()
-    out = torch.empty(n, dtype=dtype, device=data.device)
     if n == 0:
-        return out.view(shape)
+        return torch.empty(shape, dtype=dtype, device=data.device)
     last = shape[-1] if len(shape) else 1
     per_row = -(-last // group)
-    codes = unpack_codes(data, (n // last) * per_row, bits)
-    for start in range(0, n, CHUNK):
-        stop = min(n, start + CHUNK)
-        offsets = torch.arange(start, stop, device=data.device)
-        mean = (offsets // last) * per_row + (offsets % last) // group
-        blk = mean // block
-        out[start:stop] = (mins[blk] + codes[mean].float() * scales[blk]).to(dtype)
-    return out.view(shape)
+    means = _dequantize_blocks(data, (n // last) * per_row, bits, block, mins, scales, dtype)
+    if group == 1:
+        return means.view(shape)
+    return means.view(-1, per_row).repeat_interleave(group, dim=1)[:, :last].reshape(shape)
+
+
+def _dequantize_blocks(data, m, bits, block, offsets, scales, dtype):
+    """``offsets[b] + code * scales[b]`` for the ``m`` codes, block ``b`` = index // block."""
+    codes = unpack_codes(data, m, bits)
+    out = torch.empty(m, dtype=dtype, device=data.device)
+    for start in range(0, m, _CODEC_CHUNK):
+        stop = min(m, start + _CODEC_CHUNK)
+        rows = -(-(stop - start) // block)
+        b0 = start // block
+        c = _padded(codes[start:stop].float(), rows * block, 0.0).view(rows, block)
+        values = c * scales[b0 : b0 + rows, None] + offsets[b0 : b0 + rows, None]
+        out[start:stop] = values.view(-1)[: stop - start].to(dtype)
+    return out
 
 
 def _pack_chunk_into(codes: torch.Tensor, bits: int, packed: torch.Tensor, start: int) -> None:
@@ -332,7 +341,8 @@ def blpa_quantize_reference(
         steps[start // block : start // block + rows] = step
         inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
         # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
-        q = torch.ceil(chunk * inv[torch.arange(stop - start, device=source.device) // block])
+        rows_view = _padded(chunk, rows * block, 0.0).view(rows, block)
+        q = torch.ceil(rows_view * inv[:, None]).view(-1)[: stop - start]
         _pack_chunk_into(q.sub_(1.0).clamp_(-half, half - 1).add_(half), bits, packed, start)
     return packed, steps
 
@@ -346,13 +356,16 @@ def blpa_dequantize_reference(
     block: int,
 ) -> torch.Tensor:
     n = shape.numel()
+    middle = 2 ** (bits - 1) - 0.5
     codes = unpack_codes(data, n, bits)
     out = torch.empty(n, dtype=dtype, device=data.device)
-    middle = 2 ** (bits - 1) - 0.5
-    for start in range(0, n, CHUNK):
-        stop = min(n, start + CHUNK)
-        blk = torch.arange(start, stop, device=data.device) // block
-        out[start:stop] = ((codes[start:stop].float() - middle) * steps[blk]).to(dtype)
+    for start in range(0, n, _CODEC_CHUNK):
+        stop = min(n, start + _CODEC_CHUNK)
+        rows = -(-(stop - start) // block)
+        b0 = start // block
+        c = _padded(codes[start:stop].float() - middle, rows * block, 0.0).view(rows, block)
+        values = c * steps[b0 : b0 + rows, None]
+        out[start:stop] = values.view(-1)[: stop - start].to(dtype)
     return out.view(shape)
 
 

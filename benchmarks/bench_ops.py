@@ -1,0 +1,195 @@
+"""Compressed ops vs the unmodified ones, side by side in one process.
+
+Part 1, per op: bytes autograd keeps for backward (SavedTensorMeter, parameters excluded) and
+forward+backward time (median of interleaved repeats), with ratios.
+Part 2, a RoBERTa-base-shaped model built from config (fp32, batch 8, seq 128, dropout on, train
+mode): every slot compressed (linear inputs, LayerNorm, attention q/k/v/probabilities at uniform
+4-bit; GELU few-bit 4-bit; dropout masks from seeds), against the unpatched model.
+
+    python benchmarks/bench_ops.py --output benchmarks/results/bench_ops.json
+
+The model patching here is a stand-in for the registry (hf_actq.apply), enough to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from hf_actq import FewBitActivation, SavedTensorMeter
+from hf_actq.codecs import AverageQuantCodec, uniform
+from hf_actq.ops.attention import compressed_eager_attention, register_attention
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.dropout import CompressedDropout
+from hf_actq.ops.linear import CompressedLinear
+from hf_actq.ops.norm import CompressedLayerNorm
+
+
+def _median_pair(fn_a, fn_b, repeats):
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, sink in ((fn_a, a), (fn_b, b)):
+            start = time.perf_counter()
+            fn()
+            sink.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
+
+
+def _saved(fn, exclude):
+    with SavedTensorMeter(exclude=exclude) as meter:
+        fn()
+    return meter.nbytes
+
+
+def op_rows(repeats):
+    torch.manual_seed(0)
+    x = torch.randn(8, 128, 768, requires_grad=True)
+    codec = uniform(4)
+    linear = nn.Linear(768, 3072)
+    norm = nn.LayerNorm(768)
+    cases = {
+        "linear 768->3072": (linear, CompressedLinear(linear, codec, PackCache())),
+        "layernorm 768": (norm, CompressedLayerNorm(norm, codec, PackCache())),
+        "dropout p=0.1": (nn.Dropout(0.1), CompressedDropout(0.1)),
+        "gelu (few-bit 4)": (nn.GELU(), FewBitActivation("gelu", 4)),
+    }
+    rows = []
+    for name, (base, ours) in cases.items():
+        params = list(base.parameters())
+
+        def run(module):
+            return lambda: module(x).sum().backward()
+
+        base_bytes = _saved(lambda base=base: base(x), params)
+        our_bytes = _saved(lambda ours=ours: ours(x), params)
+        run(base)()
+        run(ours)()
+        t_base, t_ours = _median_pair(run(base), run(ours), repeats)
+        rows.append((name, base_bytes, our_bytes, t_base, t_ours))
+
+    q, k, v = (torch.randn(8, 12, 128, 64, requires_grad=True) for _ in range(3))
+    holder = nn.Module()
+    codecs = dict.fromkeys(("q", "k", "v", "probs"), codec)
+    from transformers.models.bert.modeling_bert import eager_attention_forward
+
+    def base_attn():
+        return eager_attention_forward(holder, q, k, v, None, dropout=0.1)[0]
+
+    def our_attn():
+        return compressed_eager_attention(holder, q, k, v, None, dropout=0.1, codecs=codecs)[0]
+
+    base_bytes, our_bytes = _saved(base_attn, []), _saved(our_attn, [])
+    t_base, t_ours = _median_pair(
+        lambda: base_attn().sum().backward(), lambda: our_attn().sum().backward(), repeats
+    )
+    rows.append(("attention 12x128x64", base_bytes, our_bytes, t_base, t_ours))
+    return rows
+
+
+def patch_every_slot(model, codec, activation_bits, dropout_mode="seed"):
+    """Swap every slot of a BERT/RoBERTa model for its compressed op (a stand-in for apply)."""
+    cache = PackCache()
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, CompressedLinear(child, codec, cache))
+            elif isinstance(child, nn.LayerNorm):
+                setattr(module, child_name, CompressedLayerNorm(child, codec, cache))
+            elif isinstance(child, nn.Dropout):
+                setattr(module, child_name, CompressedDropout(child.p, dropout_mode))
+            elif type(child).__name__ == "GELUActivation":
+                setattr(module, child_name, FewBitActivation("gelu", activation_bits))
+            elif isinstance(child, nn.Tanh):
+                setattr(module, child_name, FewBitActivation("tanh", activation_bits))
+    for module in model.modules():
+        if hasattr(module, "attention_head_size"):
+            module.hf_actq_attention_codecs = dict.fromkeys(("q", "k", "v", "probs"), codec)
+    model.config._attn_implementation = register_attention()
+    return model
+
+
+def roberta_base(batch, seq, codec, activation_bits, dropout_mode):
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    config = RobertaConfig(attn_implementation="eager")  # roberta-base shapes, dropout 0.1
+    torch.manual_seed(0)
+    baseline = RobertaForSequenceClassification(config).train()
+    patched = patch_every_slot(copy.deepcopy(baseline), codec, activation_bits, dropout_mode)
+    ids = torch.randint(3, config.vocab_size, (batch, seq))
+    labels = torch.randint(0, 2, (batch,))
+    result = {}
+    for name, model in (("baseline", baseline), ("hf_actq", patched)):
+        meter = SavedTensorMeter(exclude=list(model.parameters()), model=model)
+        with meter:
+            loss = model(input_ids=ids, labels=labels).loss
+        by_kind: dict[str, int] = {}
+        for path, nbytes in meter.by_module().items():
+            kind = path.rsplit(".", 1)[-1] if path else "(outside modules)"
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
+        loss.backward()
+        result[name] = {"saved_bytes": meter.nbytes, "by_module_kind": by_kind}
+    result["ratio"] = result["baseline"]["saved_bytes"] / result["hf_actq"]["saved_bytes"]
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--output")
+    args = parser.parse_args(argv)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'op':24s} {'saved, torch':>13s} {'saved, ours':>12s} {'smaller':>8s} {'f+b time':>9s}")
+    rows = op_rows(args.repeats)
+    for name, base_bytes, our_bytes, t_base, t_ours in rows:
+        smaller = f"{base_bytes / our_bytes:7.1f}x" if our_bytes >= 1024 else "    seed"
+        print(
+            f"{name:24s} {base_bytes / 2**20:9.2f} MiB {our_bytes / 2**20:8.2f} MiB "
+            f"{smaller} {t_ours / t_base:8.2f}x"
+        )
+
+    model = {}
+    for label, codec, bits, mode in (
+        ("uniform 4-bit, 4-bit few-bit GELU, 1-bit masks", uniform(4), 4, "mask"),
+        ("uniform 4-bit, 4-bit few-bit GELU, seeded masks", uniform(4), 4, "seed"),
+        (
+            "AQ 0.5-bit (G=4, b=2), 1-bit few-bit GELU, seeded masks",
+            AverageQuantCodec(2, 4),
+            1,
+            "seed",
+        ),
+    ):
+        result = roberta_base(args.batch, args.seq, codec, bits, mode)
+        model[label] = result
+        base, ours = result["baseline"]["saved_bytes"], result["hf_actq"]["saved_bytes"]
+        print(
+            f"\nroberta-base shapes, fp32, batch {args.batch}, seq {args.seq}, train, {label}:\n"
+            f"  baseline {base / 2**20:.1f} MiB, hf_actq {ours / 2**20:.1f} MiB, "
+            f"{result['ratio']:.2f}x smaller"
+        )
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(
+                {
+                    "ops": [
+                        dict(zip(("op", "saved_torch", "saved_ours", "s_torch", "s_ours"), r))
+                        for r in rows
+                    ],
+                    "roberta_base": model,
+                },
+                f,
+                indent=1,
+            )
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
