@@ -14,23 +14,9 @@ import copy
 import torch
 from torch import nn
 
+from hf_actq.fewbit.activations import activation_of
 from hf_actq.memory import SavedTensorMeter
 from hf_actq.ops.fewbit_activation import FewBitActivation
-
-
-def _hf_activation_names() -> dict[type, str]:
-    from transformers import activations as hf
-
-    return {
-        hf.GELUActivation: "gelu",
-        hf.NewGELUActivation: "gelu_new",
-        hf.GELUTanh: "gelu_tanh",
-        hf.FastGELUActivation: "gelu_fast",
-        hf.QuickGELUActivation: "quick_gelu",
-        hf.SiLUActivation: "silu",
-        nn.SiLU: "silu",
-        nn.ReLU: "relu",
-    }
 
 
 def swap_activations(model: nn.Module, bits: int) -> list[str]:
@@ -38,15 +24,14 @@ def swap_activations(model: nn.Module, bits: int) -> list[str]:
 
     A stand-in for the model-patching registry, enough for the demo.
     """
-    names = _hf_activation_names()
     patched = []
     for path, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
-            name = names.get(type(child))
-            if isinstance(child, nn.GELU):
-                name = "gelu" if child.approximate == "none" else "gelu_tanh"
-            if name is not None:
-                setattr(module, child_name, FewBitActivation(name, bits))
+            found = activation_of(child)
+            # torch's tanh and sigmoid keep their output, which the next layer keeps anyway
+            # (BERT's pooler): a few-bit copy would add bytes, not save them.
+            if found is not None and found[0] not in ("tanh", "sigmoid"):
+                setattr(module, child_name, FewBitActivation(found[0], bits, **found[1]))
                 patched.append(f"{path}.{child_name}" if path else child_name)
     return patched
 
@@ -147,8 +132,8 @@ def main(argv=None) -> int:
     saved, act = result["saved_bytes"], result["activation_slot_bytes"]
     print(
         f"tiny BERT (2 layers, hidden 128, intermediate 512), batch {args.batch_size}, "
-        f"seq {args.seq_len}, fp32; few-bit GELU at {args.bits} bits in {len(result['patched'])} "
-        "layers"
+        f"seq {args.seq_len}, fp32; few-bit activations at {args.bits} bits in "
+        f"{len(result['patched'])} modules"
     )
     print("bytes autograd holds for backward (one forward pass, parameters excluded):")
     print(f"  {'':24s} {'baseline':>12s} {'few-bit':>12s} {'ratio':>7s}")

@@ -242,3 +242,50 @@ def resolve_params(spec: ActivationSpec, params: dict[str, float]) -> dict[str, 
             f"hardtanh needs min_val < max_val, got {resolved['min_val']} and {resolved['max_val']}"
         )
     return resolved
+
+
+def activation_of(module) -> tuple[str, dict[str, float]] | None:
+    """``(name, params)`` of an activation module (transformers' ACT2CLS classes and torch.nn
+    activations), or None when it is not a supported pointwise activation."""
+    import functools
+
+    from torch import nn
+    from transformers import activations as hf
+
+    if isinstance(module, nn.GELU):
+        return ("gelu" if module.approximate == "none" else "gelu_tanh"), {}
+    if isinstance(module, hf.GELUActivation):
+        return ("gelu" if module.act is F.gelu else "gelu_python"), {}
+    if isinstance(module, hf.GELUTanh):
+        return (
+            "gelu_tanh" if isinstance(module.act, functools.partial) else "gelu_python_tanh"
+        ), {}
+    with_params = {
+        nn.LeakyReLU: ("leaky_relu", ("negative_slope",)),
+        nn.ELU: ("elu", ("alpha",)),
+        nn.CELU: ("celu", ("alpha",)),
+        nn.Softplus: ("softplus", ("beta", "threshold")),
+        nn.Hardtanh: ("hardtanh", ("min_val", "max_val")),
+    }
+    if type(module) in with_params:
+        name, keys = with_params[type(module)]
+        return name, {key: float(getattr(module, key)) for key in keys}
+    by_class = {
+        hf.NewGELUActivation: "gelu_new",
+        hf.FastGELUActivation: "gelu_fast",
+        hf.AccurateGELUActivation: "gelu_accurate",
+        hf.QuickGELUActivation: "quick_gelu",
+        hf.SiLUActivation: "silu",
+        hf.MishActivation: "mish",
+        nn.SiLU: "silu",
+        nn.ReLU: "relu",
+        nn.ReLU6: "relu6",
+        nn.Sigmoid: "sigmoid",
+        nn.Tanh: "tanh",
+        nn.SELU: "selu",
+        nn.Mish: "mish",
+        nn.Hardswish: "hardswish",
+        nn.Hardsigmoid: "hardsigmoid",
+    }
+    name = by_class.get(type(module))
+    return (name, {}) if name else None

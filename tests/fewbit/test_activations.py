@@ -93,3 +93,33 @@ def test_unknown_name_and_parameters_raise():
         get_activation("softmax")
     with pytest.raises(ValueError, match="activation must be a string name"):
         get_activation(nn.GELU())
+
+
+@pytest.mark.parametrize("name", sorted(ACT2CLS))
+def test_activation_of_recognises_transformers_modules(name):
+    from hf_actq.fewbit.activations import activation_of
+
+    module = _hf_module(name)
+    found = activation_of(module)
+    unsupported = {"gelu_10", "laplace", "linear", "relu2", "sqrtsoftplus", "prelu", "xielu"}
+    if name in unsupported:
+        assert found is None
+        return
+    act, params = found
+    x = _inputs(torch.float32)
+    assert torch.equal(
+        get_activation(act).forward(x, **{**get_activation(act).params, **params}), module(x)
+    )
+
+
+@pytest.mark.parametrize(
+    "module",
+    [nn.LeakyReLU(0.2), nn.ELU(0.5), nn.Softplus(2.0, 10.0), nn.Hardtanh(-2.0, 3.0), nn.CELU(1.5)],
+    ids=repr,
+)
+def test_activation_of_reads_torch_parameters(module):
+    from hf_actq.fewbit.activations import activation_of
+
+    act, params = activation_of(module)
+    x = _inputs(torch.float32)
+    assert torch.equal(get_activation(act).forward(x, **params), module(x))
