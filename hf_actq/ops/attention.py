@@ -157,3 +157,152 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
     AttentionInterface.register(name, compressed_eager_attention)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     return name
+
+
+# SDPA path (LLaMA-style decoders; no dropout) --------------------------------------------------
+SDPA_NAME = "hf_actq_sdpa"
+
+
+def _sdpa_logits(q, k, scaling, mask, causal):
+    """fp32 attention logits of one batch element (heads already aligned)."""
+    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
+    if causal:
+        s, t = logits.shape[-2:]
+        upper = torch.ones(s, t, dtype=torch.bool, device=logits.device).triu(1)
+        logits = logits.masked_fill(upper, float("-inf"))
+    if mask is not None:
+        logits = (
+            logits.masked_fill(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else logits + mask.float()
+        )
+    return logits
+
+
+class CompressedSDPAFunction(torch.autograd.Function):
+    """Keeps compressed q, k, v and the fp32 log-sum-exp of each row (FlashAttention's
+    statistics); backward recomputes the probabilities from them and needs no output copy,
+    since rowsum(dO * O) = rowsum(dP * P)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scaling, causal, groups, run_sdpa, codecs, cache):
+        output = run_sdpa(query, key, value)
+        lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
+        for b in range(query.shape[0]):  # one batch element at a time bounds the S x S buffer
+            k = key[b].repeat_interleave(groups, dim=0)
+            m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
+            lse[b] = torch.logsumexp(_sdpa_logits(query[b], k, scaling, m, causal), dim=-1)
+        saved: list = []
+        slots = {}
+        for name, tensor in (("q", query), ("k", key), ("v", value)):
+            slots[name] = _Slot(codecs.get(name))
+            slots[name].keep(tensor, saved, cache)
+        ctx.slots, ctx.scaling, ctx.causal, ctx.groups = slots, scaling, causal, groups
+        ctx.has_mask = mask is not None
+        ctx.save_for_backward(lse, *([mask] if mask is not None else []), *saved)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        lse, *rest = ctx.saved_tensors
+        mask = rest.pop(0) if ctx.has_mask else None
+        q, k, v = (ctx.slots[n].restore(rest) for n in ("q", "k", "v"))
+        grads = [torch.empty_like(t, dtype=grad_out.dtype) for t in (q, k, v)]
+        g_all = grad_out.transpose(1, 2)  # [b, h, s, d]
+        for b in range(q.shape[0]):
+            k_rep = k[b].repeat_interleave(ctx.groups, dim=0).float()
+            v_rep = v[b].repeat_interleave(ctx.groups, dim=0).float()
+            m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
+            logits = _sdpa_logits(q[b], k_rep, ctx.scaling, m, ctx.causal)
+            # A row whose keys are all masked (left padding) has lse = -inf: its probs are 0.
+            row_lse = lse[b].masked_fill(torch.isinf(lse[b]), 0.0).unsqueeze(-1)
+            probs = torch.exp(logits - row_lse)
+            g = g_all[b].float()
+            grad_v = torch.matmul(probs.transpose(-1, -2), g)
+            grad_p = torch.matmul(g, v_rep.transpose(-1, -2))
+            grad_s = probs * (grad_p - (grad_p * probs).sum(-1, keepdim=True)) * ctx.scaling
+            grad_q = torch.matmul(grad_s, k_rep)
+            grad_k = torch.matmul(grad_s.transpose(-1, -2), q[b].float())
+            heads = k.shape[1]
+            grads[0][b] = grad_q
+            grads[1][b] = grad_k.view(heads, ctx.groups, *grad_k.shape[1:]).sum(1)
+            grads[2][b] = grad_v.view(heads, ctx.groups, *grad_v.shape[1:]).sum(1)
+        return (*grads, None, None, None, None, None, None, None)
+
+
+def compressed_sdpa_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    codecs: dict[str, Codec | None] | None = None,
+    cache: PackCache | None = None,
+    **kwargs,
+):
+    """Drop-in for transformers' ``sdpa_attention_forward``: the output is its output (it is
+    called for the forward), the saved state is compressed q, k, v plus an fp32 log-sum-exp.
+
+    Configurations this op does not model (dropout, position bias, paged cache, a query shorter
+    than the keys) run the plain SDPA path with nothing compressed.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def run_sdpa(q, k, v):
+        return sdpa_attention_forward(
+            module,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    plain = (
+        not needs_grad
+        or dropout > 0.0
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+        or query.shape[2] != key.shape[2]
+    )
+    if plain:
+        return run_sdpa(query, key, value)
+    if scaling is None:
+        scaling = query.size(-1) ** -0.5
+    if codecs is None:
+        codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    groups = query.shape[1] // key.shape[1]
+    output = CompressedSDPAFunction.apply(
+        query,
+        key,
+        value,
+        attention_mask,
+        float(scaling),
+        causal,
+        groups,
+        lambda q, k, v: run_sdpa(q, k, v)[0],
+        codecs,
+        cache if cache is not None else DEFAULT_CACHE,
+    )
+    return output, None
+
+
+def register_sdpa_attention(name: str = SDPA_NAME) -> str:
+    """Register :func:`compressed_sdpa_attention` (attention and mask interfaces) under
+    ``name``; returns it for ``config._attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, compressed_sdpa_attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name

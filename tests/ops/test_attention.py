@@ -107,3 +107,67 @@ def test_registered_with_transformers_for_a_bert_model():
     model.train()
     model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1])).loss.backward()
     assert model.bert.encoder.layer[0].attention.self.query.weight.grad is not None
+
+
+def _llama(heads=4, kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def _run(model, implementation, ids, mask):
+    model.zero_grad()
+    model.config._attn_implementation = implementation
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    return out.logits, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_sdpa_path_exact_slots_match_sdpa(padded, kv_heads):
+    from hf_actq.ops.attention import register_sdpa_attention
+
+    model = _llama(kv_heads=kv_heads)
+    ids = torch.randint(0, 100, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    if padded:
+        mask[0, :4] = 0  # left padding: some query rows see no key at all
+    logits, grads = _run(model, "sdpa", ids, mask if padded else None)
+    ours, our_grads = _run(model, register_sdpa_attention(), ids, mask if padded else None)
+    assert torch.equal(ours, logits)
+    for a, b in zip(our_grads, grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_sdpa_path_compressed_keeps_q_k_v_and_lse_only():
+    from hf_actq.ops.attention import compressed_sdpa_attention
+
+    module = Holder()
+    module.is_causal = True
+    module.num_key_value_groups = 4
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 32, 16, requires_grad=True)
+    k, v = (torch.randn(2, 2, 32, 16, requires_grad=True) for _ in range(2))
+    codec = uniform(8, stochastic=False)
+    codecs = dict.fromkeys(("q", "k", "v"), codec)
+    with SavedTensorMeter() as meter:
+        out, _ = compressed_sdpa_attention(module, q, k, v, None, codecs=codecs, cache=PackCache())
+    assert meter.nbytes == codec.nbytes(q.shape) + 2 * codec.nbytes(k.shape) + 2 * 8 * 32 * 4
+    grad = torch.randn(out.shape)
+    got = _grads(out, (q, k, v), grad)
+    exact_out, _ = compressed_sdpa_attention(module, q, k, v, None, codecs={}, cache=PackCache())
+    want = _grads(exact_out, (q, k, v), grad)
+    for a, b in zip(got, want):
+        cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+        assert cosine > 0.999

@@ -58,7 +58,8 @@ def test_keeps_no_full_intermediate_tensor():
         codec.nbytes(x.shape)  # x, shared by gate and up
         + (4 * 32 * 176 * table.bits + 7) // 8  # few-bit code of act'(gate)
         + 2 * codec.nbytes(inter)  # act(gate) and up
-        + 2 * 4 + 4  # level table (2 fp32) and NaN flag (int32)
+        + 2 * 4
+        + 4  # level table (2 fp32) and NaN flag (int32)
     )
     assert ours.nbytes == expected
     assert baseline.nbytes / ours.nbytes > 25
