@@ -24,11 +24,16 @@ from torch import nn
 
 from hf_actq import FewBitActivation, SavedTensorMeter
 from hf_actq.codecs import AverageQuantCodec, uniform
-from hf_actq.ops.attention import compressed_eager_attention, register_attention
+from hf_actq.ops.attention import (
+    compressed_eager_attention,
+    register_attention,
+    register_sdpa_attention,
+)
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.dropout import CompressedDropout
+from hf_actq.ops.gated_mlp import CompressedGatedMLP
 from hf_actq.ops.linear import CompressedLinear
-from hf_actq.ops.norm import CompressedLayerNorm
+from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
 
 
 def _median_pair(fn_a, fn_b, repeats):
@@ -105,8 +110,6 @@ def patch_every_slot(model, codec, activation_bits, dropout_mode="seed"):
                 setattr(module, child_name, CompressedDropout(child.p, dropout_mode))
             elif type(child).__name__ == "GELUActivation":
                 setattr(module, child_name, FewBitActivation("gelu", activation_bits))
-            elif isinstance(child, nn.Tanh):
-                setattr(module, child_name, FewBitActivation("tanh", activation_bits))
     for module in model.modules():
         if hasattr(module, "attention_head_size"):
             module.hf_actq_attention_codecs = dict.fromkeys(("q", "k", "v", "probs"), codec)
@@ -138,11 +141,58 @@ def roberta_base(batch, seq, codec, activation_bits, dropout_mode):
     return result
 
 
+def patch_llama(model, codec, activation_bits):
+    """Every slot of a LLaMA-style decoder compressed (a stand-in for apply)."""
+    cache = PackCache()
+    for layer in model.layers:
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(attn, name, CompressedLinear(getattr(attn, name), codec, cache))
+        attn.hf_actq_attention_codecs = dict.fromkeys(("q", "k", "v"), codec)
+        layer.mlp = CompressedGatedMLP(layer.mlp, codec, activation_bits, cache)
+        layer.input_layernorm = CompressedRMSNorm(layer.input_layernorm, codec, cache)
+        layer.post_attention_layernorm = CompressedRMSNorm(
+            layer.post_attention_layernorm, codec, cache
+        )
+    model.norm = CompressedRMSNorm(model.norm, codec, cache)
+    model.config._attn_implementation = register_sdpa_attention()
+    return model
+
+
+def llama_blocks(batch, seq, codec, activation_bits, layers=2):
+    """LLaMA-style decoder layers in bf16 (LLaMA2-7B proportions at 1/4 width), SDPA baseline."""
+    from transformers import LlamaConfig, LlamaModel
+
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=1024,
+        intermediate_size=2752,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    baseline = LlamaModel(config).to(torch.bfloat16).train()
+    patched = patch_llama(copy.deepcopy(baseline), codec, activation_bits)
+    ids = torch.randint(0, 1000, (batch, seq))
+    result = {}
+    for name, model in (("baseline", baseline), ("hf_actq", patched)):
+        with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+            hidden = model(input_ids=ids).last_hidden_state
+        hidden.float().pow(2).mean().backward()
+        result[name] = {"saved_bytes": meter.nbytes}
+    result["ratio"] = result["baseline"]["saved_bytes"] / result["hf_actq"]["saved_bytes"]
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--llama-batch", type=int, default=4)
+    parser.add_argument("--llama-seq", type=int, default=512)
     parser.add_argument("--output")
     args = parser.parse_args(argv)
 
@@ -175,6 +225,20 @@ def main(argv=None):
             f"  baseline {base / 2**20:.1f} MiB, hf_actq {ours / 2**20:.1f} MiB, "
             f"{result['ratio']:.2f}x smaller"
         )
+    llama = {}
+    for label, codec, bits in (
+        ("AQ 0.5-bit (G=4, b=2) on every slot, 1-bit few-bit SiLU", AverageQuantCodec(2, 4), 1),
+        ("uniform 4-bit on every slot, 4-bit few-bit SiLU", uniform(4), 4),
+    ):
+        result = llama_blocks(args.llama_batch, args.llama_seq, codec, bits)
+        llama[label] = result
+        base, ours = result["baseline"]["saved_bytes"], result["hf_actq"]["saved_bytes"]
+        print(
+            f"\nLLaMA-style decoder (2 layers, hidden 1024, intermediate 2752), bf16, batch "
+            f"{args.llama_batch}, seq {args.llama_seq}, {label}:\n"
+            f"  baseline {base / 2**20:.1f} MiB, hf_actq {ours / 2**20:.1f} MiB, "
+            f"{result['ratio']:.2f}x smaller"
+        )
     if args.output:
         with open(args.output, "w") as f:
             json.dump(
@@ -184,6 +248,7 @@ def main(argv=None):
                         for r in rows
                     ],
                     "roberta_base": model,
+                    "llama_blocks": llama,
                 },
                 f,
                 indent=1,
