@@ -12,17 +12,19 @@ from hf_actq.codecs.average import AverageQuantCodec, uniform
 from hf_actq.codecs.mask import MaskCodec
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.codecs.sign_preserving import SignPreservingCodec
+from hf_actq.codecs.smaq import SmaQCodec
 
 CODECS = {
     "aq": AverageQuantCodec,
     "uniform": uniform,
     "blpa": SignPreservingCodec,
     "mask": MaskCodec,
+    "smaq": SmaQCodec,
 }
 
 
 def make_codec(name: str, **params) -> Codec:
-    """A codec by name ("aq", "uniform", "blpa", "mask") with its parameters."""
+    """A codec by name ("aq", "uniform", "blpa", "mask", "smaq") with its parameters."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; allowed values: {', '.join(sorted(CODECS))}")
     return CODECS[name](**params)
@@ -49,6 +51,7 @@ __all__ = [
     "MaskCodec",
     "Packed",
     "SignPreservingCodec",
+    "SmaQCodec",
     "make_codec",
     "pack",
     "unpack",
