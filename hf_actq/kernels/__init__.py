@@ -23,6 +23,8 @@ from hf_actq.kernels.reference import (
     mask_unpack_reference,
     pack_codes,
     packed_nbytes,
+    smaq_dequantize_reference,
+    smaq_quantize_reference,
     unpack_codes,
 )
 
@@ -35,6 +37,8 @@ __all__ = [
     "fewbit_forward",
     "mask_pack",
     "mask_unpack",
+    "smaq_dequantize",
+    "smaq_quantize",
     "pack_codes",
     "packed_nbytes",
     "triton_available",
@@ -124,3 +128,19 @@ def mask_unpack(data, shape, dtype):
 
         return mask_unpack_triton(data, shape, dtype)
     return mask_unpack_reference(data, shape, dtype)
+
+
+def smaq_quantize(source, stats, block, slots, stochastic, seed=0):
+    if uses_triton(source):
+        from hf_actq.kernels.smaq import smaq_quantize_triton
+
+        return smaq_quantize_triton(source, stats, block, slots, stochastic, seed)
+    return smaq_quantize_reference(source, stats, block, slots, stochastic, seed)
+
+
+def smaq_dequantize(main, extension, stats, shape, dtype, block, slots):
+    if uses_triton(stats) and dtype in _TRITON_DTYPES:
+        from hf_actq.kernels.smaq import smaq_dequantize_triton
+
+        return smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots)
+    return smaq_dequantize_reference(main, extension, stats, shape, dtype, block, slots)

@@ -46,6 +46,7 @@ def variants() -> list[Variant]:
     them.
     """
     from hf_actq.codecs.packed import BLOCK_SIZES
+    from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit.activations import ACTIVATIONS
     from hf_actq.kernels import average_quant, fewbit, mask, sign_preserving
 
@@ -125,6 +126,42 @@ def variants() -> list[Variant]:
                             "n_elements": index,
                             "n_bytes": index,
                             "bits": "i32",
+                        },
+                        {"BLOCK": block},
+                    )
+                )
+            for block in SMAQ_BLOCK_SIZES:
+                out.append(
+                    _variant(
+                        "smaq",
+                        "smaq_quantize_kernel",
+                        {
+                            "src_ptr": f"*{dtype}",
+                            "stats_ptr": "*fp32",
+                            "main_ptr": "*u8",
+                            "ext_ptr": "*u8",
+                            "n_elements": index,
+                            "n_main_bytes": index,
+                            "slots": "i32",
+                            "stochastic": "i32",
+                            "seed": "i32",
+                        },
+                        {"BLOCK": block, "SLOTS_PAD": block},
+                    )
+                )
+                out.append(
+                    _variant(
+                        "smaq",
+                        "smaq_dequantize_kernel",
+                        {
+                            "main_ptr": "*u8",
+                            "ext_ptr": "*u8",
+                            "stats_ptr": "*fp32",
+                            "out_ptr": f"*{dtype}",
+                            "n_elements": index,
+                            "n_main_bytes": index,
+                            "n_ext_bytes": index,
+                            "slots": "i32",
                         },
                         {"BLOCK": block},
                     )

@@ -379,3 +379,91 @@ def mask_unpack_reference(
     data: torch.Tensor, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
     return unpack_codes(data, shape.numel(), 1).to(dtype).view(shape)
+
+
+# SmaQ (codecs/smaq.py) ---------------------------------------------------------------------------
+_SMAQ_CHUNK_BLOCKS = 256
+
+
+def smaq_quantize_reference(
+    source: torch.Tensor,
+    stats: torch.Tensor,
+    block: int,
+    slots: int,
+    stochastic: bool,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed 6-bit main codes and packed 2-bit extension slots (``slots`` per block) of flat
+    ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout."""
+    n = source.numel()
+    device = source.device
+    mean, std = stats[0], stats[1]
+    inv_std = torch.where(std > 0, 1.0 / std, torch.zeros_like(std))
+    generator = None
+    if stochastic:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    blocks = -(-n // block)
+    main = torch.empty(packed_nbytes(n, 6), dtype=torch.uint8, device=device)
+    extension = torch.zeros(blocks, max(slots, 1), dtype=torch.float32, device=device)
+    step = _SMAQ_CHUNK_BLOCKS * block
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = -(-(stop - start) // block)
+        chunk = _padded(source[start:stop].float(), rows * block, 0.0)
+        z = ((chunk - mean) * inv_std).clamp_(-2.0, 2.0).view(rows, block)
+        if stochastic:
+            u = torch.rand(z.shape, device=device, generator=generator)
+        else:
+            u = torch.full_like(z, 0.5)
+        valid = (torch.arange(rows * block, device=device) < stop - start).view(rows, block)
+        outlier = (z.abs() > 1.0) & valid
+        inlier_code = torch.floor((z + 1.0) * 15.5 + u).clamp_(0, 31)
+        magnitude = z.abs() - 1.0
+        fine = torch.floor(magnitude * 63.0 + u).clamp_(0, 63)
+        coarse = torch.floor(magnitude * 15.0 + u).clamp_(0, 15)
+        rank = torch.cumsum(outlier.to(torch.int32), dim=1) - 1
+        extended = outlier & (rank < slots)
+        top = torch.where(extended, torch.floor(fine / 4), coarse)
+        code = torch.where(outlier, 32 + 16 * (z < 0).float() + top, inlier_code)
+        _pack_chunk_into(code.view(-1)[: stop - start], 6, main, start)
+        if slots:
+            low = fine - 4 * torch.floor(fine / 4)
+            ext = extension[start // block : start // block + rows]
+            row_index = torch.arange(rows, device=device)[:, None].expand_as(rank)
+            ext[row_index[extended], rank[extended].long()] = low[extended]
+    if not slots:
+        return main, main.new_empty(0)
+    return main, pack_codes(extension[:, :slots].reshape(-1), 2)
+
+
+def smaq_dequantize_reference(
+    main: torch.Tensor,
+    extension: torch.Tensor,
+    stats: torch.Tensor,
+    shape: torch.Size,
+    dtype: torch.dtype,
+    block: int,
+    slots: int,
+) -> torch.Tensor:
+    n = shape.numel()
+    device = main.device
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    blocks = -(-n // block)
+    codes = torch.zeros(blocks * block, dtype=torch.int32, device=device)
+    codes[:n] = unpack_codes(main, n, 6).to(torch.int32)
+    codes = codes.view(blocks, block)
+    outlier = codes >= 32
+    top = (codes & 15).float()
+    rank = torch.cumsum(outlier.to(torch.int32), dim=1) - 1
+    extended = outlier & (rank < slots)
+    magnitude = top / 15.0
+    if slots:
+        ext = unpack_codes(extension, blocks * slots, 2).view(blocks, slots).float()
+        low = ext.gather(1, rank.clamp(0, slots - 1).to(torch.int64))
+        magnitude = torch.where(extended, (4 * top + low) / 63.0, magnitude)
+    sign = torch.where((codes & 16) > 0, -1.0, 1.0)
+    z = torch.where(outlier, sign * (1.0 + magnitude), codes.float() / 15.5 - 1.0)
+    values = z.view(-1)[:n] * stats[1] + stats[0]
+    return values.to(dtype).view(shape)

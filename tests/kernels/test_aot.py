@@ -16,10 +16,12 @@ pytest.importorskip("triton")
 
 def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
     from hf_actq.codecs.packed import BLOCK_SIZES
+    from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit import ACTIVATIONS
     from hf_actq.kernels.aot import FLOAT_TYPES, INDEX_TYPES, variants
 
-    per_float_type = len(ACTIVATIONS) + 1 + 2 * len(BLOCK_SIZES) + 2  # fewbit, aq, blpa
+    # fewbit (forward per activation + backward), aq and blpa, smaq
+    per_float_type = len(ACTIVATIONS) + 1 + 2 * len(BLOCK_SIZES) + 2 + 2 * len(SMAQ_BLOCK_SIZES)
     per_mask_type = 2
     expected = len(INDEX_TYPES) * (
         len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
@@ -43,7 +45,7 @@ def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 8
+    assert len(defined) == 10
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run

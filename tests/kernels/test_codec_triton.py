@@ -107,3 +107,44 @@ def test_mask_kernels_match_twin(dtype):
 
 def test_block_sizes_are_the_compiled_ones():
     assert BLOCK_SIZES == (32, 64, 128, 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block,capacity", [(64, 0.375), (128, 0.0), (256, 0.375), (64, 1.0)])
+def test_smaq_deterministic_kernels_match_twin(block, capacity, dtype):
+    from hf_actq.codecs import SmaQCodec
+    from hf_actq.codecs.smaq import _mean_std
+    from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
+
+    torch.manual_seed(block)
+    source = (torch.randn(1000) * 2 + 0.5).to(dtype)
+    source[:70] = 4.0  # a crowded block overflows its extension slots
+    slots = SmaQCodec(block_size=block, capacity=capacity).slots
+    stats = _mean_std(source)
+    got = smaq_quantize_triton(source, stats, block, slots, False)
+    expected = reference.smaq_quantize_reference(source, stats, block, slots, False)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    shape = torch.Size([1000])
+    out = smaq_dequantize_triton(*expected, stats, shape, dtype, block, slots)
+    assert torch.equal(
+        out, reference.smaq_dequantize_reference(*expected, stats, shape, dtype, block, slots)
+    )
+
+
+def test_smaq_stochastic_kernel_is_unbiased():
+    from hf_actq.codecs.smaq import _mean_std
+    from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
+
+    torch.manual_seed(0)
+    source = torch.randn(256)
+    stats = _mean_std(source)
+    std = stats[1].item()
+    target = source.double().clamp(stats[0] - 2 * std, stats[0] + 2 * std)
+    trials = 200
+    total = torch.zeros(256, dtype=torch.float64)
+    for _ in range(trials):
+        packed = smaq_quantize_triton(source, stats, 64, 24, True, draw_seed())
+        total += smaq_dequantize_triton(
+            *packed, stats, torch.Size([256]), torch.float32, 64, 24
+        ).double()
+    assert (total / trials - target).abs().max() < 5 * (2 / 31 * std) / math.sqrt(trials)
