@@ -87,3 +87,20 @@ def draw_seed() -> int:
     (which restores the CPU state too) reproduce it, and drawing exactly one per pack keeps the
     RNG stream independent of whether a shared input was found already packed."""
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+@dataclass(frozen=True)
+class ExactCodec(Codec):
+    """Keeps the tensor itself (compacted: a view of a larger tensor would otherwise keep that
+    whole storage alive). For slots a recipe leaves uncompressed inside a fused op."""
+
+    name = "exact"
+
+    def nbytes(self, shape) -> int:
+        raise ValueError("the exact codec's size depends on the dtype; use Packed.nbytes")
+
+    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
+        return Packed(self, x.shape, x.dtype, (x.contiguous(),))
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        return packed.tensors[0]

@@ -1,0 +1,241 @@
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+import hf_actq
+from hf_actq import ActQConfig, SavedTensorMeter
+
+SMALL = {
+    "bert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
+    "roberta": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    ),
+    "xlm-roberta": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    ),
+    "electra": dict(
+        hidden_size=32,
+        embedding_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+    ),
+    "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
+    "deberta-v2": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    ),
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
+    "gpt_neox": dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    ),
+    "llama": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    ),
+    "mistral": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    ),
+    "qwen2": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    ),
+    "qwen3": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        head_dim=8,
+    ),
+    "gemma": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        head_dim=8,
+    ),
+    "gemma2": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        head_dim=8,
+    ),
+    "phi3": dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    ),
+}
+ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2"}
+NO_DROPOUT = {
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "seq_classif_dropout": 0.0,
+    "hidden_dropout": 0.0,
+}
+
+
+def _model(model_type, dropout=False):
+    kwargs = dict(SMALL[model_type], vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if not dropout:
+        kwargs.update(NO_DROPOUT)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if model_type == "distilbert":
+        config.dropout = config.attention_dropout = 0.0 if not dropout else 0.1
+    torch.manual_seed(0)
+    auto = AutoModelForSequenceClassification if model_type in ENCODERS else AutoModelForCausalLM
+    if model_type in ENCODERS:
+        config.num_labels = 2
+    return auto.from_config(config).train()
+
+
+def _batch(model_type):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12))
+    labels = torch.tensor([0, 1]) if model_type in ENCODERS else ids
+    return dict(input_ids=ids, labels=labels)
+
+
+def _step(model, batch):
+    model.zero_grad()
+    params = list(model.parameters())
+    with SavedTensorMeter(exclude=params) as meter:
+        out = model(**batch)
+    out.loss.backward()
+    grads = [p.grad.clone() if p.grad is not None else None for p in params]
+    return out.logits.detach(), grads, meter.nbytes
+
+
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts(model_type):
+    model = _model(model_type)
+    batch = _batch(model_type)
+    logits, grads, nbytes = _step(model, batch)
+    keys = set(model.state_dict())
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    assert any(d.startswith(("activation", "gated_mlp")) for d in handle.patched.values())
+    patched_logits, patched_grads, patched_bytes = _step(model, batch)
+    assert torch.equal(patched_logits, logits)
+    assert patched_bytes < nbytes
+    assert set(model.state_dict()) == keys
+    handle.revert()
+    reverted_logits, reverted_grads, reverted_bytes = _step(model, batch)
+    assert torch.equal(reverted_logits, logits) and reverted_bytes == nbytes
+    for a, b in zip(reverted_grads, grads):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_uniform_recipe_keeps_gradients_close(model_type):
+    model = _model(model_type)
+    batch = _batch(model_type)
+    _, grads, nbytes = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    _, patched_grads, patched_bytes = _step(model, batch)
+    handle.revert()
+    assert patched_bytes < nbytes
+    flat = torch.cat([g.flatten() for g in grads if g is not None])
+    patched = torch.cat([g.flatten() for g in patched_grads if g is not None])
+    # 8-bit stochastic rounding everywhere, 4-bit few-bit activations: documented bound.
+    assert torch.nn.functional.cosine_similarity(flat, patched, dim=0) > 0.98
+
+
+def test_apply_twice_is_an_error_and_print_shows_patches():
+    model = _model("bert")
+    handle = hf_actq.apply(model, bits=4)
+    with pytest.raises(ValueError, match="already applied"):
+        hf_actq.apply(model, bits=4)
+    text = repr(model)
+    assert "hf_actq=linear AverageQuantCodec(bits=4" in text
+    assert "hf_actq=activation gelu 4-bit few-bit" in text
+    hf_actq.revert(model)
+    assert "hf_actq" not in repr(model)
+    assert handle.patched == {}
+
+
+def test_unknown_model_type_goes_generic_with_a_warning(caplog):
+    class Mystery(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"model_type": "mystery"})()
+            self.body = nn.Sequential(
+                nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.LayerNorm(16), nn.Linear(16, 1)
+            )
+
+        def forward(self, x):
+            return self.body(x)
+
+    model = Mystery()
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        handle = hf_actq.apply(model, bits=4)
+    assert "model type 'mystery' has no registered patcher" in caplog.text
+    assert set(handle.patched) == {"body.0", "body.1", "body.2", "body.3", "body.4"}
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+
+
+def test_skip_modules_and_switches():
+    model = _model("llama")
+    handle = hf_actq.apply(
+        model, ActQConfig(bits=4, skip_modules=[r"layers\.1\."], attention=False)
+    )
+    assert not any(".layers.1." in path for path in handle.patched)
+    assert not any(d.startswith("attention") for d in handle.patched.values())
+    assert any(d.startswith("gated_mlp") for d in handle.patched.values())
+    handle.revert()
+
+
+def test_gemma_norms_are_kept_exact():
+    model = _model("gemma")
+    handle = hf_actq.apply(model, bits=4)
+    assert any("different formula" in reason for reason in handle.skipped.values())
+    handle.revert()
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=9), "bits must be an integer in 1..8 for codec 'uniform', got 9"),
+        (dict(bits=0.5), "bits must be an integer in 1..8"),
+        (dict(codec="zip"), "codec must be one of uniform, aq, blpa, smaq"),
+        (dict(activation_bits=5), "activation_bits must be an integer in 1..4"),
+        (dict(skip_modules=["("]), "is not a valid regex"),
+        (dict(dropout_mode="bits"), "dropout_mode must be one of seed, mask"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActQConfig(**kwargs)
+
+
+def test_config_round_trip_and_recipes():
+    config = ActQConfig.from_recipe("alam", bits=0.5)
+    assert ActQConfig.from_dict(config.to_dict()) == config
+    assert config.make_codec().group_size == 4 and config.make_codec().bits == 2
+    with pytest.raises(ValueError, match="unknown recipe 'fast'"):
+        ActQConfig.from_recipe("fast")
+    with pytest.raises(ValueError, match="unknown ActQConfig fields"):
+        ActQConfig.from_dict({"bitz": 3})
