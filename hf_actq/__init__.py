@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MODEL_TYPE_TO_APPLY_FN",
+    "ActQCallback",  # noqa: F405 (provided lazily by __getattr__)
     "ActQConfig",
     "ActQHandle",
     "FewBitTable",
@@ -25,3 +26,12 @@ __all__ = [
     "revert",
     *_ops_all,
 ]
+
+
+def __getattr__(name):
+    # The callback imports transformers' Trainer stack: load it only when asked for.
+    if name == "ActQCallback":
+        from hf_actq.integrations.trainer import ActQCallback
+
+        return ActQCallback
+    raise AttributeError(f"module 'hf_actq' has no attribute {name!r}")

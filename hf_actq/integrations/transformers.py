@@ -196,15 +196,24 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _compress(module, *tensors) -> bool:
+    """Whether a patched module takes its compressed path.
+
+    In training mode it always does, even under no_grad: reentrant checkpointing runs the first
+    forward without grad, and the stochastic codecs must draw the same RNG seeds there as in the
+    recompute and as an uncheckpointed run (the packed result is simply discarded)."""
+    return module.training or _needs_grad(*tensors)
+
+
 def _linear_forward(self, x):
-    if not _needs_grad(x, self.weight, self.bias):
+    if not _compress(self, x, self.weight, self.bias):
         return F.linear(x, self.weight, self.bias)
     state = getattr(self, _STATE)
     return CompressedLinearFunction.apply(x, self.weight, self.bias, state.codec, state.cache)
 
 
 def _layer_norm_forward(self, x):
-    if not _needs_grad(x, self.weight, self.bias):
+    if not _compress(self, x, self.weight, self.bias):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)
     return CompressedLayerNormFunction.apply(
@@ -213,7 +222,7 @@ def _layer_norm_forward(self, x):
 
 
 def _rms_norm_forward(self, x):
-    if not _needs_grad(x, self.weight):
+    if not _compress(self, x, self.weight):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)
     return CompressedRMSNormFunction.apply(
@@ -244,7 +253,7 @@ def _patch_rms_norm(module, path, codec, cache, handle):
 def _dropout_forward(self, x):
     if not self.training or self.p == 0.0:
         return x
-    if not _needs_grad(x) or self.p == 1.0:
+    if self.p == 1.0:
         return F.dropout(x, self.p, True, self.inplace)
     return CompressedDropoutFunction.apply(x, float(self.p), getattr(self, _STATE).extra["mode"])
 
@@ -336,7 +345,7 @@ def _patch_gated_mlp(module, path, config, codec, cache, handle) -> bool:
 
 def _gated_mlp_forward(self, x):
     gate_proj, up_proj, down = self.gate_proj, self.up_proj, self.down_proj
-    if not _needs_grad(x, gate_proj.weight, up_proj.weight, down.weight):
+    if not _compress(self, x, gate_proj.weight, up_proj.weight, down.weight):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)
     codec, cache = state.codec, state.cache
@@ -392,7 +401,7 @@ def _patch_fused_gated_mlp(module, path, config, codec, operands, cache, handle)
 def _fused_gated_mlp_forward(self, x):
     """Phi-3's ``down(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``."""
     fused, down = self.gate_up_proj, self.down_proj
-    if not _needs_grad(x, fused.weight, down.weight):
+    if not _compress(self, x, fused.weight, down.weight):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)
     linear_codec = state.extra["linear"]

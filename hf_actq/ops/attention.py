@@ -125,9 +125,12 @@ def compressed_eager_attention(
         scaling = query.size(-1) ** -0.5
     if codecs is None:
         codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
-    p = dropout if module is None or module.training else 0.0
+    training = module is not None and module.training
+    p = dropout if module is None or training else 0.0
+    # In training, compress even under no_grad (reentrant checkpointing's first forward) so the
+    # RNG seeds drawn match the recompute.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if not needs_grad:
+    if not (needs_grad or training):
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
         if attention_mask is not None:
             scores = scores + attention_mask
@@ -266,8 +269,9 @@ def compressed_sdpa_attention(
         )
 
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    training = module is not None and getattr(module, "training", False)
     plain = (
-        not needs_grad
+        not (needs_grad or training)
         or dropout > 0.0
         or kwargs.get("position_bias") is not None
         or kwargs.get("cache") is not None

@@ -239,3 +239,38 @@ def test_config_round_trip_and_recipes():
         ActQConfig.from_recipe("fast")
     with pytest.raises(ValueError, match="unknown ActQConfig fields"):
         ActQConfig.from_dict({"bitz": 3})
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_gradient_checkpointing_gives_the_same_gradients(model_type, use_reentrant):
+    model = _model(model_type, dropout=True)
+    batch = _batch(model_type)
+    hf_actq.apply(model, bits=4)
+    torch.manual_seed(3)
+    _, expected, _ = _step(model, batch)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
+    )
+    torch.manual_seed(3)
+    _, got, _ = _step(model, batch)
+    for a, b in zip(got, expected):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_no_grad_and_eval_keep_nothing_and_match(model_type):
+    model = _model(model_type, dropout=True)
+    batch = _batch(model_type)
+    model.eval()
+    with torch.no_grad():
+        expected = model(**batch).logits
+    handle = hf_actq.apply(model, bits=4)
+    for training in (False, True):
+        model.train(training)
+        with SavedTensorMeter() as meter, torch.no_grad():
+            logits = model(**batch).logits
+        assert meter.nbytes == 0
+        if not training:
+            assert torch.equal(logits, expected)
+    handle.revert()

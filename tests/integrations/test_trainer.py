@@ -1,0 +1,103 @@
+import torch
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
+
+from hf_actq import ActQCallback
+
+
+class Toy(torch.utils.data.Dataset):
+    def __init__(self, causal: bool, n: int = 32):
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, 100, (n, 16), generator=generator)
+        self.labels = self.ids if causal else (self.ids[:, 0] % 2)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+def _args(tmp_path, **extra):
+    return TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        **extra,
+    )
+
+
+def _bert():
+    torch.manual_seed(0)
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+        )
+    )
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_trainer_with_callback_trains_a_tiny_bert(tmp_path):
+    callback = ActQCallback(bits=3)
+    trainer = Trainer(
+        model=_bert(), args=_args(tmp_path), train_dataset=Toy(False), callbacks=[callback]
+    )
+    assert callback.handle is not None and callback.handle.patched  # patched at init
+    trainer.train()
+    losses = _losses(trainer)
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert "hf_actq=" in repr(trainer.model)
+
+
+def test_trainer_tiny_llama_with_gradient_checkpointing_and_accumulation(tmp_path):
+    callback = ActQCallback(bits=4)
+    args = _args(tmp_path, activation_checkpointing=True, gradient_accumulation_steps=2)
+    trainer = Trainer(model=_llama(), args=args, train_dataset=Toy(True), callbacks=[callback])
+    trainer.train()
+    losses = _losses(trainer)
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    assert any(d.startswith("gated_mlp") for d in callback.handle.patched.values())
+
+
+def test_callback_added_after_init_patches_at_train_begin(tmp_path):
+    trainer = Trainer(model=_bert(), args=_args(tmp_path), train_dataset=Toy(False))
+    callback = ActQCallback(bits=4)
+    trainer.add_callback(callback)
+    assert callback.handle is None
+    trainer.train()
+    assert callback.handle is not None and callback.handle.patched
