@@ -438,6 +438,13 @@ def _patch_attention(model, config, codec, handle, kind):
     if kind == "sdpa" and getattr(model_config, "attn_logit_softcapping", None):
         handle.skipped["attention"] = "logit soft-capping needs eager attention (kept exact)"
         return
+    previous = model_config._attn_implementation
+    if kind == "sdpa" and previous != "sdpa":
+        handle.skipped["attention"] = f"{previous!r} attention (kept exact; sdpa is patched)"
+        return
+    if previous not in ("eager", "sdpa", None):
+        handle.skipped["attention"] = f"{previous!r} attention (kept exact)"
+        return
     name = register_attention() if kind == "eager" else register_sdpa_attention()
     slots = ("q", "k", "v", "probs") if kind == "eager" else ("q", "k", "v")
     codecs = dict.fromkeys(slots, codec)
@@ -446,13 +453,13 @@ def _patch_attention(model, config, codec, handle, kind):
         if config.skips(path) or not type(module).__name__.endswith("Attention"):
             continue
         module.hf_actq_attention_codecs = codecs
+        # Without grad in eval, the original implementation runs, so outputs stay identical.
+        module.hf_actq_attention_fallback = previous
         handle.patched[path] = f"attention ({kind}) {codec!r}"
-        handle._undo.append(
-            functools.partial(module.__dict__.pop, "hf_actq_attention_codecs", None)
-        )
+        for attribute in ("hf_actq_attention_codecs", "hf_actq_attention_fallback"):
+            handle._undo.append(functools.partial(module.__dict__.pop, attribute, None))
         count += 1
     if count:
-        previous = model_config._attn_implementation
         model_config._attn_implementation = name
 
         def undo():

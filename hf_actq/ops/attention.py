@@ -131,6 +131,13 @@ def compressed_eager_attention(
     # RNG seeds drawn match the recompute.
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if not (needs_grad or training):
+        fallback = getattr(module, "hf_actq_attention_fallback", None)
+        if fallback == "sdpa":
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
+            )
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
         if attention_mask is not None:
             scores = scores + attention_mask
