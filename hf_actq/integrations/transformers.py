@@ -186,7 +186,7 @@ def _patch(module, path, handle, forward, state, description):
     handle.patched[path] = shown
 
     def undo():
-        for name in ("forward", _STATE, "extra_repr"):
+        for name in ("forward", _STATE, "extra_repr", "_hf_actq_warned"):
             module.__dict__.pop(name, None)
 
     handle._undo.append(undo)
@@ -314,6 +314,17 @@ def _activation_forward(self, x):
 # Gated MLP ------------------------------------------------------------------------------------
 
 
+def _warn_replaced(module) -> None:
+    if not getattr(module, "_hf_actq_warned", False):
+        module._hf_actq_warned = True
+        logger.warning(
+            "hf_actq: a projection of %s was replaced after hf_actq.apply (e.g. by PEFT); its "
+            "fused gated-MLP op is bypassed. Apply hf_actq after get_peft_model for full "
+            "coverage.",
+            type(module).__name__,
+        )
+
+
 def _is_gated_mlp(module) -> bool:
     return (
         all(
@@ -345,6 +356,11 @@ def _patch_gated_mlp(module, path, config, codec, cache, handle) -> bool:
 
 def _gated_mlp_forward(self, x):
     gate_proj, up_proj, down = self.gate_proj, self.up_proj, self.down_proj
+    if not all(type(m) is nn.Linear for m in (gate_proj, up_proj, down)):
+        # A projection was replaced after patching (PEFT LoRA applied later): the fused op
+        # would bypass it, so run the module's own forward (its plain linears stay patched).
+        _warn_replaced(self)
+        return type(self).forward(self, x)
     if not _compress(self, x, gate_proj.weight, up_proj.weight, down.weight):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)
@@ -401,6 +417,9 @@ def _patch_fused_gated_mlp(module, path, config, codec, operands, cache, handle)
 def _fused_gated_mlp_forward(self, x):
     """Phi-3's ``down(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2, -1)``."""
     fused, down = self.gate_up_proj, self.down_proj
+    if not (type(fused) is nn.Linear and type(down) is nn.Linear):
+        _warn_replaced(self)
+        return type(self).forward(self, x)
     if not _compress(self, x, fused.weight, down.weight):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)

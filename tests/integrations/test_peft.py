@@ -1,0 +1,65 @@
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_actq
+from hf_actq import SavedTensorMeter
+
+peft = pytest.importorskip("peft")
+
+
+def _llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    )
+
+
+def _lora(model):
+    config = peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0
+    )
+    return peft.get_peft_model(model, config)
+
+
+def _step(model, ids):
+    model.zero_grad()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return [p.grad.clone() for p in trainable], meter.nbytes
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_lora_trains_with_fewer_bytes_and_close_gradients(order):
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    reference = _lora(_llama())
+    grads, nbytes = _step(reference, ids)
+    if order == "after":
+        model = _lora(_llama())
+        handle = hf_actq.apply(model, bits=8)
+    else:
+        base = _llama()
+        handle = hf_actq.apply(base, bits=8)
+        model = _lora(base)
+    assert any(".lora_A." in path for path in handle.patched) or order == "before"
+    patched_grads, patched_bytes = _step(model, ids)
+    # Applied before get_peft_model, the LoRA-wrapped down_proj bypasses the fused gated-MLP
+    # op (with a warning): still fewer bytes, but not as few.
+    assert patched_bytes < (nbytes / 2 if order == "after" else nbytes)
+    flat = torch.cat([g.flatten() for g in grads])
+    patched = torch.cat([g.flatten() for g in patched_grads])
+    assert torch.nn.functional.cosine_similarity(flat, patched, dim=0) > 0.98
+    handle.revert()
+    assert _step(model, ids)[1] == nbytes
