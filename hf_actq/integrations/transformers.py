@@ -238,7 +238,11 @@ def _patch_rms_norm(module, path, codec, cache, handle):
         handle.skipped[path] = "RMSNorm without weight/eps"
         return
     with torch.no_grad():
-        sample = torch.randn(3, weight.shape[0], device=weight.device).to(weight.dtype)
+        # A private generator: patching must not move the global RNG (it would change, e.g.,
+        # the initialisation of LoRA weights created afterwards).
+        generator = torch.Generator(device=weight.device).manual_seed(0)
+        sample = torch.randn(3, weight.shape[0], device=weight.device, generator=generator)
+        sample = sample.to(weight.dtype)
         hidden = sample.float()
         ours = weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)).to(
             sample.dtype

@@ -274,3 +274,11 @@ def test_no_grad_and_eval_keep_nothing_and_match(model_type):
         if not training:
             assert torch.equal(logits, expected)
     handle.revert()
+
+
+def test_apply_does_not_touch_the_global_rng():
+    model = _model("llama")
+    state = torch.get_rng_state()
+    handle = hf_actq.apply(model, bits=4)
+    assert torch.equal(torch.get_rng_state(), state)
+    handle.revert()
