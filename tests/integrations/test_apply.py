@@ -282,3 +282,29 @@ def test_apply_does_not_touch_the_global_rng():
     handle = hf_actq.apply(model, bits=4)
     assert torch.equal(torch.get_rng_state(), state)
     handle.revert()
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_bf16_autocast_trains(model_type):
+    model = _model(model_type)
+    batch = _batch(model_type)
+    hf_actq.apply(model, bits=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**batch).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_torch_compile_runs_with_graph_breaks():
+    model = _model("llama")
+    batch = _batch("llama")
+    hf_actq.apply(model, bits=4)
+    torch.manual_seed(0)
+    eager = model(**batch).loss
+    compiled = torch.compile(model)
+    torch.manual_seed(0)
+    loss = compiled(**batch).loss
+    loss.backward()
+    assert torch.allclose(loss, eager, rtol=1e-4)
