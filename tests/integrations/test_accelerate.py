@@ -1,4 +1,5 @@
-"""Two processes under ``accelerate launch`` (CPU, gloo): identical patching on both ranks."""
+"""Two processes under ``accelerate launch`` (CPU, gloo), DDP and FSDP2: identical patching on
+both ranks, and training steps that keep the ranks in agreement."""
 
 import json
 import os
@@ -11,7 +12,19 @@ import pytest
 pytest.importorskip("accelerate")
 
 
-def test_two_process_ddp_run_patches_both_ranks_identically(tmp_path):
+FSDP2 = [
+    "--use_fsdp",
+    "--fsdp_version",
+    "2",
+    "--fsdp_auto_wrap_policy",
+    "TRANSFORMER_BASED_WRAP",
+    "--fsdp_transformer_layer_cls_to_wrap",
+    "LlamaDecoderLayer",
+]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_process_run_patches_both_ranks_identically(tmp_path, mode):
     launcher = shutil.which("accelerate")
     if launcher is None:
         pytest.skip("the accelerate launcher is not on PATH")
@@ -43,6 +56,6 @@ def test_two_process_ddp_run_patches_both_ranks_identically(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["patched"] == ranks[1]["patched"] and ranks[0]["patched"]
-    # DDP keeps the replicas in sync: the same weights after the steps on both ranks.
+    # DDP keeps the replicas in sync; FSDP2's sum is over the full (sharded) tensor.
     assert ranks[0]["weight_sum"] == ranks[1]["weight_sum"]
     assert all(loss == loss for r in ranks for loss in r["losses"])  # no NaN
