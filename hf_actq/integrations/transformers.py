@@ -277,10 +277,9 @@ def _patch_activation(module, path, config, handle) -> bool:
     if name in _OUTPUT_SAVING:
         handle.skipped[path] = f"{name} keeps its output, which the next layer keeps anyway"
         return True
-    spec = get_activation(name)
-    params = resolve_params(spec, params)
-    table = table_for(name, config.activation_bits, **params)
-    state = _SlotState(None, None, {"spec": spec, "params": params, "table": table, "tensors": {}})
+    extra = _activation_extra(name, params, config)
+    spec, table = extra["spec"], extra["table"]
+    state = _SlotState(None, None, extra)
     kind = "exact" if spec.exact else f"error={table.error:.4f}"
     _patch(
         module,
@@ -291,6 +290,32 @@ def _patch_activation(module, path, config, handle) -> bool:
         f"activation {name} {table.bits}-bit few-bit ({kind})",
     )
     return True
+
+
+def _activation_extra(name, params, config) -> dict:
+    """Spec, full parameters and table of a patched activation, plus a per-device tensor cache."""
+    spec = get_activation(name)
+    params = resolve_params(spec, params)
+    table = table_for(name, config.activation_bits, **params)
+    return {"spec": spec, "params": params, "table": table, "tensors": {}}
+
+
+def _gated_down(state, gate, up, down):
+    """``down(act(gate) * up)`` through the fused op, with the state's activation table."""
+    borders, levels = _table_tensors(state, gate.device)
+    spec, params = state.extra["spec"], state.extra["params"]
+    return GatedDownFunction.apply(
+        gate,
+        up,
+        down.weight,
+        down.bias,
+        (spec.name, tuple(params.values())),
+        borders,
+        levels,
+        state.extra["table"].bits,
+        state.codec,
+        state.cache,
+    )
 
 
 def _table_tensors(state, device):
@@ -341,19 +366,14 @@ def _is_gated_mlp(module) -> bool:
 
 def _patch_gated_mlp(module, path, config, codec, cache, handle) -> bool:
     name, params = activation_of(module.act_fn)
-    spec = get_activation(name)
-    params = resolve_params(spec, params)
-    table = table_for(name, config.activation_bits, **params)
-    state = _SlotState(
-        codec, cache, {"spec": spec, "params": params, "table": table, "tensors": {}}
-    )
+    extra = _activation_extra(name, params, config)
     _patch(
         module,
         path,
         handle,
         _gated_mlp_forward,
-        state,
-        f"gated_mlp {name} {table.bits}-bit few-bit; operands",
+        _SlotState(codec, cache, extra),
+        f"gated_mlp {name} {extra['table'].bits}-bit few-bit; operands",
     )
     return True
 
@@ -372,20 +392,7 @@ def _gated_mlp_forward(self, x):
     # gate and up share one packed x through the cache; a frozen weight keeps nothing.
     gate = CompressedLinearFunction.apply(x, gate_proj.weight, gate_proj.bias, codec, cache)
     up = CompressedLinearFunction.apply(x, up_proj.weight, up_proj.bias, codec, cache)
-    borders, levels = _table_tensors(state, x.device)
-    spec, params = state.extra["spec"], state.extra["params"]
-    return GatedDownFunction.apply(
-        gate,
-        up,
-        down.weight,
-        down.bias,
-        (spec.name, tuple(params.values())),
-        borders,
-        levels,
-        state.extra["table"].bits,
-        codec,
-        cache,
-    )
+    return _gated_down(state, gate, up, down)
 
 
 def _is_fused_gated_mlp(module) -> bool:
@@ -398,23 +405,15 @@ def _is_fused_gated_mlp(module) -> bool:
 
 def _patch_fused_gated_mlp(module, path, config, codec, operands, cache, handle):
     name, params = activation_of(module.activation_fn)
-    spec = get_activation(name)
-    params = resolve_params(spec, params)
-    table = table_for(name, config.activation_bits, **params)
-    extra = {
-        "spec": spec,
-        "params": params,
-        "table": table,
-        "tensors": {},
-        "linear": codec if config.linear else None,
-    }
+    extra = _activation_extra(name, params, config)
+    extra["linear"] = codec if config.linear else None
     _patch(
         module,
         path,
         handle,
         _fused_gated_mlp_forward,
         _SlotState(operands, cache, extra),
-        f"gated_mlp {name} {table.bits}-bit few-bit; operands",
+        f"gated_mlp {name} {extra['table'].bits}-bit few-bit; operands",
     )
 
 
@@ -435,20 +434,7 @@ def _fused_gated_mlp_forward(self, x):
     else:
         gate_up = F.linear(x, fused.weight, fused.bias)
     gate, up = gate_up.chunk(2, dim=-1)
-    borders, levels = _table_tensors(state, x.device)
-    spec, params = state.extra["spec"], state.extra["params"]
-    return GatedDownFunction.apply(
-        gate,
-        up,
-        down.weight,
-        down.bias,
-        (spec.name, tuple(params.values())),
-        borders,
-        levels,
-        state.extra["table"].bits,
-        state.codec,
-        state.cache,
-    )
+    return _gated_down(state, gate, up, down)
 
 
 # Attention ------------------------------------------------------------------------------------

@@ -17,14 +17,9 @@ from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec, draw_seed
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
+from hf_actq.ops.dropout import keep_mask
 
 ATTENTION_NAME = "hf_actq_eager"
-
-
-def _keep_mask(shape, p, seed, device):
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return torch.rand(shape, device=device, generator=generator) >= p
 
 
 class _Slot:
@@ -62,7 +57,7 @@ class CompressedAttentionFunction(torch.autograd.Function):
         dropped = probs
         if dropout > 0.0:
             seed = draw_seed()
-            keep = _keep_mask(probs.shape, dropout, seed, probs.device)
+            keep = keep_mask(probs.shape, dropout, seed, probs.device)
             dropped = probs * keep * (1.0 / (1.0 - dropout))
         out = torch.matmul(dropped, value)
 
@@ -83,7 +78,7 @@ class CompressedAttentionFunction(torch.autograd.Function):
         dtype = grad_out.dtype
         q, k, v, probs = (t.to(dtype) for t in (q, k, v, probs))
         if ctx.dropout > 0.0:
-            keep = _keep_mask(probs.shape, ctx.dropout, ctx.seed, probs.device)
+            keep = keep_mask(probs.shape, ctx.dropout, ctx.seed, probs.device)
             scale = 1.0 / (1.0 - ctx.dropout)
             dropped = probs * keep * scale
         else:

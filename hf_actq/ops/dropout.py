@@ -18,7 +18,8 @@ from hf_actq.kernels import mask_pack, mask_unpack
 MODES = ("seed", "mask")
 
 
-def _keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
+def keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
+    """The dropout keep-mask a seed stands for (regenerated identically in backward)."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return torch.rand(shape, device=device, generator=generator) >= p
@@ -28,7 +29,7 @@ class CompressedDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, mode):
         seed = draw_seed()
-        keep = _keep_mask(x.shape, p, seed, x.device)
+        keep = keep_mask(x.shape, p, seed, x.device)
         scale = 1.0 / (1.0 - p)
         ctx.p, ctx.mode, ctx.shape, ctx.scale = p, mode, x.shape, scale
         if mode == "seed":
@@ -42,7 +43,7 @@ class CompressedDropoutFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         (saved,) = ctx.saved_tensors
         if ctx.mode == "seed":
-            keep = _keep_mask(ctx.shape, ctx.p, int(saved.item()), grad_y.device)
+            keep = keep_mask(ctx.shape, ctx.p, int(saved.item()), grad_y.device)
         else:
             keep = mask_unpack(saved, ctx.shape, torch.bool)
         return grad_y * keep * ctx.scale, None, None
@@ -65,7 +66,7 @@ class CompressedDropout(nn.Dropout):
         if self.p == 1.0:
             return torch.zeros_like(x)
         if not (torch.is_grad_enabled() and x.requires_grad):
-            return x * _keep_mask(x.shape, self.p, draw_seed(), x.device) / (1.0 - self.p)
+            return x * keep_mask(x.shape, self.p, draw_seed(), x.device) / (1.0 - self.p)
         return CompressedDropoutFunction.apply(x, float(self.p), self.mode)
 
     def extra_repr(self) -> str:

@@ -6,8 +6,9 @@ from transformers.models.bert.modeling_bert import eager_attention_forward
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import uniform
 from hf_actq.codecs.packed import draw_seed
-from hf_actq.ops.attention import _keep_mask, compressed_eager_attention, register_attention
+from hf_actq.ops.attention import compressed_eager_attention, register_attention
 from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.dropout import keep_mask
 
 B, H, S, D = 2, 4, 24, 16
 EXACT8 = uniform(8, stochastic=False)
@@ -58,7 +59,7 @@ def test_training_dropout_uses_one_mask_in_forward_and_backward():
     out, weights = compressed_eager_attention(module, q, k, v, mask, dropout=0.2, cache=PackCache())
     got = _grads(out, (q, k, v), grad)
     torch.manual_seed(7)
-    keep = _keep_mask((B, H, S, S), 0.2, draw_seed(), q.device)
+    keep = keep_mask((B, H, S, S), 0.2, draw_seed(), q.device)
     probs = torch.softmax(torch.matmul(q, k.transpose(2, 3)) * D**-0.5 + mask, dim=-1)
     ref = torch.matmul(probs * keep * (1 / 0.8), v).transpose(1, 2)
     assert torch.allclose(out, ref, atol=1e-6)
