@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_actq import FewBitActivation, SavedTensorMeter
+from hf_actq import ActQConfig, FewBitActivation, SavedTensorMeter, apply
 
 BASELINES = {
     "gelu": lambda x: F.gelu(x),
@@ -96,7 +96,7 @@ def bench_training_step(bits, batch_size, seq_len, repeats):
 
     baseline = demo.tiny_bert()
     fewbit = copy.deepcopy(baseline)
-    demo.swap_activations(fewbit, bits)
+    apply(fewbit, ActQConfig.from_recipe("fewbit", bits=bits))
     ids, labels = next(demo.synthetic_batches(1, batch_size, seq_len))
     steps = {}
     for name, model in (("torch", baseline), ("fewbit", fewbit)):

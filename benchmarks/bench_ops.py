@@ -8,7 +8,7 @@ mode): every slot compressed (linear inputs, LayerNorm, attention q/k/v/probabil
 
     python benchmarks/bench_ops.py --output benchmarks/results/bench_ops.json
 
-The model patching here is a stand-in for the registry (hf_actq.apply), enough to measure.
+The models are patched with ``hf_actq.apply(model, ActQConfig(...))``.
 """
 
 from __future__ import annotations
@@ -22,18 +22,16 @@ import time
 import torch
 from torch import nn
 
-from hf_actq import FewBitActivation, SavedTensorMeter
-from hf_actq.codecs import AverageQuantCodec, uniform
+import hf_actq
+from hf_actq import ActQConfig, FewBitActivation, SavedTensorMeter
+from hf_actq.codecs import uniform
 from hf_actq.ops.attention import (
     compressed_eager_attention,
-    register_attention,
-    register_sdpa_attention,
 )
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.dropout import CompressedDropout
-from hf_actq.ops.gated_mlp import CompressedGatedMLP
 from hf_actq.ops.linear import CompressedLinear
-from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
+from hf_actq.ops.norm import CompressedLayerNorm
 
 
 def _median_pair(fn_a, fn_b, repeats):
@@ -97,33 +95,14 @@ def op_rows(repeats):
     return rows
 
 
-def patch_every_slot(model, codec, activation_bits, dropout_mode="seed"):
-    """Swap every slot of a BERT/RoBERTa model for its compressed op (a stand-in for apply)."""
-    cache = PackCache()
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, CompressedLinear(child, codec, cache))
-            elif isinstance(child, nn.LayerNorm):
-                setattr(module, child_name, CompressedLayerNorm(child, codec, cache))
-            elif isinstance(child, nn.Dropout):
-                setattr(module, child_name, CompressedDropout(child.p, dropout_mode))
-            elif type(child).__name__ == "GELUActivation":
-                setattr(module, child_name, FewBitActivation("gelu", activation_bits))
-    for module in model.modules():
-        if hasattr(module, "attention_head_size"):
-            module.hf_actq_attention_codecs = dict.fromkeys(("q", "k", "v", "probs"), codec)
-    model.config._attn_implementation = register_attention()
-    return model
-
-
-def roberta_base(batch, seq, codec, activation_bits, dropout_mode):
+def roberta_base(batch, seq, actq):
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
     config = RobertaConfig(attn_implementation="eager")  # roberta-base shapes, dropout 0.1
     torch.manual_seed(0)
     baseline = RobertaForSequenceClassification(config).train()
-    patched = patch_every_slot(copy.deepcopy(baseline), codec, activation_bits, dropout_mode)
+    patched = copy.deepcopy(baseline)
+    hf_actq.apply(patched, actq)
     ids = torch.randint(3, config.vocab_size, (batch, seq))
     labels = torch.randint(0, 2, (batch,))
     result = {}
@@ -141,25 +120,7 @@ def roberta_base(batch, seq, codec, activation_bits, dropout_mode):
     return result
 
 
-def patch_llama(model, codec, activation_bits):
-    """Every slot of a LLaMA-style decoder compressed (a stand-in for apply)."""
-    cache = PackCache()
-    for layer in model.layers:
-        attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(attn, name, CompressedLinear(getattr(attn, name), codec, cache))
-        attn.hf_actq_attention_codecs = dict.fromkeys(("q", "k", "v"), codec)
-        layer.mlp = CompressedGatedMLP(layer.mlp, codec, activation_bits, cache)
-        layer.input_layernorm = CompressedRMSNorm(layer.input_layernorm, codec, cache)
-        layer.post_attention_layernorm = CompressedRMSNorm(
-            layer.post_attention_layernorm, codec, cache
-        )
-    model.norm = CompressedRMSNorm(model.norm, codec, cache)
-    model.config._attn_implementation = register_sdpa_attention()
-    return model
-
-
-def llama_blocks(batch, seq, codec, activation_bits, layers=2):
+def llama_blocks(batch, seq, actq, layers=2):
     """LLaMA-style decoder layers in bf16 (LLaMA2-7B proportions at 1/4 width), SDPA baseline."""
     from transformers import LlamaConfig, LlamaModel
 
@@ -174,7 +135,8 @@ def llama_blocks(batch, seq, codec, activation_bits, layers=2):
     )
     torch.manual_seed(0)
     baseline = LlamaModel(config).to(torch.bfloat16).train()
-    patched = patch_llama(copy.deepcopy(baseline), codec, activation_bits)
+    patched = copy.deepcopy(baseline)
+    hf_actq.apply(patched, actq)
     ids = torch.randint(0, 1000, (batch, seq))
     result = {}
     for name, model in (("baseline", baseline), ("hf_actq", patched)):
@@ -207,17 +169,15 @@ def main(argv=None):
         )
 
     model = {}
-    for label, codec, bits, mode in (
-        ("uniform 4-bit, 4-bit few-bit GELU, 1-bit masks", uniform(4), 4, "mask"),
-        ("uniform 4-bit, 4-bit few-bit GELU, seeded masks", uniform(4), 4, "seed"),
+    for label, config in (
+        ("uniform 4-bit, 4-bit few-bit GELU, 1-bit masks", ActQConfig(bits=4, dropout_mode="mask")),
+        ("uniform 4-bit, 4-bit few-bit GELU, seeded masks", ActQConfig(bits=4)),
         (
             "AQ 0.5-bit (G=4, b=2), 1-bit few-bit GELU, seeded masks",
-            AverageQuantCodec(2, 4),
-            1,
-            "seed",
+            ActQConfig(codec="aq", bits=0.5, activation_bits=1),
         ),
     ):
-        result = roberta_base(args.batch, args.seq, codec, bits, mode)
+        result = roberta_base(args.batch, args.seq, config)
         model[label] = result
         base, ours = result["baseline"]["saved_bytes"], result["hf_actq"]["saved_bytes"]
         print(
@@ -226,11 +186,14 @@ def main(argv=None):
             f"{result['ratio']:.2f}x smaller"
         )
     llama = {}
-    for label, codec, bits in (
-        ("AQ 0.5-bit (G=4, b=2) on every slot, 1-bit few-bit SiLU", AverageQuantCodec(2, 4), 1),
-        ("uniform 4-bit on every slot, 4-bit few-bit SiLU", uniform(4), 4),
+    for label, config in (
+        (
+            "AQ 0.5-bit (G=4, b=2) on every slot, 1-bit few-bit SiLU",
+            ActQConfig(codec="aq", bits=0.5, activation_bits=1),
+        ),
+        ("uniform 4-bit on every slot, 4-bit few-bit SiLU", ActQConfig(bits=4)),
     ):
-        result = llama_blocks(args.llama_batch, args.llama_seq, codec, bits)
+        result = llama_blocks(args.llama_batch, args.llama_seq, config)
         llama[label] = result
         base, ours = result["baseline"]["saved_bytes"], result["hf_actq"]["saved_bytes"]
         print(

@@ -2,8 +2,9 @@
 
 ``hf-actq demo`` (or ``python -m hf_actq``) builds a small BERT classifier from a config (random
 weights, no downloads), trains two identical copies on the same synthetic task, one with its GELU
-modules swapped for :class:`hf_actq.FewBitActivation`, and prints the bytes autograd holds for
-backward (whole model and GELU slots) and the training losses of both runs.
+activations made few-bit, and prints the bytes autograd holds for
+backward (whole model and GELU slots) and the training losses of both runs. The few-bit copy
+is made with ``hf_actq.apply`` and the "fewbit" recipe.
 """
 
 from __future__ import annotations
@@ -14,26 +15,9 @@ import copy
 import torch
 from torch import nn
 
-from hf_actq.fewbit.activations import activation_of
+from hf_actq.config import ActQConfig
+from hf_actq.integrations.transformers import apply
 from hf_actq.memory import SavedTensorMeter
-from hf_actq.ops.fewbit_activation import FewBitActivation
-
-
-def swap_activations(model: nn.Module, bits: int) -> list[str]:
-    """Replace the model's activation modules by few-bit ones; returns the patched paths.
-
-    A stand-in for the model-patching registry, enough for the demo.
-    """
-    patched = []
-    for path, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            found = activation_of(child)
-            # torch's tanh and sigmoid keep their output, which the next layer keeps anyway
-            # (BERT's pooler): a few-bit copy would add bytes, not save them.
-            if found is not None and found[0] not in ("tanh", "sigmoid"):
-                setattr(module, child_name, FewBitActivation(found[0], bits, **found[1]))
-                patched.append(f"{path}.{child_name}" if path else child_name)
-    return patched
 
 
 def tiny_bert(seed: int = 0):
@@ -97,7 +81,8 @@ def run(bits: int = 3, steps: int = 40, batch_size: int = 16, seq_len: int = 128
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     fewbit = copy.deepcopy(baseline)
-    patched = swap_activations(fewbit, bits)
+    handle = apply(fewbit, ActQConfig.from_recipe("fewbit", bits=bits))
+    patched = [path for path, what in handle.patched.items() if what.startswith("activation")]
 
     ids, labels = next(synthetic_batches(1, batch_size, seq_len, seed=123))
     base_total, base_act = measure(baseline, ids, labels)
