@@ -1,0 +1,151 @@
+"""``hf-actq memory`` / ``python -m hf_actq.memory``: how much memory hf_actq saves on a model.
+
+With no arguments it measures the embedded default, RoBERTa-base's shapes (random weights, no
+downloads) at batch 8 and sequence 128 in fp32, under the baseline and the "fewbit", "uniform"
+and "alam" recipes, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+DEFAULT_RECIPES = ["fewbit", "uniform", "alam"]
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def parse_size(text: str) -> int:
+    """ "80GiB", "80GB", "24G", "512MiB" -> bytes (GB and G are taken as GiB, as GPUs are sold)."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected a size like 80GiB or 24GB, got {text!r}")
+    power = " KMGT".index(match.group(2).upper() or " ")
+    return int(float(match.group(1)) * 1024**power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from hf_actq.memory.presets import PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="hf-actq memory",
+        description="Measure activation and peak memory of one training step per recipe.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default="roberta-base",
+        help=f"a preset ({', '.join(PRESETS)}), a local model directory, or a hub id "
+        "(needs network; only its config is used). Default: roberta-base",
+    )
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the preset's dtype")
+    parser.add_argument("--peft", choices=("none", "lora", "qlora"), default="none")
+    parser.add_argument(
+        "--recipe",
+        nargs="+",
+        default=DEFAULT_RECIPES,
+        help='recipes compared with the baseline, with optional overrides: "fewbit:bits=2" '
+        f'"uniform:bits=4" "alam:bits=0.5". Default: {" ".join(DEFAULT_RECIPES)}',
+    )
+    parser.add_argument("--gpu-memory", type=parse_size, default=parse_size("80GiB"))
+    parser.add_argument("--layers", choices=("auto", "all", "scaled"), default="auto")
+    parser.add_argument("--task", choices=("causal-lm", "classification"))
+    parser.add_argument("--attn-implementation", help="e.g. eager or sdpa (default: the model's)")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--output", help="directory for memory.json, memory.md and memory.png")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def load_config(model: str):
+    from transformers import AutoConfig
+
+    from hf_actq.memory.presets import PRESETS, preset_config
+
+    if model in PRESETS:
+        return preset_config(model), PRESETS[model]
+    if not os.path.isdir(model) and "/" not in model:
+        raise SystemExit(
+            f"hf-actq memory: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
+            "directory nor a hub id"
+        )
+    try:
+        return AutoConfig.from_pretrained(model), None
+    except OSError as error:
+        raise SystemExit(f"hf-actq memory: cannot load the config of {model!r}: {error}") from None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from hf_actq.memory.report import measure_model
+
+    config, preset = load_config(args.model)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    if dtype is None:
+        dtype = preset.dtype if preset else getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    bar = None
+    progress = None
+    if not args.no_progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc="hf-actq memory", unit="step", file=sys.stderr, leave=False)
+        steps_started = []
+
+        def progress(what: str, total: int) -> None:
+            # Called as each step starts: the previous one is done.
+            bar.total = total
+            bar.update(1 if steps_started else 0)
+            steps_started.append(what)
+            bar.set_postfix_str(what)
+
+    try:
+        report = measure_model(
+            config,
+            args.recipe,
+            name=args.model,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            dtype=dtype,
+            peft=args.peft,
+            task=args.task or (preset.task if preset else None),
+            layers=args.layers,
+            gpu_memory_bytes=args.gpu_memory,
+            device=device,
+            attn_implementation=args.attn_implementation,
+            progress=progress,
+        )
+    except ValueError as error:
+        raise SystemExit(f"hf-actq memory: {error}") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    print(report.to_markdown())
+    worst = max(
+        abs(row["activation_bytes"] - row["independent_count_bytes"])
+        / max(row["activation_bytes"], 1)
+        for row in report.rows()
+    )
+    print(f"independent count (autograd graph walk) agrees within {100 * worst:.2f}%")
+    if args.output:
+        for path in report.write(args.output):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

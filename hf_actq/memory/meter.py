@@ -1,0 +1,181 @@
+"""Counting what autograd holds for backward.
+
+:class:`SavedTensorMeter` records every tensor autograd saves while it is active (through
+``torch.autograd.graph.saved_tensors_hooks``, which sees ``save_for_backward`` of custom
+Functions as well as built-in ops) and counts each underlying storage once, at its full size: a
+view of a large tensor keeps the whole storage alive.
+
+:func:`graph_saved_bytes` counts the same thing a second, independent way: it walks the autograd
+graph behind the outputs after the forward pass and reads the tensors each node holds. The two
+agree when every byte is accounted for; the memory reports check that they do. (One known gap in
+the hooks: a Python number multiplied into a tensor, like PEFT LoRA's ``* scaling``, is kept as an
+8-byte wrapped-number tensor without calling the hooks; the graph walk sees it.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+OP_KINDS = ("linear", "attention", "mlp", "norm", "activation", "dropout", "embedding", "other")
+
+
+class SavedTensorMeter:
+    """Context manager: ``with SavedTensorMeter() as meter: loss = model(x)``; then
+    ``meter.nbytes``.
+
+    Tensors whose storage is in ``exclude`` (e.g. ``model.parameters()``) are not counted, which
+    separates activation memory from the weights autograd also references. With ``model``, each
+    storage is attributed to the innermost module running when it was first saved
+    (:meth:`by_module`) and to that module's kind (:meth:`by_kind`).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), model: nn.Module | None = None):
+        self._excluded = {_storage_key(t) for t in exclude}
+        self._storages: dict[tuple, tuple[int, str, str]] = {}
+        self._model = model
+        self._stack: list[tuple[str, str]] = []
+        self._handles: list = []
+        self._hooks = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._excluded and key not in self._storages:
+            path, kind = self._stack[-1] if self._stack else ("", "other")
+            self._storages[key] = (tensor.untyped_storage().nbytes(), path, kind)
+        return tensor
+
+    def __enter__(self) -> SavedTensorMeter:
+        if self._model is not None:
+            for path, module in self._model.named_modules():
+                kind = op_kind(path, module)
+                self._handles.append(module.register_forward_pre_hook(self._enter(path, kind)))
+                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter(self, path: str, kind: str):
+        def hook(module, args):
+            self._stack.append((path, kind))
+
+        return hook
+
+    def _leave(self, module, args, output):
+        if self._stack:
+            self._stack.pop()
+
+    def by_module(self) -> dict[str, int]:
+        """Bytes per module path ("" for tensors saved outside any module)."""
+        return self._totals(1)
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes per op kind (see :func:`op_kind`) of the module that saved them."""
+        return self._totals(2)
+
+    def _totals(self, field: int) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for entry in self._storages.values():
+            totals[entry[field]] = totals.get(entry[field], 0) + entry[0]
+        return totals
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the distinct storages saved for backward."""
+        return sum(entry[0] for entry in self._storages.values())
+
+    @property
+    def num_storages(self) -> int:
+        return len(self._storages)
+
+
+def graph_saved_bytes(outputs, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the distinct storages held by the autograd graph behind ``outputs``.
+
+    Reads ``saved_tensors`` of custom Functions and the ``_saved_*`` fields of built-in nodes,
+    before backward runs. It unpacks what saved-tensor hooks packed, so call it on graphs built
+    without non-reentrant checkpointing (unpacking there would recompute the layers).
+    """
+    excluded = {_storage_key(t) for t in exclude}
+    roots = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen_nodes: set[int] = set()
+    storages: dict[tuple, int] = {}
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        for tensor in _node_saved_tensors(node):
+            key = _storage_key(tensor)
+            if key not in excluded:
+                storages[key] = tensor.untyped_storage().nbytes()
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+    return sum(storages.values())
+
+
+def _node_saved_tensors(node):
+    if hasattr(node, "saved_tensors"):  # a custom autograd.Function
+        values = list(node.saved_tensors)
+    else:
+        values = []
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                values.extend(value if isinstance(value, (list, tuple)) else [value])
+    return [value for value in values if isinstance(value, torch.Tensor)]
+
+
+def op_kind(path: str, module: nn.Module) -> str:
+    """The kind of op a module is, by its type, for the per-kind memory breakdown.
+
+    Attention and gated MLPs compute inside the block module itself, so a tensor saved there
+    (e.g. attention probabilities, or the fused gated-MLP's packed input) counts as "attention"
+    or "mlp"; tensors saved by a block's child Linear count as "linear".
+    """
+    name = type(module).__name__
+    leaf = path.rsplit(".", 1)[-1].lower()
+    if isinstance(module, nn.Linear) or name in ("Conv1D", "Linear4bit", "Linear8bitLt"):
+        return "linear"
+    if isinstance(module, nn.Embedding):
+        return "embedding"
+    if isinstance(module, nn.modules.dropout._DropoutNd) or "dropout" in leaf:
+        return "dropout"
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)) or "Norm" in name:
+        return "norm"
+    if "attention" in name.lower() or "attn" in leaf or "attention" in leaf:
+        return "attention"
+    if "MLP" in name or leaf in ("mlp", "feed_forward", "ffn"):
+        return "mlp"
+    if _is_activation(module):
+        return "activation"
+    return "other"
+
+
+def _is_activation(module: nn.Module) -> bool:
+    from hf_actq.ops.fewbit_activation import FewBitActivation
+
+    if (
+        isinstance(module, FewBitActivation)
+        or type(module).__module__ == "torch.nn.modules.activation"
+    ):
+        return True
+    try:
+        from transformers.activations import ACT2CLS
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    classes = tuple(cls[0] if isinstance(cls, tuple) else cls for cls in ACT2CLS.values())
+    return isinstance(module, classes)
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    storage = tensor.untyped_storage()
+    return (tensor.device.type, tensor.device.index, storage.data_ptr(), storage.nbytes())

@@ -1,0 +1,125 @@
+"""Architecture presets for ``hf-actq memory``: the published shapes of common models, built
+from their configs with random weights (no downloads)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str
+    config: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+    task: str = "causal-lm"  # or "classification"
+
+
+_BERT = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
+_ROBERTA = dict(
+    vocab_size=50265,
+    max_position_embeddings=514,
+    type_vocab_size=1,
+    pad_token_id=1,
+    bos_token_id=0,
+    eos_token_id=2,
+    layer_norm_eps=1e-5,
+)
+_BASE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+_LARGE = dict(
+    hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096
+)
+_LLAMA2 = dict(
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+PRESETS: dict[str, Preset] = {
+    "bert-base": Preset("bert", {**_BERT, **_BASE}, task="classification"),
+    "bert-large": Preset("bert", {**_BERT, **_LARGE}, task="classification"),
+    "roberta-base": Preset("roberta", {**_ROBERTA, **_BASE}, task="classification"),
+    "roberta-large": Preset("roberta", {**_ROBERTA, **_LARGE}, task="classification"),
+    "gpt2": Preset(
+        "gpt2",
+        dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+    ),
+    "llama2-7b": Preset(
+        "llama",
+        dict(
+            _LLAMA2,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+        ),
+        dtype=torch.bfloat16,
+    ),
+    "llama2-13b": Preset(
+        "llama",
+        dict(
+            _LLAMA2,
+            hidden_size=5120,
+            intermediate_size=13824,
+            num_hidden_layers=40,
+            num_attention_heads=40,
+            num_key_value_heads=40,
+        ),
+        dtype=torch.bfloat16,
+    ),
+    "mistral-7b": Preset(
+        "mistral",
+        dict(
+            _LLAMA2,
+            max_position_embeddings=32768,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            sliding_window=4096,
+        ),
+        dtype=torch.bfloat16,
+    ),
+    # Small shapes for quick runs and tests.
+    "tiny-bert": Preset(
+        "bert",
+        dict(
+            vocab_size=512,
+            hidden_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=512,
+        ),
+        task="classification",
+    ),
+    "tiny-llama": Preset(
+        "llama",
+        dict(
+            _LLAMA2,
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+    ),
+}
+
+
+def preset_config(name: str):
+    """The transformers config of a preset."""
+    from transformers import AutoConfig
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    return AutoConfig.for_model(preset.model_type, **preset.config)

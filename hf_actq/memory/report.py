@@ -1,0 +1,519 @@
+"""Memory reports: one training step of a model per recipe, measured side by side.
+
+For each recipe (the unpatched baseline first) :func:`measure_model` builds the architecture from
+its config with random weights, optionally wraps it in PEFT LoRA/QLoRA, applies hf_actq, and runs
+one forward, backward and AdamW step, measuring:
+
+- activation memory: the bytes autograd holds for backward after the forward pass
+  (:class:`SavedTensorMeter`, by storage, parameters excluded, packed buffers, scales, masks and
+  tables all included), per op kind, and again by walking the autograd graph
+  (:func:`graph_saved_bytes`) as an independent check;
+- model state: parameters and buffers, gradients and optimizer state, from the tensors themselves;
+- peak memory of the step (:class:`PeakMemory`: allocator events on CPU, CUDA's counters on GPU)
+  plus the memory live when the step began.
+
+Models too large for this machine are measured with 1 and 2 layers and every figure is
+extrapolated linearly to the full depth (layers are identical, so the per-layer difference is
+exact for activations and model state; the peak is an estimate), and the report says so. The
+largest batch that fits a GPU follows the few-bit paper's App. B:
+``floor((gpu_memory - model_state) / activation_per_sample)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from hf_actq.config import ActQConfig
+from hf_actq.memory.meter import OP_KINDS, SavedTensorMeter, graph_saved_bytes
+from hf_actq.memory.peak import PeakMemory
+
+PEFT_MODES = ("none", "lora", "qlora")
+TASKS = ("causal-lm", "classification")
+_ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta-v2"}
+_FIGURES = (
+    "activation_bytes",
+    "graph_bytes",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "peak_bytes",
+)
+
+
+@dataclass
+class Measurement:
+    """One training step: bytes, all measured (or, with ``scaled``, extrapolated from two)."""
+
+    activation_bytes: int
+    graph_bytes: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    peak_bytes: int
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+@dataclass
+class RecipeResult:
+    label: str
+    config: dict | None  # ActQConfig.to_dict(), None for the baseline
+    measurement: Measurement
+    patched_modules: int = 0
+
+
+@dataclass
+class MemoryReport:
+    model: str
+    model_type: str
+    num_layers: int
+    measured_layers: list[int]  # [num_layers] when whole, [1, 2] when extrapolated
+    batch_size: int
+    seq_len: int
+    dtype: str
+    peft: str
+    task: str
+    device: str
+    gpu_memory_bytes: int
+    results: list[RecipeResult]
+
+    @property
+    def scaled(self) -> bool:
+        return self.measured_layers != [self.num_layers]
+
+    def rows(self) -> list[dict]:
+        """The table: one row per recipe, in bytes and ratios against the first (baseline)."""
+        base = self.results[0].measurement
+        rows = []
+        for result in self.results:
+            m = result.measurement
+            per_sample = m.activation_bytes / self.batch_size
+            room = self.gpu_memory_bytes - m.model_state_bytes
+            rows.append(
+                {
+                    "recipe": result.label,
+                    "activation_bytes": m.activation_bytes,
+                    "independent_count_bytes": m.graph_bytes,
+                    "compression": base.activation_bytes / max(m.activation_bytes, 1),
+                    "activation_saved": 1 - m.activation_bytes / max(base.activation_bytes, 1),
+                    "model_state_bytes": m.model_state_bytes,
+                    "peak_bytes": m.peak_bytes,
+                    "max_batch_size": max(0, math.floor(room / per_sample)) if per_sample else 0,
+                    "by_kind": m.by_kind,
+                    "patched_modules": result.patched_modules,
+                }
+            )
+        return rows
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["scaled"] = self.scaled
+        data["rows"] = self.rows()
+        return data
+
+    def to_markdown(self) -> str:
+        gib = 2**30
+        lines = [
+            f"**{self.model}** ({self.model_type}, {self.num_layers} layers), batch {self.batch_size},"
+            f" sequence {self.seq_len}, {self.dtype}, PEFT: {self.peft}, device: {self.device}.",
+            "",
+        ]
+        if self.scaled:
+            lines += [
+                f"Measured with {' and '.join(map(str, self.measured_layers))} layers and "
+                f"extrapolated linearly to {self.num_layers} (activations and model state are "
+                "exact per layer; the peak is an estimate).",
+                "",
+            ]
+        peak_label = "peak (estimated)" if self.scaled else "peak (measured)"
+        gpu = self.gpu_memory_bytes / gib
+        lines += [
+            f"| recipe | activation memory | compression | saved | model state | {peak_label} "
+            f"| max batch on {gpu:g} GiB |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        base_batch = None
+        for row in self.rows():
+            batch = row["max_batch_size"]
+            base_batch = batch if base_batch is None else base_batch
+            gain = f" ({100 * (batch / base_batch - 1):+.0f}%)" if base_batch else ""
+            lines.append(
+                f"| {row['recipe']} | {_fmt(row['activation_bytes'])} | "
+                f"{row['compression']:.2f}x | {100 * row['activation_saved']:.1f}% | "
+                f"{_fmt(row['model_state_bytes'])} | {_fmt(row['peak_bytes'])} | {batch}{gain} |"
+            )
+        kinds = [k for k in OP_KINDS if any(r.measurement.by_kind.get(k) for r in self.results)]
+        lines += [
+            "",
+            "Activation memory by op kind (the module that saved the tensor):",
+            "",
+            "| recipe | " + " | ".join(kinds) + " |",
+            "|---|" + "---:|" * len(kinds),
+        ]
+        for result in self.results:
+            cells = [_fmt(result.measurement.by_kind.get(kind, 0)) for kind in kinds]
+            lines.append(f"| {result.label} | " + " | ".join(cells) + " |")
+        return "\n".join(lines) + "\n"
+
+    def write(self, directory: str) -> list[str]:
+        """Writes memory.json, memory.md and memory.png (when matplotlib is installed)."""
+        import json
+
+        os.makedirs(directory, exist_ok=True)
+        paths = [os.path.join(directory, "memory.json"), os.path.join(directory, "memory.md")]
+        with open(paths[0], "w") as file:
+            json.dump(self.to_dict(), file, indent=2, default=str)
+        with open(paths[1], "w") as file:
+            file.write(self.to_markdown())
+        png = os.path.join(directory, "memory.png")
+        if plot(self, png):
+            paths.append(png)
+        return paths
+
+
+def plot(report: MemoryReport, path: str) -> bool:
+    """Stacked bars of activation memory by op kind, and peak memory, per recipe."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("memory.png skipped: matplotlib is not installed (pip install matplotlib)")
+        return False
+    mib = 2**20
+    labels = [r.label for r in report.results]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    bottom = [0.0] * len(labels)
+    for kind in OP_KINDS:
+        heights = [r.measurement.by_kind.get(kind, 0) / mib for r in report.results]
+        if any(heights):
+            left.bar(labels, heights, bottom=bottom, label=kind)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    left.set_ylabel("MiB")
+    left.set_title("activation memory (saved for backward)")
+    left.legend(fontsize=8)
+    state = [r.measurement.model_state_bytes / mib for r in report.results]
+    peaks = [r.measurement.peak_bytes / mib for r in report.results]
+    right.bar(labels, peaks, color="tab:gray", label="peak" + (" (est.)" if report.scaled else ""))
+    right.bar(labels, state, color="tab:blue", label="model state")
+    right.set_title("peak memory of a training step")
+    right.legend(fontsize=8)
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=20, labelsize=8)
+    figure.suptitle(
+        f"{report.model}: batch {report.batch_size}, seq {report.seq_len}, {report.dtype}, "
+        f"PEFT {report.peft}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _fmt(nbytes: float) -> str:
+    if abs(nbytes) >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
+# Measuring -------------------------------------------------------------------------------------
+
+
+def parse_recipe(spec: str) -> tuple[str, ActQConfig | None]:
+    """ "baseline", "fewbit", "uniform:bits=4", "alam:bits=0.5,dropout_mode=mask" -> config."""
+    name, _, overrides = spec.partition(":")
+    if name == "baseline":
+        if overrides:
+            raise ValueError("the baseline recipe takes no overrides")
+        return spec, None
+    values = {}
+    for item in filter(None, overrides.split(",")):
+        key, equals, text = item.partition("=")
+        if not equals:
+            raise ValueError(f"recipe override {item!r} in {spec!r} must look like key=value")
+        values[key.strip()] = _parse_value(text.strip())
+    return spec, ActQConfig.from_recipe(name, **values)
+
+
+def _parse_value(text: str):
+    if text in ("True", "true", "False", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def default_task(config) -> str:
+    return "classification" if config.model_type in _ENCODER_TYPES else "causal-lm"
+
+
+def measure_model(
+    config,
+    recipes: list[str],
+    *,
+    name: str | None = None,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    dtype: torch.dtype = torch.float32,
+    peft: str = "none",
+    task: str | None = None,
+    layers: str = "auto",
+    gpu_memory_bytes: int = 80 * 2**30,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+    progress: Callable[[str, int], None] | None = None,
+) -> MemoryReport:
+    """Measures ``config``'s architecture under each recipe; see the module docstring.
+
+    ``progress(what, total)`` is called before each of the ``total`` measured steps.
+
+    ``layers``: "all" builds every layer, "scaled" measures 1 and 2 layers and extrapolates,
+    "auto" picks "all" when four copies of the parameters (weights, gradients, two Adam moments)
+    take under a quarter of the available RAM (or GPU memory).
+    """
+    if peft not in PEFT_MODES:
+        raise ValueError(f"peft must be one of {', '.join(PEFT_MODES)}, got {peft!r}")
+    task = task or default_task(config)
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if layers not in ("auto", "all", "scaled"):
+        raise ValueError(f"layers must be 'auto', 'all' or 'scaled', got {layers!r}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(
+            f"batch size and sequence length must be >= 1, got {batch_size}, {seq_len}"
+        )
+    parsed = [parse_recipe(spec) for spec in recipes]
+    if not parsed or parsed[0][1] is not None:
+        parsed.insert(0, ("baseline", None))
+    device = torch.device(device)
+    num_layers = config.num_hidden_layers
+    if layers == "auto":
+        layers = "all" if _fits(config, task, dtype, device) else "scaled"
+    measured_layers = [num_layers] if layers == "all" or num_layers <= 2 else [1, 2]
+
+    results = []
+    total_steps = len(parsed) * len(measured_layers)
+    for label, actq_config in parsed:
+        runs = []
+        for depth in measured_layers:
+            if progress:
+                progress(f"{label}, {depth} layer{'s' * (depth > 1)}", total_steps)
+            runs.append(
+                _measure_step(
+                    config,
+                    actq_config,
+                    depth,
+                    batch_size,
+                    seq_len,
+                    dtype,
+                    peft,
+                    task,
+                    device,
+                    attn_implementation,
+                )
+            )
+        measurement = runs[0][0]
+        if len(runs) == 2:
+            measurement = _extrapolate(runs[0][0], runs[1][0], num_layers)
+        as_dict = actq_config.to_dict() if actq_config is not None else None
+        results.append(RecipeResult(label, as_dict, measurement, patched_modules=runs[-1][1]))
+    return MemoryReport(
+        model=name or config.model_type,
+        model_type=config.model_type,
+        num_layers=num_layers,
+        measured_layers=measured_layers,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        dtype=str(dtype).removeprefix("torch."),
+        peft=peft,
+        task=task,
+        device=str(device),
+        gpu_memory_bytes=gpu_memory_bytes,
+        results=results,
+    )
+
+
+def _extrapolate(one: Measurement, two: Measurement, num_layers: int) -> Measurement:
+    def scale(a, b):
+        return a + (num_layers - 1) * (b - a)
+
+    figures = {name: scale(getattr(one, name), getattr(two, name)) for name in _FIGURES}
+    kinds = set(one.by_kind) | set(two.by_kind)
+    by_kind = {k: scale(one.by_kind.get(k, 0), two.by_kind.get(k, 0)) for k in kinds}
+    return Measurement(**figures, by_kind=by_kind)
+
+
+def _fits(config, task, dtype, device) -> bool:
+    with torch.device("meta"):
+        model = _model_class(task).from_config(config, dtype=dtype)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    on_gpu = device.type == "cuda"
+    available = torch.cuda.mem_get_info(device)[0] if on_gpu else _available_ram()
+    return 4 * param_bytes < available / 4
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as file:
+            for line in file:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _model_class(task):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+
+
+def build_model(config, num_layers, dtype, peft, task, device, attn_implementation=None):
+    """The architecture with ``num_layers`` layers and random weights (seed 0), PEFT-wrapped."""
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = num_layers
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    torch.manual_seed(0)
+    model = _model_class(task).from_config(config, **kwargs)
+    if peft == "none":
+        return model.to(device)
+    import peft as peft_lib
+
+    if peft == "qlora":
+        model = _quantize_nf4(model, dtype, task, device, kwargs)
+        model = peft_lib.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model = model.to(device)
+    # Alpaca-LoRA's defaults (the setting of ALAM's LLaMA runs): r 8, alpha 16, dropout 0.05, and
+    # PEFT's default target modules for the architecture.
+    lora = peft_lib.LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.05,
+        task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
+    )
+    return peft_lib.get_peft_model(model, lora)
+
+
+def _quantize_nf4(model, dtype, task, device, kwargs):
+    # bitsandbytes quantizes while loading weights, so go through a temporary checkpoint.
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+    )
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        del model
+        return _model_class(task).from_pretrained(
+            directory, quantization_config=quantization, device_map={"": str(device)}, **kwargs
+        )
+
+
+def _measure_step(
+    config, actq_config, num_layers, batch_size, seq_len, dtype, peft, task, device, attn
+) -> tuple[Measurement, int]:
+    model = build_model(config, num_layers, dtype, peft, task, device, attn)
+    patched = 0
+    if actq_config is not None:
+        from hf_actq.integrations.transformers import apply
+
+        patched = len(apply(model, actq_config).patched)
+    model.train()
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-5)
+    _create_optimizer_state(optimizer, trainable)
+    inputs = _inputs(model.config, task, batch_size, seq_len, device)
+    static_bytes = _distinct_bytes(_model_tensors(model)) + _distinct_bytes(
+        _optimizer_tensors(optimizer)
+    )
+
+    with PeakMemory(device) as peak:
+        with SavedTensorMeter(exclude=params, model=model) as meter:
+            loss = model(**inputs).loss
+        graph_bytes = graph_saved_bytes(loss, exclude=params)
+        loss.backward()
+        grad_bytes = _distinct_bytes(p.grad for p in trainable if p.grad is not None)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    measurement = Measurement(
+        activation_bytes=meter.nbytes,
+        graph_bytes=graph_bytes,
+        param_bytes=_distinct_bytes(_model_tensors(model)),
+        grad_bytes=grad_bytes,
+        optimizer_bytes=_distinct_bytes(_optimizer_tensors(optimizer)),
+        peak_bytes=static_bytes + peak.peak_bytes,
+        by_kind=meter.by_kind(),
+    )
+    del model, optimizer, loss, meter
+    return measurement, patched
+
+
+def _create_optimizer_state(optimizer, trainable) -> None:
+    """AdamW allocates its moments on the first step; take that step with lr 0 and zero
+    gradients (parameters unchanged) so the measured step runs with the state in memory, as
+    every step after the first does."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in trainable:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
+def _inputs(config, task, batch_size, seq_len, device) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    low = min(4, config.vocab_size - 1)  # keep clear of special ids
+    ids = torch.randint(low, config.vocab_size, (batch_size, seq_len), generator=generator)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if task == "causal-lm":
+        inputs["labels"] = ids
+    else:
+        labels = torch.randint(0, config.num_labels, (batch_size,), generator=generator)
+        inputs["labels"] = labels
+    return {key: value.to(device) for key, value in inputs.items()}
+
+
+def _model_tensors(model):
+    yield from model.parameters()
+    yield from model.buffers()
+    for p in model.parameters():
+        # bitsandbytes keeps its 4-bit absmax/code tensors on the parameter's quant_state.
+        state = getattr(p, "quant_state", None)
+        while state is not None:
+            yield from (v for v in vars(state).values() if isinstance(v, torch.Tensor))
+            state = getattr(state, "state2", None)
+
+
+def _optimizer_tensors(optimizer):
+    for state in optimizer.state.values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _distinct_bytes(tensors) -> int:
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())

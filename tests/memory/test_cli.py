@@ -1,0 +1,60 @@
+"""The ``hf-actq memory`` command."""
+
+import pytest
+
+from hf_actq.__main__ import main as hf_actq_main
+from hf_actq.memory.cli import main, parse_size
+
+
+def test_command_prints_the_table_and_writes_outputs(tmp_path, capsys):
+    code = main(
+        [
+            "tiny-llama",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--recipe",
+            "fewbit",
+            "alam:bits=0.5",
+            "--gpu-memory",
+            "24GB",
+            "--output",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| baseline |" in out and "| alam:bits=0.5 |" in out and "max batch on 24 GiB" in out
+    assert "independent count (autograd graph walk) agrees within 0.00%" in out
+    assert (tmp_path / "memory.json").exists() and (tmp_path / "memory.md").exists()
+
+
+def test_console_entry_dispatches_memory(capsys):
+    assert (
+        hf_actq_main(
+            [
+                "memory",
+                "tiny-bert",
+                "--seq-len",
+                "8",
+                "--batch-size",
+                "1",
+                "--recipe",
+                "fewbit",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
+    assert "| fewbit |" in capsys.readouterr().out
+
+
+def test_unknown_model_and_sizes_are_reported():
+    with pytest.raises(SystemExit, match="neither a preset"):
+        main(["bert-huge"])
+    with pytest.raises(SystemExit, match="recipe"):
+        main(["tiny-bert", "--recipe", "fast", "--no-progress"])
+    assert parse_size("80GiB") == 80 * 2**30 == parse_size("80GB") == parse_size("80G")
+    assert parse_size("512MiB") == 512 * 2**20

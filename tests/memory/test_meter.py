@@ -1,0 +1,69 @@
+"""SavedTensorMeter and the independent graph walk count the same bytes, by storage."""
+
+import pytest
+import torch
+from torch import nn
+
+import hf_actq
+from hf_actq.memory import OP_KINDS, SavedTensorMeter, graph_saved_bytes, op_kind
+from hf_actq.memory.presets import preset_config
+from hf_actq.memory.report import build_model
+
+
+def test_linear_keeps_its_input_once_and_views_count_whole_storage():
+    layer = nn.Linear(16, 8)
+    x = torch.randn(32, 16, requires_grad=True)
+    with SavedTensorMeter(exclude=layer.parameters(), model=layer) as meter:
+        y = layer(x)
+        z = x[:4].exp()  # exp keeps its output (its own storage)
+    assert meter.nbytes == x.numel() * 4 + z.numel() * 4
+    assert graph_saved_bytes([y, z], exclude=layer.parameters()) == meter.nbytes
+    assert meter.by_kind()["linear"] == x.numel() * 4
+    assert meter.by_module()[""] == x.numel() * 4 + z.numel() * 4
+
+
+def test_parameters_are_excluded_only_when_asked():
+    layer = nn.Linear(16, 8)
+    x = torch.randn(4, 16, requires_grad=True)
+    with SavedTensorMeter() as meter:
+        y = layer(x)
+    weight = layer.weight.untyped_storage().nbytes()
+    assert meter.nbytes == x.numel() * 4 + weight
+    assert graph_saved_bytes(y) == meter.nbytes
+
+
+@pytest.mark.parametrize("preset", ["tiny-bert", "tiny-llama"])
+@pytest.mark.parametrize("recipe", [None, "fewbit", "uniform", "alam"])
+def test_two_counts_agree_on_models(preset, recipe):
+    config = preset_config(preset)
+    task = "classification" if preset == "tiny-bert" else "causal-lm"
+    model = build_model(config, 2, torch.float32, "none", task, "cpu")
+    if recipe:
+        hf_actq.apply(model, hf_actq.ActQConfig.from_recipe(recipe))
+    model.train()
+    ids = torch.randint(4, 512, (2, 24))
+    labels = ids if task == "causal-lm" else torch.tensor([0, 1])
+    params = list(model.parameters())
+    with SavedTensorMeter(exclude=params, model=model) as meter:
+        loss = model(input_ids=ids, labels=labels).loss
+    assert meter.nbytes > 0
+    assert graph_saved_bytes(loss, exclude=params) == meter.nbytes
+    kinds = meter.by_kind()
+    assert set(kinds) <= set(OP_KINDS) and sum(kinds.values()) == meter.nbytes
+    assert kinds["linear"] > 0 and kinds["attention"] > 0 and kinds["norm"] > 0
+
+
+def test_op_kinds_of_common_modules():
+    from transformers.activations import ACT2CLS
+
+    gelu = ACT2CLS["gelu"]
+    gelu = gelu[0]() if isinstance(gelu, tuple) else gelu()
+    assert op_kind("x.dense", nn.Linear(2, 2)) == "linear"
+    assert op_kind("x.LayerNorm", nn.LayerNorm(2)) == "norm"
+    assert op_kind("x.act", gelu) == "activation"
+    assert op_kind("x.act", nn.SiLU()) == "activation"
+    assert op_kind("x.drop", nn.Dropout()) == "dropout"
+    assert op_kind("x.emb", nn.Embedding(2, 2)) == "embedding"
+    assert op_kind("model.layers.0.self_attn", nn.Module()) == "attention"
+    assert op_kind("model.layers.0.mlp", nn.Module()) == "mlp"
+    assert op_kind("model.layers.0", nn.Module()) == "other"

@@ -1,0 +1,136 @@
+"""measure_model: side-by-side recipes, layer extrapolation, PEFT, outputs."""
+
+import json
+
+import pytest
+import torch
+
+from hf_actq.memory.presets import PRESETS, preset_config
+from hf_actq.memory.report import measure_model, parse_recipe
+
+
+def _four_layer_llama():
+    config = preset_config("tiny-llama")
+    config.num_hidden_layers = 4
+    return config
+
+
+def test_recipes_are_measured_side_by_side_and_the_counts_agree():
+    report = measure_model(
+        preset_config("tiny-llama"), ["fewbit", "uniform:bits=4"], batch_size=2, seq_len=32
+    )
+    rows = report.rows()
+    assert [row["recipe"] for row in rows] == ["baseline", "fewbit", "uniform:bits=4"]
+    for row in rows:
+        assert row["activation_bytes"] == row["independent_count_bytes"]
+        assert sum(row["by_kind"].values()) == row["activation_bytes"]
+    base, fewbit, uniform = (r.measurement for r in report.results)
+    assert base.activation_bytes > fewbit.activation_bytes > uniform.activation_bytes
+    # Recipes change what is saved, never the model state.
+    assert base.model_state_bytes == fewbit.model_state_bytes == uniform.model_state_bytes
+    assert base.grad_bytes == base.param_bytes - _buffer_bytes() and base.optimizer_bytes > 0
+    assert base.peak_bytes >= base.param_bytes + base.optimizer_bytes + base.activation_bytes
+    assert rows[2]["compression"] == pytest.approx(base.activation_bytes / uniform.activation_bytes)
+    assert report.results[1].config["recipe"] == "fewbit" and report.results[1].patched_modules > 0
+
+
+def _buffer_bytes():
+    from hf_actq.memory.report import build_model
+
+    model = build_model(preset_config("tiny-llama"), 2, torch.float32, "none", "causal-lm", "cpu")
+    return sum(b.untyped_storage().nbytes() for b in model.buffers())
+
+
+def test_layer_extrapolation_matches_the_whole_model():
+    config = _four_layer_llama()
+    kwargs = dict(batch_size=2, seq_len=16)
+    whole = measure_model(config, ["uniform"], layers="all", **kwargs)
+    scaled = measure_model(config, ["uniform"], layers="scaled", **kwargs)
+    assert whole.measured_layers == [4] and scaled.measured_layers == [1, 2] and scaled.scaled
+    for a, b in zip(whole.results, scaled.results):
+        for name in ("activation_bytes", "graph_bytes", "param_bytes", "optimizer_bytes"):
+            assert getattr(a.measurement, name) == getattr(b.measurement, name), name
+        assert a.measurement.by_kind == {k: v for k, v in b.measurement.by_kind.items() if v}
+    assert "extrapolated linearly to 4" in scaled.to_markdown()
+
+
+def test_max_batch_follows_the_papers_appendix_b():
+    report = measure_model(
+        preset_config("tiny-bert"), ["fewbit"], batch_size=4, seq_len=32, gpu_memory_bytes=2**30
+    )
+    for row, result in zip(report.rows(), report.results):
+        per_sample = result.measurement.activation_bytes / 4
+        expected = int((2**30 - result.measurement.model_state_bytes) // per_sample)
+        assert row["max_batch_size"] == expected
+    assert report.rows()[1]["max_batch_size"] > report.rows()[0]["max_batch_size"]
+
+
+def test_lora_keeps_frozen_weights_out_of_gradients_and_optimizer():
+    pytest.importorskip("peft")
+    full = measure_model(preset_config("tiny-llama"), [], batch_size=2, seq_len=16)
+    lora = measure_model(
+        preset_config("tiny-llama"), ["alam"], batch_size=2, seq_len=16, peft="lora"
+    )
+    base = lora.results[0].measurement
+    assert base.grad_bytes < full.results[0].measurement.grad_bytes / 4
+    assert lora.results[1].measurement.activation_bytes < base.activation_bytes
+    # LoRA's `* scaling` keeps the Python float as an 8-byte wrapped-number tensor that autograd
+    # stores without calling saved-tensor hooks: the graph walk sees 8 bytes per adapter more.
+    for row in lora.rows():
+        assert row["activation_bytes"] == pytest.approx(row["independent_count_bytes"], rel=1e-3)
+
+
+def test_qlora_params_are_four_bit():
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    lora = measure_model(preset_config("tiny-llama"), [], batch_size=1, seq_len=8, peft="lora")
+    qlora = measure_model(
+        preset_config("tiny-llama"), ["fewbit"], batch_size=1, seq_len=8, peft="qlora"
+    )
+    assert qlora.results[0].measurement.param_bytes < lora.results[0].measurement.param_bytes
+    for row in qlora.rows():
+        assert row["activation_bytes"] == pytest.approx(row["independent_count_bytes"], rel=1e-3)
+
+
+def test_reports_are_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = measure_model(preset_config("tiny-bert"), ["fewbit"], batch_size=2, seq_len=16)
+    paths = report.write(str(tmp_path))
+    assert sorted(p.rsplit("/", 1)[-1] for p in paths) == ["memory.json", "memory.md", "memory.png"]
+    data = json.loads((tmp_path / "memory.json").read_text())
+    assert data["rows"][1]["recipe"] == "fewbit" and data["scaled"] is False
+    assert (tmp_path / "memory.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| fewbit |" in (tmp_path / "memory.md").read_text()
+
+
+def test_bad_input_is_rejected_clearly():
+    with pytest.raises(ValueError, match="unknown recipe 'fast'"):
+        parse_recipe("fast")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_recipe("uniform:4")
+    with pytest.raises(ValueError, match="bits must be"):
+        parse_recipe("uniform:bits=9")
+    with pytest.raises(ValueError, match="peft must be one of"):
+        measure_model(preset_config("tiny-bert"), [], peft="dora")
+    assert parse_recipe("alam:bits=0.5,dropout_mode=mask")[1].bits == 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", [p for p in PRESETS if not p.startswith("tiny")])
+def test_every_preset_measures_offline(preset):
+    report = measure_model(
+        preset_config(preset),
+        ["fewbit"],
+        name=preset,
+        batch_size=1,
+        seq_len=32,
+        layers="scaled",
+        dtype=PRESETS[preset].dtype,
+        task=PRESETS[preset].task,
+    )
+    for row in report.rows():
+        assert (
+            abs(row["activation_bytes"] - row["independent_count_bytes"])
+            <= 0.02 * row["activation_bytes"]
+        )
+    assert report.rows()[1]["activation_bytes"] < report.rows()[0]["activation_bytes"]
