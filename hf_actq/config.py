@@ -96,7 +96,7 @@ class ActQConfig:
         elif name == "uniform":
             base = {}
         elif name == "alam":
-            base = dict(codec="aq", bits=1, activation_bits=1)
+            base = dict(codec="aq", bits=1)
         else:
             raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
         return cls(**{**base, **overrides, "recipe": name})

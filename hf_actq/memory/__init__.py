@@ -5,7 +5,20 @@
 recipes (``hf-actq memory``).
 """
 
-from hf_actq.memory.meter import OP_KINDS, SavedTensorMeter, graph_saved_bytes, op_kind
+from hf_actq.memory.meter import (
+    OP_KINDS,
+    ActivationMonitor,
+    SavedTensorMeter,
+    graph_saved_bytes,
+    op_kind,
+)
 from hf_actq.memory.peak import PeakMemory
 
-__all__ = ["OP_KINDS", "PeakMemory", "SavedTensorMeter", "graph_saved_bytes", "op_kind"]
+__all__ = [
+    "OP_KINDS",
+    "ActivationMonitor",
+    "PeakMemory",
+    "SavedTensorMeter",
+    "graph_saved_bytes",
+    "op_kind",
+]

