@@ -169,6 +169,17 @@ def apply_generic(model: nn.Module, config: ActQConfig, handle: ActQHandle, atte
             )
     if attention and config.attention:
         _patch_attention(model, config, codec, handle, attention)
+    elif attention == "eager" and config.dropout and _attention_dropout(model) > 0:
+        # Dropout compression covers attention-probability dropout too: eager attention keeps
+        # the dropped probabilities and a byte-per-element mask besides the probabilities;
+        # the op keeps q, k, v and the probabilities exact and the mask as an 8-byte seed.
+        _patch_attention(model, config, None, handle, attention)
+
+
+def _attention_dropout(model) -> float:
+    model_config = getattr(model, "config", None)
+    names = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+    return max((float(getattr(model_config, n, 0.0) or 0.0) for n in names), default=0.0)
 
 
 def _patch(module, path, handle, forward, state, description):
@@ -447,6 +458,9 @@ def _patch_attention(model, config, codec, handle, kind):
     if kind == "sdpa" and getattr(model_config, "attn_logit_softcapping", None):
         handle.skipped["attention"] = "logit soft-capping needs eager attention (kept exact)"
         return
+    if getattr(model_config, "reorder_and_upcast_attn", False):
+        handle.skipped["attention"] = "GPT-2's reorder_and_upcast_attn path (kept exact)"
+        return
     previous = model_config._attn_implementation
     if kind == "sdpa" and previous != "sdpa":
         handle.skipped["attention"] = f"{previous!r} attention (kept exact; sdpa is patched)"
@@ -464,7 +478,8 @@ def _patch_attention(model, config, codec, handle, kind):
         module.hf_actq_attention_codecs = codecs
         # Without grad in eval, the original implementation runs, so outputs stay identical.
         module.hf_actq_attention_fallback = previous
-        handle.patched[path] = f"attention ({kind}) {codec!r}"
+        what = repr(codec) if codec is not None else "exact operands, dropout mask as a seed"
+        handle.patched[path] = f"attention ({kind}) {what}"
         for attribute in ("hf_actq_attention_codecs", "hf_actq_attention_fallback"):
             handle._undo.append(functools.partial(module.__dict__.pop, attribute, None))
         count += 1
@@ -479,11 +494,11 @@ def _patch_attention(model, config, codec, handle, kind):
 
 # Registry -------------------------------------------------------------------------------------
 
-_EAGER_LAYOUT = ("bert", "roberta", "xlm-roberta", "electra")
+_EAGER_LAYOUT = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "gpt2", "gpt_neox")
 _DECODERS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2")
-# Their attention does not go through transformers' AttentionInterface (or not in the layout
-# our functions expect): the other slots are patched, attention is kept exact.
-_OWN_ATTENTION = ("distilbert", "deberta-v2", "gpt2", "gpt_neox")
+# DeBERTa's disentangled attention does not go through transformers' AttentionInterface: the
+# other slots are patched, attention is kept exact.
+_OWN_ATTENTION = ("deberta-v2",)
 
 MODEL_TYPE_TO_APPLY_FN = {
     **{t: functools.partial(apply_generic, attention="eager") for t in _EAGER_LAYOUT},

@@ -8,7 +8,6 @@ and "alam" recipes, and prints the table.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
@@ -74,15 +73,13 @@ def load_config(model: str):
 
     if model in PRESETS:
         return preset_config(model), PRESETS[model]
-    if not os.path.isdir(model) and "/" not in model:
-        raise SystemExit(
-            f"hf-actq memory: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local "
-            "directory nor a hub id"
-        )
     try:
         return AutoConfig.from_pretrained(model), None
-    except OSError as error:
-        raise SystemExit(f"hf-actq memory: cannot load the config of {model!r}: {error}") from None
+    except (OSError, ValueError) as error:
+        raise SystemExit(
+            f"hf-actq memory: {model!r} is not a preset ({', '.join(PRESETS)}) and its config "
+            f"could not be loaded as a local directory or hub id: {error}"
+        ) from None
 
 
 def main(argv=None) -> int:

@@ -22,6 +22,7 @@ largest batch that fits a GPU follows the few-bit paper's App. B:
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import tempfile
@@ -296,9 +297,13 @@ def measure_model(
         raise ValueError(
             f"batch size and sequence length must be >= 1, got {batch_size}, {seq_len}"
         )
-    parsed = [parse_recipe(spec) for spec in recipes]
-    if not parsed or parsed[0][1] is not None:
-        parsed.insert(0, ("baseline", None))
+    limit = _max_positions(config)
+    if limit is not None and seq_len > limit:
+        raise ValueError(
+            f"seq_len {seq_len} exceeds the {limit} positions {config.model_type} supports"
+        )
+    parsed = [("baseline", None)]
+    parsed += [item for item in map(parse_recipe, recipes) if item[1] is not None]
     device = torch.device(device)
     num_layers = config.num_hidden_layers
     if layers == "auto":
@@ -345,6 +350,13 @@ def measure_model(
         gpu_memory_bytes=gpu_memory_bytes,
         results=results,
     )
+
+
+def _max_positions(config) -> int | None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
+        limit -= config.pad_token_id + 1  # RoBERTa's positions start after the padding index
+    return limit
 
 
 def _extrapolate(one: Measurement, two: Measurement, num_layers: int) -> Measurement:
@@ -464,6 +476,9 @@ def _measure_step(
         by_kind=meter.by_kind(),
     )
     del model, optimizer, loss, meter
+    # Patched forwards are bound methods on their module (a reference cycle): collect now, or
+    # the next recipe's model is built while this one is still in memory.
+    gc.collect()
     return measurement, patched
 
 

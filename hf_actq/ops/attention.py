@@ -185,15 +185,20 @@ def _sdpa_logits(q, k, scaling, mask, causal):
 
 
 class CompressedSDPAFunction(torch.autograd.Function):
-    """Keeps compressed q, k, v and the fp32 log-sum-exp of each row (FlashAttention's
-    statistics); backward recomputes the probabilities from them and needs no output copy,
-    since rowsum(dO * O) = rowsum(dP * P)."""
+    """Keeps compressed q, k, v (and, when q and k are exact, the fp32 log-sum-exp of each row,
+    FlashAttention's statistics); backward recomputes the probabilities from them and needs no
+    output copy, since rowsum(dO * O) = rowsum(dP * P)."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, scaling, causal, groups, run_sdpa, codecs, cache):
         output = run_sdpa(query, key, value)
-        lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
-        for b in range(query.shape[0]):  # one batch element at a time bounds the S x S buffer
+        # With q and k exact, backward rebuilds the probabilities from the saved row statistics.
+        # With either one lossy, exp(lossy logits - exact lse) is no distribution and blows up
+        # where the logit error is positive, so backward renormalises its own logits instead
+        # (and nothing is saved for the rows).
+        exact_logits = codecs.get("q") is None and codecs.get("k") is None
+        lse = torch.empty(query.shape[:3] if exact_logits else (0,), device=query.device)
+        for b in range(query.shape[0] if exact_logits else 0):  # bounds the S x S buffer
             k = key[b].repeat_interleave(groups, dim=0)
             m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
             lse[b] = torch.logsumexp(_sdpa_logits(query[b], k, scaling, m, causal), dim=-1)
@@ -203,7 +208,7 @@ class CompressedSDPAFunction(torch.autograd.Function):
             slots[name] = _Slot(codecs.get(name))
             slots[name].keep(tensor, saved, cache)
         ctx.slots, ctx.scaling, ctx.causal, ctx.groups = slots, scaling, causal, groups
-        ctx.has_mask = mask is not None
+        ctx.has_mask, ctx.exact_logits = mask is not None, exact_logits
         ctx.save_for_backward(lse, *([mask] if mask is not None else []), *saved)
         return output
 
@@ -220,8 +225,9 @@ class CompressedSDPAFunction(torch.autograd.Function):
             v_rep = v[b].repeat_interleave(ctx.groups, dim=0).float()
             m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
             logits = _sdpa_logits(q[b], k_rep, ctx.scaling, m, ctx.causal)
+            row_lse = (lse[b] if ctx.exact_logits else torch.logsumexp(logits, -1)).unsqueeze(-1)
             # A row whose keys are all masked (left padding) has lse = -inf: its probs are 0.
-            row_lse = lse[b].masked_fill(torch.isinf(lse[b]), 0.0).unsqueeze(-1)
+            row_lse = row_lse.masked_fill(torch.isinf(row_lse), 0.0)
             probs = torch.exp(logits - row_lse)
             g = g_all[b].float()
             grad_v = torch.matmul(probs.transpose(-1, -2), g)

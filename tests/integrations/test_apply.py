@@ -168,7 +168,8 @@ GRADIENT_BOUNDS = [
     ("fewbit", {}, 0.98),
     ("uniform", {"bits": 8}, 0.99),
     ("uniform", {"bits": 4}, 0.97),
-    ("uniform", {}, 0.90),  # 3 bits
+    ("uniform", {}, 0.92),  # 3 bits
+    ("alam", {"bits": 2}, 0.55),
 ]
 
 
@@ -182,9 +183,9 @@ def test_recipes_keep_gradients_close(model_type, recipe, overrides, bound):
 def test_alam_recipe_gradients_point_the_right_way():
     # 1 bit on average everywhere is ALAM's budget without its adaptive allocation: averaging
     # pairs (AQ) and 1-bit activation derivatives are biased, and on these tiny models a
-    # single step's gradient keeps only its direction (README: bounds per recipe).
+    # single step's gradient keeps its direction only roughly (README: bounds per recipe).
     cosines = [_gradient_cosine(t, ActQConfig.from_recipe("alam")) for t in sorted(SMALL)]
-    assert min(cosines) > 0 and sorted(cosines)[len(cosines) // 2] > 0.6
+    assert min(cosines) > 0.35 and sorted(cosines)[len(cosines) // 2] > 0.7
 
 
 def test_apply_twice_is_an_error_and_print_shows_patches():
@@ -219,6 +220,25 @@ def test_unknown_model_type_goes_generic_with_a_warning(caplog):
     assert set(handle.patched) == {"body.0", "body.1", "body.2", "body.3", "body.4"}
     x = torch.randn(4, 8)
     model(x).sum().backward()
+
+
+@pytest.mark.parametrize("model_type", ["bert", "distilbert", "gpt2"])
+def test_dropout_switch_covers_attention_dropout_losslessly(model_type):
+    model = _model(model_type, dropout=True)
+    batch = _batch(model_type)
+    fewbit = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    assert not any(d.startswith("attention") for d in fewbit.patched.values())
+    _, _, fewbit_bytes = _step(model, batch)
+    fewbit.revert()
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", dropout=True))
+    attention = [d for d in handle.patched.values() if d.startswith("attention")]
+    assert attention and all("exact operands" in d for d in attention)
+    _, grads, nbytes = _step(model, batch)
+    assert nbytes < fewbit_bytes and all(torch.isfinite(g).all() for g in grads if g is not None)
+    handle.revert()
+    # Without attention dropout there is nothing to gain: attention stays unpatched.
+    quiet = hf_actq.apply(_model(model_type), ActQConfig.from_recipe("fewbit", dropout=True))
+    assert not any(d.startswith("attention") for d in quiet.patched.values())
 
 
 def test_skip_modules_and_switches():

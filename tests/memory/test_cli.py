@@ -4,6 +4,7 @@ import pytest
 
 from hf_actq.__main__ import main as hf_actq_main
 from hf_actq.memory.cli import main, parse_size
+from hf_actq.memory.presets import preset_config
 
 
 def test_command_prints_the_table_and_writes_outputs(tmp_path, capsys):
@@ -51,8 +52,17 @@ def test_console_entry_dispatches_memory(capsys):
     assert "| fewbit |" in capsys.readouterr().out
 
 
-def test_unknown_model_and_sizes_are_reported():
-    with pytest.raises(SystemExit, match="neither a preset"):
+def test_local_model_directory(tmp_path, capsys):
+    preset_config("tiny-llama").save_pretrained(tmp_path)
+    args = [str(tmp_path), "--batch-size", "1", "--seq-len", "8", "--recipe", "uniform:bits=4"]
+    assert main([*args, "--dtype", "bf16", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "(llama, 2 layers)" in out and "bfloat16" in out and "| uniform:bits=4 |" in out
+
+
+def test_unknown_model_and_sizes_are_reported(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="is not a preset"):
         main(["bert-huge"])
     with pytest.raises(SystemExit, match="recipe"):
         main(["tiny-bert", "--recipe", "fast", "--no-progress"])

@@ -134,3 +134,8 @@ def test_every_preset_measures_offline(preset):
             <= 0.02 * row["activation_bytes"]
         )
     assert report.rows()[1]["activation_bytes"] < report.rows()[0]["activation_bytes"]
+
+
+def test_sequence_longer_than_the_positions_is_rejected():
+    with pytest.raises(ValueError, match="seq_len 513 exceeds the 512 positions roberta supports"):
+        measure_model(preset_config("roberta-base"), [], seq_len=513)
