@@ -139,12 +139,8 @@ def apply_generic(model: nn.Module, config: ActQConfig, handle: ActQHandle, atte
             claimed.update(id(m) for m in module.modules())
             handle.skipped[path] = "skip_modules"
             continue
-        if (
-            config.gated_mlp
-            and _is_gated_mlp(module)
-            and _patch_gated_mlp(module, path, config, codec, cache, handle)
-        ):
-            claimed.update(id(m) for m in module.modules())
+        if config.gated_mlp and _is_gated_mlp(module):
+            claimed.update(_patch_gated_mlp(module, path, config, codec, cache, handle))
             continue
         if (config.gated_mlp or config.activations) and _is_fused_gated_mlp(module):
             # The activation's input is a view of the fused gate/up output, which the product
@@ -312,14 +308,15 @@ def _activation_extra(name, params, config) -> dict:
 
 
 def _gated_down(state, gate, up, down):
-    """``down(act(gate) * up)`` through the fused op, with the state's activation table."""
+    """``down(act(gate) * up)`` through the fused op, with the state's activation table; with
+    ``down=None`` only the product."""
     borders, levels = _table_tensors(state, gate.device)
     spec, params = state.extra["spec"], state.extra["params"]
     return GatedDownFunction.apply(
         gate,
         up,
-        down.weight,
-        down.bias,
+        None if down is None else down.weight,
+        None if down is None else down.bias,
         (spec.name, tuple(params.values())),
         borders,
         levels,
@@ -358,9 +355,9 @@ def _warn_replaced(module) -> None:
     if not getattr(module, "_hf_actq_warned", False):
         module._hf_actq_warned = True
         logger.warning(
-            "hf_actq: a projection of %s was replaced after hf_actq.apply (e.g. by PEFT); its "
-            "fused gated-MLP op is bypassed. Apply hf_actq after get_peft_model for full "
-            "coverage.",
+            "hf_actq: a projection of %s was replaced after hf_actq.apply (e.g. by PEFT); the "
+            "gated product stays compressed but the replaced projections' inputs are not. "
+            "Apply hf_actq after get_peft_model for full coverage.",
             type(module).__name__,
         )
 
@@ -368,37 +365,49 @@ def _warn_replaced(module) -> None:
 def _is_gated_mlp(module) -> bool:
     return (
         all(
-            type(getattr(module, name, None)) is nn.Linear
+            isinstance(getattr(module, name, None), nn.Module)
             for name in ("gate_proj", "up_proj", "down_proj")
         )
         and activation_of(getattr(module, "act_fn", None)) is not None
     )
 
 
-def _patch_gated_mlp(module, path, config, codec, cache, handle) -> bool:
+def _plain_projections(module) -> bool:
+    return all(type(getattr(module, n)) is nn.Linear for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _patch_gated_mlp(module, path, config, codec, cache, handle) -> set[int]:
+    """Patches the MLP; returns the ids of the modules it now runs itself."""
     name, params = activation_of(module.act_fn)
     extra = _activation_extra(name, params, config)
+    extra["fused"] = _plain_projections(module)
+    how = "operands" if extra["fused"] else "product (projections patched as their own modules)"
     _patch(
         module,
         path,
         handle,
         _gated_mlp_forward,
         _SlotState(codec, cache, extra),
-        f"gated_mlp {name} {extra['table'].bits}-bit few-bit; operands",
+        f"gated_mlp {name} {extra['table'].bits}-bit few-bit; {how}",
     )
-    return True
+    if extra["fused"]:
+        return {id(m) for m in module.modules()}
+    # LoRA-wrapped projections (PEFT before hf_actq) run as modules, patched one by one.
+    return {id(module), id(module.act_fn)}
 
 
 def _gated_mlp_forward(self, x):
     gate_proj, up_proj, down = self.gate_proj, self.up_proj, self.down_proj
-    if not all(type(m) is nn.Linear for m in (gate_proj, up_proj, down)):
-        # A projection was replaced after patching (PEFT LoRA applied later): the fused op
-        # would bypass it, so run the module's own forward (its plain linears stay patched).
-        _warn_replaced(self)
-        return type(self).forward(self, x)
+    state = getattr(self, _STATE)
+    if not _plain_projections(self):
+        if state.extra["fused"]:
+            _warn_replaced(self)  # PEFT wrapped a projection after apply
+        if not _compress(self, x, *self.parameters()):
+            return type(self).forward(self, x)
+        product = _gated_down(state, gate_proj(x), up_proj(x), None)
+        return down(product)
     if not _compress(self, x, gate_proj.weight, up_proj.weight, down.weight):
         return type(self).forward(self, x)
-    state = getattr(self, _STATE)
     codec, cache = state.codec, state.cache
     # gate and up share one packed x through the cache; a frozen weight keeps nothing.
     gate = CompressedLinearFunction.apply(x, gate_proj.weight, gate_proj.bias, codec, cache)

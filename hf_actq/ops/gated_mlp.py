@@ -29,13 +29,17 @@ from hf_actq.ops.linear import CompressedLinear
 
 
 class GatedDownFunction(torch.autograd.Function):
-    """``F.linear(act(gate) * up, weight, bias)`` keeping codes and compressed operands."""
+    """``F.linear(act(gate) * up, weight, bias)`` keeping codes and compressed operands; with
+    ``weight=None`` just the product ``act(gate) * up`` (for a down projection that must run as
+    its own module, e.g. wrapped by PEFT LoRA)."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, act, borders, levels, bits, codec, cache):
         name, params = act
         activated, codes, nan_flag = fewbit_forward(gate, name, borders, bits, params)
-        y = F.linear(activated * up, weight, bias)
+        y = activated * up
+        if weight is not None:
+            y = F.linear(y, weight, bias)
         packed_a = cache.pack(activated, codec)
         packed_up = cache.pack(up, codec)
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
@@ -54,7 +58,7 @@ class GatedDownFunction(torch.autograd.Function):
         a_hat = header_a.with_tensors(buffers[: ctx.split]).unpack()
         up_hat = header_up.with_tensors(buffers[ctx.split :]).unpack()
         dtype = grad_y.dtype
-        grad_h = grad_y.matmul(weight.to(dtype))
+        grad_h = grad_y if weight is None else grad_y.matmul(weight.to(dtype))
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = grad_b = None
         if ctx.needs_input_grad[2]:

@@ -55,11 +55,40 @@ def test_lora_trains_with_fewer_bytes_and_close_gradients(order):
         model = _lora(base)
     assert any(".lora_A." in path for path in handle.patched) or order == "before"
     patched_grads, patched_bytes = _step(model, ids)
-    # Applied before get_peft_model, the LoRA-wrapped down_proj bypasses the fused gated-MLP
-    # op (with a warning): still fewer bytes, but not as few.
+    # Applied before get_peft_model, the LoRA-wrapped down_proj runs as PEFT's module, unpatched
+    # (with a warning): still fewer bytes, but not as few.
     assert patched_bytes < (nbytes / 2 if order == "after" else nbytes)
     flat = torch.cat([g.flatten() for g in grads])
     patched = torch.cat([g.flatten() for g in patched_grads])
     assert torch.nn.functional.cosine_similarity(flat, patched, dim=0) > 0.98
     handle.revert()
     assert _step(model, ids)[1] == nbytes
+
+
+@pytest.mark.parametrize("order", ["after", "before"])
+def test_lora_on_every_gated_mlp_projection_keeps_the_product_compressed(order, caplog):
+    def lora_mlp(model):
+        targets = ["gate_proj", "up_proj", "down_proj"]
+        return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
+
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    grads, _ = _step(lora_mlp(_llama()), ids)
+    unfused = lora_mlp(_llama())
+    hf_actq.apply(unfused, bits=8, gated_mlp=False)
+    _, unfused_bytes = _step(unfused, ids)
+    if order == "after":
+        model = lora_mlp(_llama())
+        handle = hf_actq.apply(model, bits=8)
+        mlps = [d for d in handle.patched.values() if d.startswith("gated_mlp")]
+        assert len(mlps) == 2 and all("product" in d for d in mlps)
+        assert any(".mlp.down_proj.lora_A." in path for path in handle.patched)
+    else:
+        base = _llama()
+        hf_actq.apply(base, bits=8)
+        model = lora_mlp(base)
+    patched_grads, patched_bytes = _step(model, ids)
+    assert patched_bytes < unfused_bytes
+    assert ("gated product stays compressed" in caplog.text) == (order == "before")
+    flat = torch.cat([g.flatten() for g in grads])
+    patched = torch.cat([g.flatten() for g in patched_grads])
+    assert torch.nn.functional.cosine_similarity(flat, patched, dim=0) > 0.98
