@@ -9,7 +9,8 @@ optimizer stays valid). On the main process it logs what it patched, and it mete
 training step and every ``logging_steps``-th: the most bytes one forward pass left for backward
 (``actq_activation_mib``; the largest micro-batch under gradient accumulation) and, on CUDA, the
 step's peak allocation (``actq_peak_mib``). The figures go into the Trainer's logs and
-``state.log_history``; ``log_memory=False`` turns this off.
+``state.log_history``; ``log_memory=False`` turns this off. (Under FSDP the figure also holds the
+gathered weights autograd keeps for backward; parameters are excluded by their local shards.)
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class ActQCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self._monitor is None:
             return
-        every = max(1, int(args.logging_steps)) if args.logging_steps else 1
+        # state.logging_steps is absolute even when args gives a fraction of max_steps.
+        every = max(1, int(state.logging_steps or args.logging_steps or 1))
         if state.global_step == 0 or (state.global_step + 1) % every == 0:
             self._monitor.arm()
             if torch.cuda.is_available():

@@ -143,3 +143,15 @@ def test_memory_logging_can_be_turned_off(tmp_path):
     trainer.train()
     assert not callback.memory_history
     assert not any("actq_activation_mib" in e for e in trainer.state.log_history)
+
+
+def test_memory_is_metered_on_the_first_and_on_logging_steps(tmp_path):
+    callback = ActQCallback(bits=3)
+    args = _args(tmp_path)
+    args.logging_steps = 2
+    trainer = Trainer(model=_bert(), args=args, train_dataset=Toy(False), callbacks=[callback])
+    trainer.train()
+    assert [r["step"] for r in callback.memory_history] == [1, 2, 4]
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["step"] for e in logged] == [2, 4]
+    assert all(e["actq_activation_mib"] > 0 for e in logged)
