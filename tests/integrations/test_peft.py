@@ -92,3 +92,39 @@ def test_lora_on_every_gated_mlp_projection_keeps_the_product_compressed(order, 
     flat = torch.cat([g.flatten() for g in grads])
     patched = torch.cat([g.flatten() for g in patched_grads])
     assert torch.nn.functional.cosine_similarity(flat, patched, dim=0) > 0.98
+
+
+def test_callback_patches_a_peft_model_and_trains(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_actq import ActQCallback
+
+    class Causal(torch.utils.data.Dataset):
+        ids = torch.randint(3, 100, (16, 16), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    model = _lora(_llama())
+    frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    callback = ActQCallback(bits=4)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Causal(), callbacks=[callback])
+    assert any(".lora_A." in path for path in callback.handle.patched)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert len(callback.memory_history) == 3
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
