@@ -95,6 +95,8 @@ def main(argv=None) -> int:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("hf-actq memory: --device cuda was given but no CUDA device is available")
     bar = None
     progress = None
     if not args.no_progress:

@@ -1,6 +1,7 @@
 """The ``hf-actq memory`` command."""
 
 import pytest
+import torch
 
 from hf_actq.__main__ import main as hf_actq_main
 from hf_actq.memory.cli import main, parse_size
@@ -66,5 +67,8 @@ def test_unknown_model_and_sizes_are_reported(monkeypatch):
         main(["bert-huge"])
     with pytest.raises(SystemExit, match="recipe"):
         main(["tiny-bert", "--recipe", "fast", "--no-progress"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="no CUDA device"):
+            main(["tiny-bert", "--device", "cuda", "--no-progress"])
     assert parse_size("80GiB") == 80 * 2**30 == parse_size("80GB") == parse_size("80G")
     assert parse_size("512MiB") == 512 * 2**20
