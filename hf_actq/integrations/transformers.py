@@ -482,7 +482,7 @@ def _patch_attention(model, config, codec, handle, kind):
     codecs = dict.fromkeys(slots, codec)
     count = 0
     for path, module in model.named_modules():
-        if config.skips(path) or not type(module).__name__.endswith("Attention"):
+        if config.skips(path) or not _is_attention(module):
             continue
         module.hf_actq_attention_codecs = codecs
         # Without grad in eval, the original implementation runs, so outputs stay identical.
@@ -499,6 +499,17 @@ def _patch_attention(model, config, codec, handle, kind):
             model_config._attn_implementation = previous
 
         handle._undo.append(undo)
+
+
+def _is_attention(module) -> bool:
+    # The innermost *Attention module calls the attention function; BERT's BertAttention only
+    # wraps BertSelfAttention and its output projection.
+    def named_attention(m):
+        return type(m).__name__.endswith("Attention")
+
+    return named_attention(module) and not any(
+        named_attention(child) for child in module.modules() if child is not module
+    )
 
 
 # Registry -------------------------------------------------------------------------------------
