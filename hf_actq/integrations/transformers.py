@@ -126,8 +126,8 @@ def revert(model: nn.Module) -> None:
 
 
 def apply_generic(model: nn.Module, config: ActQConfig, handle: ActQHandle, attention=None):
-    """Activation modules, nn.Linear, nn.LayerNorm, LLaMA-form *RMSNorm, gated MLPs and
-    nn.Dropout; attention through ``attention`` ("eager" for the BERT layout, "sdpa" for
+    """Activation modules, nn.Linear and GPT-2's Conv1D, nn.LayerNorm, LLaMA-form *RMSNorm,
+    gated MLPs and nn.Dropout; attention through ``attention`` ("eager" for the BERT layout, "sdpa" for
     decoders, None to leave it)."""
     cache = PackCache()
     codec = config.make_codec()
@@ -154,6 +154,9 @@ def apply_generic(model: nn.Module, config: ActQConfig, handle: ActQHandle, atte
             continue
         if type(module) is nn.Linear and config.linear:
             _patch(module, path, handle, _linear_forward, _SlotState(codec, cache), "linear")
+        elif config.linear and _is_conv1d(module):
+            state = _SlotState(codec, cache)
+            _patch(module, path, handle, _conv1d_forward, state, "linear (Conv1D)")
         elif type(module) is nn.LayerNorm and config.norm and len(module.normalized_shape) == 1:
             _patch(module, path, handle, _layer_norm_forward, _SlotState(codec, cache), "norm")
         elif config.norm and type(module).__name__.endswith("RMSNorm"):
@@ -217,6 +220,21 @@ def _linear_forward(self, x):
         return F.linear(x, self.weight, self.bias)
     state = getattr(self, _STATE)
     return CompressedLinearFunction.apply(x, self.weight, self.bias, state.codec, state.cache)
+
+
+def _is_conv1d(module) -> bool:
+    from transformers.pytorch_utils import Conv1D
+
+    return type(module) is Conv1D
+
+
+def _conv1d_forward(self, x):
+    # GPT-2's Conv1D is a linear layer with a transposed [in, out] weight: x @ W + b.
+    if not _compress(self, x, self.weight, self.bias):
+        return type(self).forward(self, x)
+    state = getattr(self, _STATE)
+    weight = self.weight.t()
+    return CompressedLinearFunction.apply(x, weight, self.bias, state.codec, state.cache)
 
 
 def _layer_norm_forward(self, x):

@@ -243,6 +243,23 @@ def test_dropout_switch_covers_attention_dropout_losslessly(model_type):
     assert not any(d.startswith("attention") for d in quiet.patched.values())
 
 
+def test_gpt2_conv1d_layers_are_compressed_like_linears():
+    model = _model("gpt2")
+    batch = _batch("gpt2")
+    _, grads, nbytes = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8, attention=False))
+    conv = [p for p, d in handle.patched.items() if d.startswith("linear (Conv1D)")]
+    assert len(conv) == 4 * model.config.n_layer  # c_attn, c_proj, c_fc, mlp.c_proj
+    _, patched_grads, patched_bytes = _step(model, batch)
+    assert patched_bytes < nbytes
+    for exact, approx in zip(grads, patched_grads):
+        assert (
+            torch.nn.functional.cosine_similarity(exact.flatten(), approx.flatten(), dim=0) > 0.99
+        )
+    handle.revert()
+    assert _step(model, batch)[2] == nbytes
+
+
 def test_skip_modules_and_switches():
     model = _model("llama")
     handle = hf_actq.apply(
