@@ -56,8 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
         help='recipes compared with the baseline, with optional overrides: "fewbit:bits=2" '
         f'"uniform:bits=4" "alam:bits=0.5". Default: {" ".join(DEFAULT_RECIPES)}',
     )
-    parser.add_argument("--gpu-memory", type=parse_size, default=parse_size("80GiB"))
-    parser.add_argument("--layers", choices=("auto", "all", "scaled"), default="auto")
+    parser.add_argument(
+        "--gpu-memory",
+        type=parse_size,
+        default=parse_size("80GiB"),
+        help="GPU memory for the max-batch column, e.g. 24GB or 80GiB (default 80GiB)",
+    )
+    parser.add_argument(
+        "--layers",
+        choices=("auto", "all", "scaled"),
+        default="auto",
+        help="all: build every layer; scaled: measure 1 and 2 layers and extrapolate; "
+        "auto: all when it fits comfortably in memory",
+    )
     parser.add_argument("--task", choices=("causal-lm", "classification"))
     parser.add_argument("--attn-implementation", help="e.g. eager or sdpa (default: the model's)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
