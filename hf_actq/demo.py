@@ -18,21 +18,14 @@ from torch import nn
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.transformers import apply
 from hf_actq.memory import SavedTensorMeter
+from hf_actq.memory.presets import preset_config
 
 
 def tiny_bert(seed: int = 0):
-    from transformers import BertConfig, BertForSequenceClassification
+    from transformers import BertForSequenceClassification
 
-    config = BertConfig(
-        vocab_size=512,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=512,
-        max_position_embeddings=256,
-        num_labels=2,
-        hidden_act="gelu",
-    )
+    config = preset_config("tiny-bert")
+    config.max_position_embeddings, config.num_labels = 256, 2
     torch.manual_seed(seed)
     return BertForSequenceClassification(config)
 

@@ -127,8 +127,8 @@ def revert(model: nn.Module) -> None:
 
 def apply_generic(model: nn.Module, config: ActQConfig, handle: ActQHandle, attention=None):
     """Activation modules, nn.Linear and GPT-2's Conv1D, nn.LayerNorm, LLaMA-form *RMSNorm,
-    gated MLPs and nn.Dropout; attention through ``attention`` ("eager" for the BERT layout, "sdpa" for
-    decoders, None to leave it)."""
+    gated MLPs and nn.Dropout; attention through ``attention`` ("eager" for the BERT layout,
+    "sdpa" for decoders, None to leave it)."""
     cache = PackCache()
     codec = config.make_codec()
     claimed: set[int] = set()
@@ -216,10 +216,7 @@ def _compress(module, *tensors) -> bool:
 
 
 def _linear_forward(self, x):
-    if not _compress(self, x, self.weight, self.bias):
-        return F.linear(x, self.weight, self.bias)
-    state = getattr(self, _STATE)
-    return CompressedLinearFunction.apply(x, self.weight, self.bias, state.codec, state.cache)
+    return _compressed_linear(self, x, self.weight)
 
 
 def _is_conv1d(module) -> bool:
@@ -230,10 +227,13 @@ def _is_conv1d(module) -> bool:
 
 def _conv1d_forward(self, x):
     # GPT-2's Conv1D is a linear layer with a transposed [in, out] weight: x @ W + b.
-    if not _compress(self, x, self.weight, self.bias):
+    return _compressed_linear(self, x, self.weight.t())
+
+
+def _compressed_linear(self, x, weight):
+    if not _compress(self, x, weight, self.bias):
         return type(self).forward(self, x)
     state = getattr(self, _STATE)
-    weight = self.weight.t()
     return CompressedLinearFunction.apply(x, weight, self.bias, state.codec, state.cache)
 
 

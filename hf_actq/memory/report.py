@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from hf_actq.config import ActQConfig
-from hf_actq.memory.meter import OP_KINDS, SavedTensorMeter, graph_saved_bytes
+from hf_actq.memory.meter import OP_KINDS, SavedTensorMeter, _storage_key, graph_saved_bytes
 from hf_actq.memory.peak import PeakMemory
 
 PEFT_MODES = ("none", "lora", "qlora")
@@ -454,9 +454,8 @@ def _measure_step(
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     _create_optimizer_state(optimizer, trainable)
     inputs = _inputs(model.config, task, batch_size, seq_len, device)
-    static_bytes = _distinct_bytes(_model_tensors(model)) + _distinct_bytes(
-        _optimizer_tensors(optimizer)
-    )
+    model_bytes = _distinct_bytes(_model_tensors(model))
+    optimizer_bytes = _distinct_bytes(_optimizer_tensors(optimizer))
 
     with PeakMemory(device) as peak:
         with SavedTensorMeter(exclude=params, model=model) as meter:
@@ -469,10 +468,10 @@ def _measure_step(
     measurement = Measurement(
         activation_bytes=meter.nbytes,
         graph_bytes=graph_bytes,
-        param_bytes=_distinct_bytes(_model_tensors(model)),
+        param_bytes=model_bytes,
         grad_bytes=grad_bytes,
-        optimizer_bytes=_distinct_bytes(_optimizer_tensors(optimizer)),
-        peak_bytes=static_bytes + peak.peak_bytes,
+        optimizer_bytes=optimizer_bytes,
+        peak_bytes=model_bytes + optimizer_bytes + peak.peak_bytes,
         by_kind=meter.by_kind(),
     )
     del model, optimizer, loss, meter
@@ -527,8 +526,5 @@ def _optimizer_tensors(optimizer):
 
 
 def _distinct_bytes(tensors) -> int:
-    storages = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages[(tensor.device, storage.data_ptr())] = storage.nbytes()
+    storages = {_storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())

@@ -197,11 +197,13 @@ class CompressedSDPAFunction(torch.autograd.Function):
         # where the logit error is positive, so backward renormalises its own logits instead
         # (and nothing is saved for the rows).
         exact_logits = codecs.get("q") is None and codecs.get("k") is None
-        lse = torch.empty(query.shape[:3] if exact_logits else (0,), device=query.device)
-        for b in range(query.shape[0] if exact_logits else 0):  # bounds the S x S buffer
-            k = key[b].repeat_interleave(groups, dim=0)
-            m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
-            lse[b] = torch.logsumexp(_sdpa_logits(query[b], k, scaling, m, causal), dim=-1)
+        rows = query.shape[:3] if exact_logits else (0,)
+        lse = torch.empty(rows, dtype=torch.float32, device=query.device)
+        if exact_logits:
+            for b in range(query.shape[0]):  # one batch element at a time bounds the S x S buffer
+                k = key[b].repeat_interleave(groups, dim=0)
+                m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
+                lse[b] = torch.logsumexp(_sdpa_logits(query[b], k, scaling, m, causal), dim=-1)
         saved: list = []
         slots = {}
         for name, tensor in (("q", query), ("k", key), ("v", value)):
