@@ -91,11 +91,34 @@ def time_recipes(model, inputs, rounds: int) -> dict:
     }
 
 
+def profile_step(recipe: str) -> None:
+    """Top ops by self CPU time of one tiny-LLaMA training step (after two warm-up steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, inputs = tiny_llama()
+    if recipe != "baseline":
+        hf_actq.apply(model, hf_actq.ActQConfig.from_recipe(recipe))
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    for _ in range(3):
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            model(**inputs).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--output")
+    parser.add_argument(
+        "--profile", choices=RECIPES, help="instead: profile one tiny-LLaMA step of this recipe"
+    )
     args = parser.parse_args()
+    if args.profile:
+        profile_step(args.profile)
+        return
     results = {"threads": torch.get_num_threads()}
     for name, build in (
         ("tiny-llama fp32 b8 s256", tiny_llama),
