@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -82,11 +83,45 @@ def validate_int(name: str, value, allowed) -> int:
     return value
 
 
+# Seeds live in [0, 2**31 - 1): the range every generator's ``manual_seed`` and the Triton
+# kernels' 32-bit Philox offsets take.
+_SEED_MODULUS = 2**31 - 1
+# Added once per rank (mod the prime above), so ranks never share a seed; rank 0 keeps the
+# drawn seed, so single-process runs draw exactly what torch's RNG gives.
+_RANK_STRIDE = 0x9E3779B1
+
+
 def draw_seed() -> int:
-    """A seed from torch's CPU generator: ``torch.manual_seed`` and checkpointing's RNG replay
-    (which restores the CPU state too) reproduce it, and drawing exactly one per pack keeps the
-    RNG stream independent of whether a shared input was found already packed."""
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+    """A seed from torch's CPU generator, salted with the process rank.
+
+    From torch's generator: ``torch.manual_seed`` and checkpointing's RNG replay (which restores
+    the CPU state too) reproduce it, and drawing exactly one per pack keeps the RNG stream
+    independent of whether a shared input was found already packed. Salted with the rank:
+    data-parallel launchers seed every rank identically, and ranks that draw the same rounding
+    noise would not average it away when their gradients are reduced.
+    """
+    seed = int(torch.randint(0, _SEED_MODULUS, (1,)).item())
+    rank = process_rank()
+    return seed if rank == 0 else (seed + rank * _RANK_STRIDE) % _SEED_MODULUS
+
+
+def skip_seeds(*codecs) -> None:
+    """Draw and discard the seeds that packing with ``codecs`` would draw (None: exact slot).
+
+    A training-mode forward that keeps nothing for backward (under ``no_grad``, as reentrant
+    checkpointing runs its first pass) must consume the RNG exactly as the pass that keeps
+    everything, or every dropout after it would draw a different mask in the recompute.
+    """
+    for codec in codecs:
+        if codec is not None and codec.uses_rng:
+            torch.randint(0, _SEED_MODULUS, (1,))
+
+
+def process_rank() -> int:
+    """The global rank: torch.distributed's when initialized, else the launcher's ``RANK``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK") or 0)
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from hf_actq.codecs.packed import Codec, draw_seed
+from hf_actq.codecs.packed import Codec, draw_seed, skip_seeds
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.dropout import keep_mask
+from hf_actq.ops.state import wants_backward
 
 ATTENTION_NAME = "hf_actq_eager"
 
@@ -46,24 +47,32 @@ class _Slot:
         return own[0] if self.header is None else self.header.with_tensors(own).unpack()
 
 
+def _eager_forward(query, key, value, mask, scaling, dropout):
+    """Eager attention's forward; returns the output, the probabilities, the dropped
+    probabilities and the dropout seed (one draw, when dropout is on)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1)
+    seed = None
+    dropped = probs
+    if dropout > 0.0:
+        seed = draw_seed()
+        keep = keep_mask(probs.shape, dropout, seed, probs.device)
+        dropped = probs * keep * (1.0 / (1.0 - dropout))
+    return torch.matmul(dropped, value), probs, dropped, seed
+
+
+_EAGER_SLOTS = ("q", "k", "v", "probs")
+
+
 class CompressedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, mask, scaling, dropout, codecs, cache):
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-        if mask is not None:
-            scores = scores + mask
-        probs = torch.softmax(scores, dim=-1)
-        seed = None
-        dropped = probs
-        if dropout > 0.0:
-            seed = draw_seed()
-            keep = keep_mask(probs.shape, dropout, seed, probs.device)
-            dropped = probs * keep * (1.0 / (1.0 - dropout))
-        out = torch.matmul(dropped, value)
-
+        out, probs, dropped, seed = _eager_forward(query, key, value, mask, scaling, dropout)
         saved: list = []
         slots = {}
-        for name, tensor in (("q", query), ("k", key), ("v", value), ("probs", probs)):
+        for name, tensor in zip(_EAGER_SLOTS, (query, key, value, probs)):
             slots[name] = _Slot(codecs.get(name))
             slots[name].keep(tensor, saved, cache)
         ctx.slots, ctx.seed, ctx.dropout, ctx.scaling = slots, seed, dropout, scaling
@@ -122,23 +131,7 @@ def compressed_eager_attention(
         codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
     training = module is not None and module.training
     p = dropout if module is None or training else 0.0
-    # In training, compress even under no_grad (reentrant checkpointing's first forward) so the
-    # RNG seeds drawn match the recompute.
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    if not (needs_grad or training):
-        fallback = getattr(module, "hf_actq_attention_fallback", None)
-        if fallback == "sdpa":
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
-            )
-        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        weights = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p=p, training=p > 0)
-        out = torch.matmul(weights, value)
-    else:
+    if wants_backward(query, key, value):
         out, weights = CompressedAttentionFunction.apply(
             query,
             key,
@@ -149,6 +142,20 @@ def compressed_eager_attention(
             codecs,
             cache if cache is not None else DEFAULT_CACHE,
         )
+    elif training:
+        # Reentrant checkpointing's first pass: the output and RNG draws of the compressed
+        # path (the same dropout mask, the packing seeds), with nothing packed.
+        out, _, weights, _ = _eager_forward(query, key, value, attention_mask, scaling, p)
+        skip_seeds(*(codecs.get(name) for name in _EAGER_SLOTS))
+    else:
+        fallback = getattr(module, "hf_actq_attention_fallback", None)
+        if fallback == "sdpa":
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs
+            )
+        out, _, weights, _ = _eager_forward(query, key, value, attention_mask, scaling, p)
     return out.transpose(1, 2).contiguous(), weights
 
 
@@ -278,21 +285,21 @@ def compressed_sdpa_attention(
             **kwargs,
         )
 
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    training = module is not None and getattr(module, "training", False)
-    plain = (
-        not (needs_grad or training)
-        or dropout > 0.0
+    if (
+        dropout > 0.0
         or kwargs.get("position_bias") is not None
         or kwargs.get("cache") is not None
         or query.shape[2] != key.shape[2]
-    )
-    if plain:
+    ):
+        return run_sdpa(query, key, value)
+    if codecs is None:
+        codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
+    if not wants_backward(query, key, value):
+        if module is not None and getattr(module, "training", False):
+            skip_seeds(*(codecs.get(name) for name in ("q", "k", "v")))
         return run_sdpa(query, key, value)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    if codecs is None:
-        codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
     groups = query.shape[1] // key.shape[1]

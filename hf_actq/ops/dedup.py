@@ -1,24 +1,52 @@
 """Compress an input once when several ops consume it (q/k/v, gate/up, LoRA A and its base).
 
-Entries are keyed by tensor identity with a weak reference and the tensor's version counter:
-``data_ptr`` alone is not enough, because freed storage is reused by the next allocation, and an
-in-place update of the same tensor must not return stale codes.
+An entry is found by the input's identity (a weak reference, since freed storage is reused and
+``data_ptr`` alone would match a different tensor) and its version counter (an in-place update
+must not return stale codes). The cache holds nothing strongly: an entry is reused only while
+the input and the packed buffers are still alive, which they are exactly when an earlier
+consumer's autograd node keeps them. So the cache never keeps a buffer that backward would not
+keep anyway: under non-reentrant checkpointing, where no node keeps them in the first pass, each
+consumer packs its own copy and frees it at once, as checkpointing intends.
+
+No lock: dictionary reads and writes are atomic under the GIL, the worst race packs a tensor
+twice, and there are no weak-reference callbacks that could run (and block) inside a locked
+section during a garbage collection.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from hf_actq.codecs.packed import Codec, Packed, draw_seed
 
 
+@dataclass(frozen=True)
+class _Entry:
+    source: weakref.ref
+    version: int
+    header: Packed  # the packed object without its tensors
+    buffers: tuple[weakref.ref, ...]
+
+    def reuse(self, x: torch.Tensor, codec: Codec) -> Packed | None:
+        if self.source() is not x or self.version != x._version or self.header.codec != codec:
+            return None
+        tensors = tuple(ref() for ref in self.buffers)
+        if any(t is None for t in tensors):
+            return None
+        return self.header.with_tensors(tensors)
+
+    @property
+    def alive(self) -> bool:
+        return self.source() is not None and all(ref() is not None for ref in self.buffers)
+
+
 class PackCache:
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, int, Codec, Packed]] = {}
-        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self._purge_at = 64
 
     def pack(self, x: torch.Tensor, codec: Codec) -> Packed:
         """``codec.pack(x)``, reusing the result of an earlier call on the same live tensor.
@@ -27,31 +55,33 @@ class PackCache:
         (and with it checkpoint replay) does not depend on what the cache holds.
         """
         seed = draw_seed() if codec.uses_rng else None
+        if x.is_inference():  # no version counter to key on
+            return codec.pack(x, seed)
         key = id(x)
-        with self._lock:
-            entry = self._entries.get(key)
-            if (
-                entry is not None
-                and entry[0]() is x
-                and entry[1] == x._version
-                and entry[2] == codec
-            ):
-                return entry[3]
+        entry = self._entries.get(key)
+        found = entry.reuse(x, codec) if entry is not None else None
+        if found is not None:
+            return found
         packed = codec.pack(x, seed)
-        with self._lock:
-            self._entries[key] = (weakref.ref(x, self._forget(key)), x._version, codec, packed)
+        self._entries[key] = _Entry(
+            weakref.ref(x),
+            x._version,
+            packed.with_tensors(()),
+            tuple(weakref.ref(t) for t in packed.tensors),
+        )
+        if len(self._entries) >= self._purge_at:
+            self._purge()
         return packed
 
-    def _forget(self, key):
-        def callback(ref):
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None and entry[0] is ref:
-                    del self._entries[key]
-
-        return callback
+    def _purge(self) -> None:
+        for key, entry in list(self._entries.items()):
+            if not entry.alive and self._entries.get(key) is entry:
+                del self._entries[key]
+        self._purge_at = max(64, 2 * len(self._entries))
 
     def __len__(self) -> int:
+        """Entries that could still be reused."""
+        self._purge()
         return len(self._entries)
 
 

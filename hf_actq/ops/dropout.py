@@ -14,6 +14,7 @@ from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import draw_seed
 from hf_actq.kernels import mask_pack, mask_unpack
+from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
 
 MODES = ("seed", "mask")
 
@@ -25,18 +26,22 @@ def keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
     return torch.rand(shape, device=device, generator=generator) >= p
 
 
+def _dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    # One expression for every path, so a no_grad pass and its recompute agree bit for bit.
+    return x * keep * (1.0 / (1.0 - p))
+
+
 class CompressedDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, mode):
         seed = draw_seed()
         keep = keep_mask(x.shape, p, seed, x.device)
-        scale = 1.0 / (1.0 - p)
-        ctx.p, ctx.mode, ctx.shape, ctx.scale = p, mode, x.shape, scale
+        ctx.p, ctx.mode, ctx.shape = p, mode, x.shape
         if mode == "seed":
             ctx.save_for_backward(torch.tensor([seed], dtype=torch.int64))
         else:
             ctx.save_for_backward(mask_pack(keep))
-        return x * keep * scale
+        return _dropped(x, keep, p)
 
     @staticmethod
     @once_differentiable
@@ -46,7 +51,7 @@ class CompressedDropoutFunction(torch.autograd.Function):
             keep = keep_mask(ctx.shape, ctx.p, int(saved.item()), grad_y.device)
         else:
             keep = mask_unpack(saved, ctx.shape, torch.bool)
-        return grad_y * keep * ctx.scale, None, None
+        return _dropped(grad_y, keep, ctx.p), None, None
 
 
 class CompressedDropout(nn.Dropout):
@@ -58,16 +63,21 @@ class CompressedDropout(nn.Dropout):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         super().__init__(p)
-        self.mode = mode
+        set_state(self, OpState(plain=nn.Dropout.forward.__get__(self), dropout_mode=mode))
+
+    @property
+    def mode(self) -> str:
+        return state_of(self).dropout_mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
         if self.p == 1.0:
-            return torch.zeros_like(x)
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            return x * keep_mask(x.shape, self.p, draw_seed(), x.device) / (1.0 - self.p)
-        return CompressedDropoutFunction.apply(x, float(self.p), self.mode)
+            return state_of(self).plain(x)
+        if not wants_backward(x):
+            # The mask the Function would draw, from the same single seed draw.
+            return _dropped(x, keep_mask(x.shape, self.p, draw_seed(), x.device), self.p)
+        return CompressedDropoutFunction.apply(x, float(self.p), state_of(self).dropout_mode)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, mode={self.mode!r}"

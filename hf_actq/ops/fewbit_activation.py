@@ -15,6 +15,7 @@ from hf_actq.fewbit.activations import get_activation, resolve_params
 from hf_actq.fewbit.dp import FewBitTable
 from hf_actq.fewbit.tables import table_for, validate_bits
 from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -35,11 +36,62 @@ class FewBitActivationFunction(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
+class ActivationTable:
+    """One few-bit activation: its spec, parameters and derivative table, with the table's
+    tensors on each device they are needed on (fp32 whatever the model's dtype: rounding the
+    borders to bf16 would move them)."""
+
+    def __init__(
+        self, activation: str, bits: int, params=None, table: FewBitTable | None = None
+    ) -> None:
+        self.spec = get_activation(activation)
+        validate_bits(bits)
+        self.params = resolve_params(self.spec, dict(params or {}))
+        if table is None:
+            table = table_for(self.spec.name, bits, **self.params)
+        else:
+            _check_table(table, self.spec)
+        self.table = table
+        self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def bits(self) -> int:
+        return self.table.bits
+
+    @property
+    def exact(self) -> bool:
+        return self.spec.exact is not None
+
+    @property
+    def param_values(self) -> tuple[float, ...]:
+        return tuple(self.params.values())
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(borders, levels)`` as fp32 tensors on ``device``."""
+        device = torch.device(device)
+        if device not in self._tensors:
+            self._tensors[device] = (
+                torch.tensor(self.table.borders, dtype=torch.float32, device=device),
+                torch.tensor(self.table.levels, dtype=torch.float32, device=device),
+            )
+        return self._tensors[device]
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        return self.spec.forward(x, **self.params)
+
+    @property
+    def kind(self) -> str:
+        return "exact" if self.exact else f"error={self.table.error:.4f}"
+
+    def describe(self) -> str:
+        return f"{self.spec.name} {self.bits}-bit few-bit ({self.kind})"
+
+
 def fewbit_activation(
     x: torch.Tensor, activation: str, bits: int = 3, *, table: FewBitTable | None = None, **params
 ) -> torch.Tensor:
-    """Functional form of :class:`FewBitActivation` (builds the table tensors on each call)."""
-    return FewBitActivation(activation, bits, table=table, **params).to(x.device)(x)
+    """Functional form of :class:`FewBitActivation`."""
+    return FewBitActivation(activation, bits, table=table, **params)(x)
 
 
 class FewBitActivation(nn.Module):
@@ -52,7 +104,8 @@ class FewBitActivation(nn.Module):
     exact 1-bit table.
 
     In eval mode, under ``torch.no_grad()`` or for inputs that do not require grad, the module is
-    the plain activation and keeps nothing.
+    the plain activation and keeps nothing. It holds no parameters or buffers, so swapping it
+    into a model leaves the state dict as it was.
     """
 
     def __init__(
@@ -64,56 +117,58 @@ class FewBitActivation(nn.Module):
         **params: float,
     ) -> None:
         super().__init__()
-        self.spec = get_activation(activation)
-        validate_bits(bits)
-        self.params = resolve_params(self.spec, params)
-        if table is None:
-            table = table_for(self.spec.name, bits, **self.params)
-        else:
-            _check_table(table, self.spec)
-        self.table = table
-        self.bits = table.bits
-        self.exact = self.spec.exact is not None
-        self._param_values = tuple(self.params.values())
-        # Not persistent: patching a model must not change its state_dict.
-        self.register_buffer(
-            "borders", torch.tensor(table.borders, dtype=torch.float32), persistent=False
-        )
-        self.register_buffer(
-            "levels", torch.tensor(table.levels, dtype=torch.float32), persistent=False
-        )
-
-    def _apply(self, fn, recurse=True):
-        # model.half() / .to(bfloat16) would round the table; keep it fp32 on the new device.
-        super()._apply(fn, recurse)
-        device = self.levels.device
-        self.borders = torch.tensor(self.table.borders, dtype=torch.float32, device=device)
-        self.levels = torch.tensor(self.table.levels, dtype=torch.float32, device=device)
-        return self
+        act = ActivationTable(activation, bits, params, table)
+        set_state(self, OpState(plain=act.plain, activation=act))
 
     @property
     def activation(self) -> str:
         return self.spec.name
 
+    @property
+    def spec(self):
+        return state_of(self).activation.spec
+
+    @property
+    def params(self) -> dict[str, float]:
+        return state_of(self).activation.params
+
+    @property
+    def table(self) -> FewBitTable:
+        return state_of(self).activation.table
+
+    @property
+    def bits(self) -> int:
+        return state_of(self).activation.bits
+
+    @property
+    def borders(self) -> torch.Tensor:
+        """The table's borders as an fp32 CPU tensor (ops use a copy on the input's device)."""
+        return state_of(self).activation.tensors("cpu")[0]
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """The table's derivative levels as an fp32 CPU tensor."""
+        return state_of(self).activation.tensors("cpu")[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = state_of(self)
         if x.dtype not in _FLOAT_DTYPES:
             raise ValueError(
                 f"{type(self).__name__} needs a floating-point input (float32, float16, bfloat16 "
                 f"or float64), got {x.dtype}"
             )
-        if not (torch.is_grad_enabled() and x.requires_grad):
-            return self.spec.forward(x, **self.params)
-        borders, levels = self.borders, self.levels
-        if borders.device != x.device:
-            borders, levels = borders.to(x.device), levels.to(x.device)
+        if not wants_backward(x):
+            return state.plain(x)
+        act = state.activation
+        borders, levels = act.tensors(x.device)
         return FewBitActivationFunction.apply(
-            x, self.spec.name, self._param_values, borders, levels, self.bits
+            x, act.spec.name, act.param_values, borders, levels, act.bits
         )
 
     def extra_repr(self) -> str:
-        params = "".join(f", {k}={v:g}" for k, v in self.params.items())
-        kind = "exact" if self.exact else f"error={self.table.error:.4f}"
-        return f"{self.spec.name!r}, bits={self.bits} ({kind}){params}"
+        act = state_of(self).activation
+        params = "".join(f", {k}={v:g}" for k, v in act.params.items())
+        return f"{act.spec.name!r}, bits={act.bits} ({act.kind}){params}"
 
 
 def _check_table(table: FewBitTable, spec) -> None:

@@ -4,7 +4,7 @@ full-precision intermediate-size tensor.
 Unpatched autograd keeps x (for gate and up), gate (for act), act(gate) and up (for the product)
 and the product (for down): four intermediate-size tensors. Here:
 
-- gate and up are :class:`CompressedLinear` layers sharing one packed copy of x;
+- gate and up keep one packed copy of x between them (a frozen weight keeps nothing);
 - the fused product-and-down op keeps the few-bit code of act'(gate) (``activation_bits`` bits),
   compressed act(gate) and compressed up, and rebuilds down's input as their product in
   backward instead of storing a third copy.
@@ -14,18 +14,29 @@ The forward output equals the unpatched module's bit for bit (same ops in the sa
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from hf_actq.codecs import AverageQuantCodec
 from hf_actq.codecs.packed import Codec
-from hf_actq.fewbit.activations import activation_of, get_activation, resolve_params
-from hf_actq.fewbit.tables import table_for
+from hf_actq.fewbit.activations import activation_of
 from hf_actq.kernels import fewbit_backward, fewbit_forward
-from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
-from hf_actq.ops.linear import CompressedLinear
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.fewbit_activation import ActivationTable
+from hf_actq.ops.linear import CompressedLinearFunction
+from hf_actq.ops.state import (
+    OpState,
+    default_state,
+    keep_rng_stream,
+    set_state,
+    state_of,
+    wants_backward,
+)
+
+logger = logging.getLogger("hf_actq")
 
 
 class GatedDownFunction(torch.autograd.Function):
@@ -71,9 +82,60 @@ class GatedDownFunction(torch.autograd.Function):
         return grad_gate, grad_up, grad_w, grad_b, None, None, None, None, None, None
 
 
+def gated_down(state: OpState, gate, up, down: nn.Module | None) -> torch.Tensor:
+    """``down(act(gate) * up)`` through :class:`GatedDownFunction` with the state's activation,
+    codec and cache; with ``down=None`` only the product."""
+    act = state.activation
+    borders, levels = act.tensors(gate.device)
+    return GatedDownFunction.apply(
+        gate,
+        up,
+        None if down is None else down.weight,
+        None if down is None else down.bias,
+        (act.spec.name, act.param_values),
+        borders,
+        levels,
+        act.bits,
+        state.codec,
+        state.cache,
+    )
+
+
+def runs_as_linear(module) -> bool:
+    """Whether a fused op may compute ``module``'s linear itself instead of calling it: a plain
+    ``nn.Linear`` with no accelerate hook (which may move or load its weights) and no
+    instance-level forward of someone else's. (Plain torch forward hooks on it do not run.)"""
+    return (
+        type(module) is nn.Linear
+        and not hasattr(module, "_hf_hook")
+        and "forward" not in module.__dict__
+    )
+
+
+def plain_projections(mlp: nn.Module) -> bool:
+    return all(runs_as_linear(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _warn_replaced(module: nn.Module, state: OpState) -> None:
+    if not state.warned_replaced:
+        state.warned_replaced = True
+        logger.warning(
+            "hf_actq: a projection of %s was replaced after hf_actq.apply (e.g. by PEFT); the "
+            "gated product stays compressed but the replaced projections' inputs are not. "
+            "Apply hf_actq after get_peft_model for full coverage.",
+            type(module).__name__,
+        )
+
+
 class CompressedGatedMLP(nn.Module):
-    """Wraps an HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``), sharing its
-    parameters."""
+    """An HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) sharing the
+    submodules of ``mlp`` (same state-dict keys).
+
+    With plain ``nn.Linear`` projections, gate and up share one packed x and the product op keeps
+    the few-bit code and compressed operands. With wrapped projections (PEFT LoRA, quantized
+    layers) they run as their own modules and only the product ``act(gate) * up`` is compressed
+    here.
+    """
 
     def __init__(
         self,
@@ -82,7 +144,6 @@ class CompressedGatedMLP(nn.Module):
         activation_bits: int = 3,
         cache: PackCache | None = None,
     ) -> None:
-        super().__init__()
         for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
             if not hasattr(mlp, name):
                 raise ValueError(
@@ -94,46 +155,100 @@ class CompressedGatedMLP(nn.Module):
             raise ValueError(
                 f"CompressedGatedMLP: unsupported activation {type(mlp.act_fn).__name__}"
             )
-        self.mlp = mlp
-        self.codec = codec if codec is not None else AverageQuantCodec(bits=4)
-        self.cache = cache if cache is not None else DEFAULT_CACHE
-        # Kept unregistered: the projections are already submodules of ``mlp`` (registering
-        # them twice would duplicate state-dict keys).
-        self._projections = (
-            CompressedLinear(mlp.gate_proj, self.codec, self.cache),
-            CompressedLinear(mlp.up_proj, self.codec, self.cache),
-        )
-        spec = get_activation(found[0])
-        self.activation = (spec.name, resolve_params(spec, found[1]))
-        self.table = table_for(spec.name, activation_bits, **self.activation[1])
-        self.register_buffer(
-            "borders", torch.tensor(self.table.borders, dtype=torch.float32), persistent=False
-        )
-        self.register_buffer(
-            "levels", torch.tensor(self.table.levels, dtype=torch.float32), persistent=False
-        )
+        super().__init__()
+        self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
+        self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
+        activation = ActivationTable(found[0], activation_bits, found[1])
+        state = default_state(mlp.forward, codec, cache, activation=activation)
+        state.fused_projections = plain_projections(mlp)
+        set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down = self.mlp.down_proj
-        if not torch.is_grad_enabled():
-            return self.mlp(x)
-        gate_proj, up_proj = self._projections
-        gate, up = gate_proj(x), up_proj(x)
-        if not (gate.requires_grad or up.requires_grad or down.weight.requires_grad):
-            return self.mlp(x)
-        name, params = self.activation
-        return GatedDownFunction.apply(
-            gate,
-            up,
-            down.weight,
-            down.bias,
-            (name, tuple(params.values())),
-            self.borders.to(x.device),
-            self.levels.to(x.device),
-            self.table.bits,
-            self.codec,
-            self.cache,
-        )
+        state = state_of(self)
+        gate_proj, up_proj, down = self.gate_proj, self.up_proj, self.down_proj
+        if not plain_projections(self):
+            if state.fused_projections:
+                _warn_replaced(self, state)
+            # The projections run as their own (possibly patched) modules, in the stock order:
+            # a dropout inside one (LoRA's) must draw at the same point in every pass.
+            gate, up = gate_proj(x), up_proj(x)
+            if wants_backward(gate, up):
+                return down(gated_down(state, gate, up, None))
+            keep_rng_stream(self, state.codec, state.codec)
+            return down(self.act_fn(gate) * up)
+        if not wants_backward(x, *self.parameters()):
+            packs_x = [state.codec for p in (gate_proj, up_proj) if p.weight.requires_grad]
+            keep_rng_stream(self, *packs_x, state.codec, state.codec)
+            return state.plain(x)
+        codec, cache = state.codec, state.cache
+        # gate and up share one packed x through the cache; a frozen weight keeps nothing.
+        gate = CompressedLinearFunction.apply(x, gate_proj.weight, gate_proj.bias, codec, cache)
+        up = CompressedLinearFunction.apply(x, up_proj.weight, up_proj.bias, codec, cache)
+        return gated_down(state, gate, up, down)
 
     def extra_repr(self) -> str:
-        return f"codec={self.codec!r}, activation={self.activation[0]!r}, bits={self.table.bits}"
+        state = state_of(self)
+        return f"codec={state.codec!r}, activation={state.activation.describe()}"
+
+
+class CompressedFusedGatedMLP(nn.Module):
+    """Phi-3's gated MLP, ``down(up * act(gate))`` with ``gate, up = gate_up_proj(x).chunk(2)``,
+    sharing the submodules of ``mlp``.
+
+    The activation's input is a view of the fused projection's output, which the product keeps
+    alive anyway, so only a fused op can drop it: the product op keeps the few-bit code and the
+    operands (compressed with ``codec``, or compacted exact copies with
+    :class:`~hf_actq.codecs.packed.ExactCodec`); ``linear_codec`` compresses the fused
+    projection's input (None leaves that projection a plain linear).
+    """
+
+    def __init__(
+        self,
+        mlp: nn.Module,
+        codec: Codec | None = None,
+        activation_bits: int = 3,
+        cache: PackCache | None = None,
+        linear_codec: Codec | None = None,
+    ) -> None:
+        found = activation_of(getattr(mlp, "activation_fn", None))
+        if not is_fused_gated_mlp(mlp) or found is None:
+            raise ValueError(
+                "CompressedFusedGatedMLP needs nn.Linear gate_up_proj and down_proj and a "
+                f"supported activation_fn; got {type(mlp).__name__}"
+            )
+        super().__init__()
+        self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
+        self.activation_fn = mlp.activation_fn
+        activation = ActivationTable(found[0], activation_bits, found[1])
+        state = default_state(mlp.forward, codec, cache, activation=activation)
+        state.linear_codec = linear_codec
+        set_state(self, state)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = state_of(self)
+        fused, down = self.gate_up_proj, self.down_proj
+        if not is_fused_gated_mlp(self):
+            _warn_replaced(self, state)
+            return state.plain(x)
+        if not wants_backward(x, *self.parameters()):
+            packs_x = state.linear_codec if fused.weight.requires_grad else None
+            keep_rng_stream(self, packs_x, state.codec, state.codec)
+            return state.plain(x)
+        if state.linear_codec is not None:
+            gate_up = CompressedLinearFunction.apply(
+                x, fused.weight, fused.bias, state.linear_codec, state.cache
+            )
+        else:
+            gate_up = F.linear(x, fused.weight, fused.bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gated_down(state, gate, up, down)
+
+    def extra_repr(self) -> str:
+        state = state_of(self)
+        return f"codec={state.codec!r}, activation={state.activation.describe()}"
+
+
+def is_fused_gated_mlp(module: nn.Module) -> bool:
+    return runs_as_linear(getattr(module, "gate_up_proj", None)) and runs_as_linear(
+        getattr(module, "down_proj", None)
+    )

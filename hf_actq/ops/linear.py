@@ -12,9 +12,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from hf_actq.codecs import AverageQuantCodec
 from hf_actq.codecs.packed import Codec
-from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.state import (
+    default_state,
+    keep_rng_stream,
+    set_state,
+    state_of,
+    wants_backward,
+)
 
 
 class CompressedLinearFunction(torch.autograd.Function):
@@ -48,41 +54,58 @@ class CompressedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class CompressedLinear(nn.Module):
-    """Wraps an ``nn.Linear`` (sharing its parameters) and compresses its saved input.
+def compressed_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T + module.bias``, keeping the packed input when backward needs it."""
+    state = state_of(module)
+    if not wants_backward(x, weight, module.bias):
+        if weight.requires_grad:
+            keep_rng_stream(module, state.codec)
+        return state.plain(x)
+    return CompressedLinearFunction.apply(x, weight, module.bias, state.codec, state.cache)
 
+
+class CompressedLinear(nn.Linear):
+    """An ``nn.Linear`` sharing the parameters of ``linear`` that compresses its saved input.
+
+    A drop-in replacement: same parameters, same state-dict keys, ``isinstance(m, nn.Linear)``.
     Nothing is compressed under ``torch.no_grad()`` or when no gradient needs the input.
     """
 
     def __init__(
-        self,
-        linear: nn.Linear,
-        codec: Codec | None = None,
-        cache: PackCache | None = None,
+        self, linear: nn.Linear, codec: Codec | None = None, cache: PackCache | None = None
     ) -> None:
-        super().__init__()
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"CompressedLinear wraps an nn.Linear, got {type(linear).__name__}")
-        self.linear = linear
-        self.codec = codec if codec is not None else AverageQuantCodec(bits=4)
-        self.cache = cache if cache is not None else DEFAULT_CACHE
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        plain = nn.Linear.forward.__get__(self)
+        set_state(self, default_state(plain, codec, cache))
 
     @property
-    def weight(self) -> nn.Parameter:
-        return self.linear.weight
-
-    @property
-    def bias(self):
-        return self.linear.bias
+    def codec(self) -> Codec:
+        return state_of(self).codec
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.linear.weight, self.linear.bias
-        needs_grad = torch.is_grad_enabled() and (
-            weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
-        )
-        if not needs_grad:
-            return self.linear(x)
-        return CompressedLinearFunction.apply(x, weight, bias, self.codec, self.cache)
+        return compressed_linear(self, x, self.weight)
 
     def extra_repr(self) -> str:
-        return f"codec={self.codec!r}"
+        return f"{super().extra_repr()}, codec={self.codec!r}"
+
+
+class CompressedConv1D(nn.Module):
+    """GPT-2's ``Conv1D`` (a linear layer with an [in, out] weight: ``x @ W + b``), sharing the
+    parameters of ``conv`` and compressing its saved input like :class:`CompressedLinear`."""
+
+    def __init__(self, conv: nn.Module, codec: Codec | None = None, cache=None) -> None:
+        from transformers.pytorch_utils import Conv1D
+
+        if not isinstance(conv, Conv1D):
+            raise ValueError(f"CompressedConv1D wraps a Conv1D, got {type(conv).__name__}")
+        super().__init__()
+        self.nf, self.nx = conv.nf, conv.nx
+        self.weight, self.bias = conv.weight, conv.bias
+        set_state(self, default_state(Conv1D.forward.__get__(self), codec, cache))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return compressed_linear(self, x, self.weight.t())

@@ -7,13 +7,14 @@ forward output is the unpatched module's, bit for bit.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from hf_actq.codecs import AverageQuantCodec
 from hf_actq.codecs.packed import Codec
-from hf_actq.ops.dedup import DEFAULT_CACHE
+from hf_actq.ops.state import default_state, keep_rng_stream, set_state, state_of, wants_backward
 
 
 def _normalized_backward(grad_xhat, x_hat, rstd):
@@ -82,57 +83,95 @@ class CompressedRMSNormFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-class CompressedLayerNorm(nn.Module):
-    """Wraps an ``nn.LayerNorm`` over the last dimension (sharing its parameters)."""
+def rms_norm_eps(module: nn.Module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return None if eps is None else float(eps)
+
+
+def computes_llama_rms_norm(module: nn.Module) -> bool:
+    """Whether ``module`` computes ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama, Mistral,
+    Qwen), checked bit for bit on a random input with a random weight.
+
+    Gemma's ``(1 + w)`` in fp32 and other variants fail the check and stay exact. The module's
+    own parameters are not used (under FSDP2 they are DTensor shards, and an all-ones weight
+    would not tell ``w`` from ``1 + w`` apart), its hooks do not run, and the global RNG is
+    left alone (moving it would change, e.g., LoRA weights initialised after patching).
+    """
+    eps = rms_norm_eps(module)
+    weight = getattr(module, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    sample, probe_weight = (
+        torch.randn(shape, generator=generator).to(weight.dtype).to(weight.device)
+        for shape in ((3, weight.shape[0]), (weight.shape[0],))
+    )
+    probe = copy.copy(module)
+    probe._parameters = {**module._parameters, "weight": probe_weight}
+    with torch.no_grad():
+        got = type(module).forward(probe, sample)
+        hidden = sample.float()
+        normed = (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)).to(sample.dtype)
+        return torch.equal(got, probe_weight * normed)
+
+
+class CompressedLayerNorm(nn.LayerNorm):
+    """An ``nn.LayerNorm`` over the last dimension sharing the parameters of ``norm``."""
 
     def __init__(self, norm: nn.LayerNorm, codec: Codec | None = None, cache=None) -> None:
-        super().__init__()
         if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
             raise ValueError("CompressedLayerNorm wraps an nn.LayerNorm over the last dimension")
-        self.norm = norm
-        self.codec = codec if codec is not None else AverageQuantCodec(bits=4)
-        self.cache = cache if cache is not None else DEFAULT_CACHE
+        nn.Module.__init__(self)
+        self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
+        self.elementwise_affine = norm.elementwise_affine
+        self.weight, self.bias = norm.weight, norm.bias
+        set_state(self, default_state(nn.LayerNorm.forward.__get__(self), codec, cache))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.norm
-        params = [p for p in (n.weight, n.bias) if p is not None]
-        if not torch.is_grad_enabled() or not (
-            x.requires_grad or any(p.requires_grad for p in params)
-        ):
-            return n(x)
-        return CompressedLayerNormFunction.apply(x, n.weight, n.bias, n.eps, self.codec, self.cache)
+        state = state_of(self)
+        if not wants_backward(x, self.weight, self.bias):
+            keep_rng_stream(self, state.codec)
+            return state.plain(x)
+        return CompressedLayerNormFunction.apply(
+            x, self.weight, self.bias, self.eps, state.codec, state.cache
+        )
 
     def extra_repr(self) -> str:
-        return f"codec={self.codec!r}"
+        return f"{super().extra_repr()}, codec={state_of(self).codec!r}"
 
 
 class CompressedRMSNorm(nn.Module):
-    """Wraps a LLaMA-style RMSNorm module (``weight`` plus ``variance_epsilon`` or ``eps``):
-    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` as in Llama, Mistral and Qwen. Gemma's
-    ``(1 + weight)`` form computed in fp32 is a different function and is not covered.
+    """A LLaMA-style RMSNorm sharing the weight of ``norm``:
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` as in Llama, Mistral and Qwen (checked
+    bit for bit when built). Gemma's ``(1 + weight)`` computed in fp32 is a different function.
     """
 
     def __init__(self, norm: nn.Module, codec: Codec | None = None, cache=None) -> None:
-        super().__init__()
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        if getattr(norm, "weight", None) is None or eps is None:
+        if rms_norm_eps(norm) is None or not isinstance(
+            getattr(norm, "weight", None), torch.Tensor
+        ):
             raise ValueError(
                 f"CompressedRMSNorm needs a module with weight and variance_epsilon (or eps), "
                 f"got {type(norm).__name__}"
             )
-        self.norm = norm
-        self.eps = float(eps)
-        self.codec = codec if codec is not None else AverageQuantCodec(bits=4)
-        self.cache = cache if cache is not None else DEFAULT_CACHE
+        if not computes_llama_rms_norm(norm):
+            raise ValueError(
+                f"CompressedRMSNorm: {type(norm).__name__} does not compute LLaMA's RMSNorm "
+                "weight * (x * rsqrt(mean(x^2) + eps)).to(dtype); keep it as it is"
+            )
+        super().__init__()
+        self.weight = norm.weight
+        set_state(self, default_state(norm.forward, codec, cache, eps=rms_norm_eps(norm)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.norm.weight
-        if not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad):
-            return self.norm(x)
-        return CompressedRMSNormFunction.apply(x, weight, self.eps, self.codec, self.cache)
+        state = state_of(self)
+        if not wants_backward(x, self.weight):
+            keep_rng_stream(self, state.codec)
+            return state.plain(x)
+        return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state.codec, state.cache)
 
     def extra_repr(self) -> str:
-        return f"codec={self.codec!r}"
+        return f"eps={state_of(self).eps}, codec={state_of(self).codec!r}"
 
 
 __all__ = [

@@ -199,3 +199,17 @@ def test_property_shapes_strides_dtypes(shape, dtype, bits, group, transpose):
 def test_invalid_arguments_raise_value_error(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_each_rank_draws_its_own_seeds_and_rank_zero_draws_torchs(monkeypatch):
+    from hf_actq.codecs.packed import draw_seed
+
+    seeds = {}
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))  # what launchers set before the group exists
+        torch.manual_seed(0)
+        seeds[rank] = [draw_seed() for _ in range(3)]
+    assert len({tuple(s) for s in seeds.values()}) == 4
+    torch.manual_seed(0)
+    assert seeds[0] == [int(torch.randint(0, 2**31 - 1, (1,))) for _ in range(3)]
+    assert all(0 <= seed < 2**31 - 1 for s in seeds.values() for seed in s)

@@ -1,55 +1,104 @@
-"""Run by test_accelerate.py under ``accelerate launch``: train a tiny patched LLaMA with DDP and
-write what each rank patched and its losses."""
+"""Run by test_accelerate.py under ``accelerate launch`` (and imported by it for the
+single-process reference): train a tiny patched LLaMA on a fixed sequence of global batches, each
+rank on its share, and write each rank's losses, the updated weights and the rounding codes the
+rank draws for one fixed tensor.
 
-import json
+    accelerate launch --multi_gpu ... accelerate_script.py OUT_DIR {ddp,fsdp2} {before,after}
+
+"ddp" wraps the model with ``accelerator.prepare``; "fsdp2" shards it with torch's
+``fully_shard`` (accelerate runs DDP on CPU even when asked for FSDP, so the sharding is done
+here, on the gloo group accelerate set up). "before" applies hf_actq before wrapping (as
+ActQCallback does), "after" to the wrapped or sharded model.
+"""
+
 import sys
 
 import torch
-from accelerate import Accelerator
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
 
 import hf_actq
+from hf_actq.codecs import uniform
+from hf_actq.ops.dedup import PackCache
+
+STEPS = 3
+GLOBAL_BATCH = 4
+CONFIG = hf_actq.ActQConfig(bits=4)
 
 
-def main(out_dir):
-    accelerator = Accelerator()
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    )
-    handle = hf_actq.apply(model, bits=4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    generator = torch.Generator().manual_seed(accelerator.process_index)
+def build_model():
+    return tiny_llama()
+
+
+def global_batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 100, (GLOBAL_BATCH, 16), generator=generator) for _ in range(STEPS)]
+
+
+def train(model, optimizer, rank, world, backward=None):
+    """Losses of STEPS steps on this rank's share of each global batch (equal token counts, so
+    the mean of the ranks' losses and gradients is the global batch's)."""
+    share = GLOBAL_BATCH // world
     losses = []
-    for _ in range(3):
-        ids = torch.randint(3, 100, (2, 16), generator=generator)
+    torch.manual_seed(2)  # Trainer seeds every rank alike; the rounding seeds still differ
+    for ids in global_batches():
+        ids = ids[rank * share : (rank + 1) * share]
         loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
+        (backward or torch.Tensor.backward)(loss)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    weight = accelerator.unwrap_model(model).model.layers[0].mlp.down_proj.weight
+    return losses
+
+
+def rounding_codes():
+    """The 2-bit codes this process draws for one fixed tensor after the same manual seed."""
+    torch.manual_seed(3)
+    x = torch.linspace(-1, 1, 256)
+    return PackCache().pack(x, uniform(2)).tensors[0]
+
+
+def full_weights(model):
+    # FSDP2 shards parameters as DTensors; gathering is a collective every rank joins.
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def main(out_dir, mode, when):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    model = build_model()
+    if when == "before":
+        handle = hf_actq.apply(model, CONFIG)
+    backward = accelerator.backward
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (accelerator.num_processes,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        backward = None
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer = accelerator.prepare(model, optimizer)
+    if when == "after":
+        handle = hf_actq.apply(model, CONFIG)
+    losses = train(model, optimizer, accelerator.process_index, accelerator.num_processes, backward)
     record = {
-        "rank": accelerator.process_index,
         "world": accelerator.num_processes,
+        "sharded": any(hasattr(p, "full_tensor") for p in model.parameters()),
         "patched": handle.patched,
         "losses": losses,
-        "weight_sum": weight.double().sum().item(),
+        "weights": full_weights(accelerator.unwrap_model(model)),
+        "codes": rounding_codes(),
     }
-    with open(f"{out_dir}/rank{accelerator.process_index}.json", "w") as f:
-        json.dump(record, f)
+    torch.save(record, f"{out_dir}/rank{accelerator.process_index}.pt")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:4])

@@ -148,44 +148,203 @@ def test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts(model_type):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def _gradient_cosine(model_type, config):
+def _cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+
+
+def _gradient_cosines(model_type, config, batch=None):
+    """Cosine with the exact gradient of one step: the whole model's, and each parameter
+    tensor's (leaving out tensors whose exact gradient is zero up to rounding, like attention
+    key biases, which a softmax cannot see)."""
     model = _model(model_type)
-    batch = _batch(model_type)
+    batch = batch or _batch(model_type)
     _, grads, nbytes = _step(model, batch)
     handle = hf_actq.apply(model, config)
     torch.manual_seed(0)  # the stochastic-rounding seeds
     _, patched_grads, patched_bytes = _step(model, batch)
     handle.revert()
     assert patched_bytes < nbytes
-    flat = torch.cat([g.flatten() for g in grads if g is not None])
-    patched = torch.cat([g.flatten() for g in patched_grads if g is not None])
-    return torch.nn.functional.cosine_similarity(flat, patched, dim=0).item()
+    pairs = [(g, p) for g, p in zip(grads, patched_grads) if g is not None]
+    whole = _cosine(
+        torch.cat([g.flatten() for g, _ in pairs]), torch.cat([p.flatten() for _, p in pairs])
+    )
+    scale = max(g.norm() for g, _ in pairs)
+    per_tensor = [_cosine(g, p) for g, p in pairs if g.norm() > 1e-4 * scale]
+    return whole, per_tensor
 
 
-# Per-recipe bounds on one step's gradient cosine similarity with the exact gradient (whole model,
-# every parameter), on these tiny random models; the README lists them with the measured worst case.
+# Per-recipe bounds on one step's gradient cosine with the exact gradient, on these tiny random
+# models: the whole model; every parameter tensor (None: some tensor is noise-dominated at this
+# precision, typically a bias whose gradient is a sum over tokens that mostly cancels); and the
+# median tensor. Each bound allows 1.5x the worst measured cosine distance (docs/reference.md).
 GRADIENT_BOUNDS = [
-    ("fewbit", {}, 0.98),
-    ("uniform", {"bits": 8}, 0.99),
-    ("uniform", {"bits": 4}, 0.97),
-    ("uniform", {}, 0.92),  # 3 bits
-    ("alam", {"bits": 2}, 0.55),
+    ("fewbit", {}, 0.98, 0.4, 0.85),
+    ("uniform", {"bits": 8}, 0.99, 0.7, 0.97),
+    ("uniform", {"bits": 4}, 0.97, 0.3, 0.93),
+    ("uniform", {}, 0.92, None, 0.65),  # 3 bits
+    ("alam", {"bits": 2}, 0.55, None, 0.25),
 ]
 
 
-@pytest.mark.parametrize(("recipe", "overrides", "bound"), GRADIENT_BOUNDS)
+@pytest.mark.parametrize(("recipe", "overrides", "whole", "every", "median"), GRADIENT_BOUNDS)
 @pytest.mark.parametrize("model_type", sorted(SMALL))
-def test_recipes_keep_gradients_close(model_type, recipe, overrides, bound):
+def test_recipes_keep_gradients_close(model_type, recipe, overrides, whole, every, median):
     config = ActQConfig.from_recipe(recipe, **overrides)
-    assert _gradient_cosine(model_type, config) > bound
+    whole_cosine, per_tensor = _gradient_cosines(model_type, config)
+    assert whole_cosine > whole
+    if every is not None:
+        assert min(per_tensor) > every
+    assert sorted(per_tensor)[len(per_tensor) // 2] > median
 
 
 def test_alam_recipe_gradients_point_the_right_way():
     # 1 bit on average everywhere is ALAM's budget without its adaptive allocation: averaging
     # pairs (AQ) and 1-bit activation derivatives are biased, and on these tiny models a
-    # single step's gradient keeps its direction only roughly (README: bounds per recipe).
-    cosines = [_gradient_cosine(t, ActQConfig.from_recipe("alam")) for t in sorted(SMALL)]
-    assert min(cosines) > 0.35 and sorted(cosines)[len(cosines) // 2] > 0.7
+    # single step's gradient keeps its direction only roughly (docs/reference.md).
+    results = [_gradient_cosines(t, ActQConfig.from_recipe("alam")) for t in sorted(SMALL)]
+    cosines = sorted(whole for whole, _ in results)
+    assert cosines[0] > 0.35 and cosines[len(cosines) // 2] > 0.7
+    assert all(sorted(t)[len(t) // 2] > 0.1 for _, t in results)
+
+
+def _loss_curve(model_type, config, steps=15):
+    model = _model(model_type)
+    batch = _batch(model_type)
+    if config is not None:
+        hf_actq.apply(model, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+# How close the loss after 15 steps on one batch stays to the unpatched loss, as a fraction of
+# how far the unpatched loss fell (4.6 to about 0.8): measured gaps 0.2-2.8% for "fewbit" and
+# "uniform" at 4 bits, 6-14% for "alam" at 2 bits (and 50% for "alam" at 1 bit, not asserted).
+TRACKING = [("fewbit", {}, 0.05), ("uniform", {"bits": 4}, 0.05), ("alam", {"bits": 2}, 0.2)]
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "tolerance"), TRACKING)
+@pytest.mark.parametrize("model_type", ["gpt2", "llama", "phi3", "qwen3"])
+def test_training_tracks_the_unpatched_loss(model_type, recipe, overrides, tolerance):
+    unpatched = _loss_curve(model_type, None)
+    patched = _loss_curve(model_type, ActQConfig.from_recipe(recipe, **overrides))
+    assert patched[0] == unpatched[0]  # the forward is exact
+    drop = unpatched[0] - unpatched[-1]
+    assert drop > 2.0
+    assert abs(patched[-1] - unpatched[-1]) < tolerance * drop
+
+
+def _padded_batch(model_type):
+    batch = _batch(model_type)
+    mask = torch.ones_like(batch["input_ids"])
+    if model_type in ENCODERS:
+        mask[1, -4:] = 0  # right padding
+    else:
+        mask[1, :4] = 0  # left padding: the padded queries see no key at all
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return dict(batch, attention_mask=mask)
+
+
+@pytest.mark.parametrize("model_type", sorted(SMALL))
+def test_padded_batches_through_lossy_attention(model_type):
+    batch = _padded_batch(model_type)
+    model = _model(model_type)
+    logits, _, _ = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    patched_logits, patched_grads, _ = _step(model, batch)
+    handle.revert()
+    assert torch.isfinite(patched_logits).all()
+    assert all(torch.isfinite(g).all() for g in patched_grads if g is not None)
+    # The masks reach the compressed attention intact: real positions match (to rounding where
+    # the stock path is SDPA and ours is eager). Padded queries that see no key at all are
+    # filled differently by eager and SDPA attention, and no loss reads them.
+    real = batch["attention_mask"].bool() if model_type not in ENCODERS else slice(None)
+    torch.testing.assert_close(patched_logits[real], logits[real], rtol=0, atol=1e-6)
+    whole, per_tensor = _gradient_cosines(model_type, ActQConfig(bits=8), batch)
+    assert whole > 0.99 and sorted(per_tensor)[len(per_tensor) // 2] > 0.97
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_bf16_autocast_gradients_match_the_unpatched_ones(model_type):
+    batch = _batch(model_type)
+
+    def grads(config):
+        model = _model(model_type)
+        if config is not None:
+            hf_actq.apply(model, config)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    loss, expected = grads(None)
+    for config, bound in ((ActQConfig.from_recipe("fewbit"), 0.99), (ActQConfig(bits=8), 0.98)):
+        patched_loss, got = grads(config)
+        assert torch.equal(patched_loss, loss)
+        assert len(got) == len(expected)
+        flat = _cosine(
+            torch.cat([g.flatten().float() for g in got]),
+            torch.cat([g.flatten().float() for g in expected]),
+        )
+        assert flat > bound
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_training_mode_without_grad_packs_nothing_and_keeps_the_rng_stream(model_type, monkeypatch):
+    from hf_actq.codecs import AverageQuantCodec
+
+    model = _model(model_type, dropout=True)
+    batch = _batch(model_type)
+    hf_actq.apply(model, bits=4)
+    torch.manual_seed(5)
+    expected = model(**batch).logits.detach()
+    rng_after_grad_pass = torch.get_rng_state()
+    packs = []
+    original = AverageQuantCodec.pack
+    monkeypatch.setattr(AverageQuantCodec, "pack", lambda *a: packs.append(1) or original(*a))
+    for mode in (torch.no_grad, torch.inference_mode):
+        torch.manual_seed(5)
+        with mode():
+            logits = model(**batch).logits
+        assert packs == []
+        # The same dropout masks and the same RNG stream as the pass that keeps everything:
+        # reentrant checkpointing runs its first pass this way.
+        assert torch.equal(logits, expected)
+        assert torch.equal(torch.get_rng_state(), rng_after_grad_pass)
+
+
+def test_apply_after_fsdp2_fully_shard(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = _model("llama")
+        batch = _batch("llama")
+        expected = model(**batch).loss.detach()
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        handle = hf_actq.apply(model, bits=4)
+        norms = [d for d in handle.patched.values() if d.startswith("norm")]
+        assert len(norms) == 2 * model.config.num_hidden_layers + 1  # DTensor weights checked
+        loss = model(**batch).loss
+        loss.backward()
+        assert torch.equal(loss.detach(), expected)
+        assert all(p.grad is not None for p in model.parameters())
+        handle.revert()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_apply_twice_is_an_error_and_print_shows_patches():
@@ -345,18 +504,6 @@ def test_apply_does_not_touch_the_global_rng():
     handle = hf_actq.apply(model, bits=4)
     assert torch.equal(torch.get_rng_state(), state)
     handle.revert()
-
-
-@pytest.mark.parametrize("model_type", ["bert", "llama"])
-def test_bf16_autocast_trains(model_type):
-    model = _model(model_type)
-    batch = _batch(model_type)
-    hf_actq.apply(model, bits=4)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(**batch).loss
-    loss.backward()
-    assert torch.isfinite(loss)
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.slow

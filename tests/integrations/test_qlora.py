@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+from tiny_models import tiny_llama
+from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
 import hf_actq
 from hf_actq import SavedTensorMeter
@@ -12,19 +13,7 @@ peft = pytest.importorskip("peft")
 
 
 def _qlora(tmp_path, use_reentrant):
-    config = LlamaConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tiny_llama(hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
     quantized = LlamaForCausalLM.from_pretrained(
         tmp_path,
         quantization_config=BitsAndBytesConfig(
@@ -47,25 +36,37 @@ def _saved_bytes(model, ids):
     return meter.nbytes
 
 
-@pytest.mark.parametrize("use_reentrant", [True, False])
-def test_qlora_trains_patched(tmp_path, use_reentrant):
-    model = _qlora(tmp_path, use_reentrant)
-    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
-    model.gradient_checkpointing_disable()  # compare what one plain forward keeps
-    baseline = _saved_bytes(model, ids)
-    handle = hf_actq.apply(model, bits=4)
-    assert any(".lora_A." in path for path in handle.patched)
-    assert _saved_bytes(model, ids) < baseline
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
-    )
+def _losses(model, ids, steps=12):
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(0)
     losses = []
-    for _ in range(3):
+    for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    assert all(torch.isfinite(torch.tensor(losses)))
+    return losses
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_qlora_trains_patched_as_well_as_unpatched(tmp_path, use_reentrant):
+    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    unpatched = _losses(_qlora(tmp_path, use_reentrant), ids)
+    model = _qlora(tmp_path, use_reentrant)
+    model.gradient_checkpointing_disable()  # compare what one plain forward keeps
+    baseline = _saved_bytes(model, ids)
+    handle = hf_actq.apply(model, bits=4)
+    assert any(".lora_A." in path for path in handle.patched)
+    assert _saved_bytes(model, ids) < baseline
+    model.zero_grad()
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
+    )
+    patched = _losses(model, ids)
+    # The frozen 4-bit base and the exact forward: the first loss is the unpatched one; after
+    # 12 steps the loss (down by about 0.25) is within 10% of that drop (measured: 3.5%).
+    assert patched[0] == unpatched[0]
+    drop = unpatched[0] - unpatched[-1]
+    assert drop > 0.15 and abs(patched[-1] - unpatched[-1]) < 0.1 * drop
     handle.revert()

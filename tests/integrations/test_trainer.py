@@ -1,9 +1,8 @@
 import torch
+from tiny_models import tiny_llama as _llama
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
-    LlamaConfig,
-    LlamaForCausalLM,
     Trainer,
     TrainingArguments,
 )
@@ -38,7 +37,7 @@ def _args(tmp_path, **extra):
     )
 
 
-def _bert():
+def _bert(dropout=0.1):
     torch.manual_seed(0)
     return BertForSequenceClassification(
         BertConfig(
@@ -47,23 +46,8 @@ def _bert():
             num_hidden_layers=2,
             num_attention_heads=4,
             intermediate_size=64,
-        )
-    )
-
-
-def _llama():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=100,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=64,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
         )
     )
 
@@ -72,26 +56,47 @@ def _losses(trainer):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def test_trainer_with_callback_trains_a_tiny_bert(tmp_path):
-    callback = ActQCallback(bits=3)
+def _assert_tracks(patched, unpatched, tolerance=0.1):
+    # No dropout, so the forward is exact and the first loss is the unpatched one bit for bit;
+    # the last is within ``tolerance`` of how far the unpatched loss fell.
+    assert patched[0] == unpatched[0]
+    drop = unpatched[0] - unpatched[-1]
+    assert drop > 0.5
+    assert abs(patched[-1] - unpatched[-1]) < tolerance * drop
+
+
+def _trained_losses(tmp_path, make_model, causal, callback=None, **extra):
+    args = _args(tmp_path, **extra)
+    args.max_steps, args.learning_rate = 12, 1e-2
     trainer = Trainer(
-        model=_bert(), args=_args(tmp_path), train_dataset=Toy(False), callbacks=[callback]
+        model=make_model(),
+        args=args,
+        train_dataset=Toy(causal, n=8 if causal else 4),
+        callbacks=[callback] if callback else [],
     )
-    assert callback.handle is not None and callback.handle.patched  # patched at init
     trainer.train()
-    losses = _losses(trainer)
-    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    return _losses(trainer), trainer
+
+
+def test_trainer_with_callback_tracks_the_unpatched_loss_on_a_tiny_bert(tmp_path):
+    def bert():
+        return _bert(dropout=0.0)
+
+    unpatched, _ = _trained_losses(tmp_path, bert, causal=False)
+    callback = ActQCallback(bits=3)
+    patched, trainer = _trained_losses(tmp_path, bert, causal=False, callback=callback)
+    assert callback.handle is not None and callback.handle.patched  # patched at init
     assert "hf_actq=" in repr(trainer.model)
+    _assert_tracks(patched, unpatched)
 
 
 def test_trainer_tiny_llama_with_gradient_checkpointing_and_accumulation(tmp_path):
+    extra = dict(activation_checkpointing=True, gradient_accumulation_steps=2)
+    unpatched, _ = _trained_losses(tmp_path, _llama, causal=True, **extra)
     callback = ActQCallback(bits=4)
-    args = _args(tmp_path, activation_checkpointing=True, gradient_accumulation_steps=2)
-    trainer = Trainer(model=_llama(), args=args, train_dataset=Toy(True), callbacks=[callback])
-    trainer.train()
-    losses = _losses(trainer)
-    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    patched, _ = _trained_losses(tmp_path, _llama, causal=True, callback=callback, **extra)
     assert any(d.startswith("gated_mlp") for d in callback.handle.patched.values())
+    _assert_tracks(patched, unpatched)
 
 
 def test_callback_added_after_init_patches_at_train_begin(tmp_path):

@@ -2,7 +2,7 @@
 
 Packed codes, NaN flags and gradients must be bit-identical. Outputs of the fused forward may
 differ in rounding because the kernel computes transcendentals with Triton math, not PyTorch's;
-the bound checked (and documented in the README) is |dy| <= 4 * eps(dtype) * max(1, |x|).
+the bound checked (and documented in docs/reference.md) is |dy| <= 4 * eps(dtype) * max(1, |x|).
 """
 
 import os

@@ -1,0 +1,84 @@
+"""Patching attention: the compressed attention functions are registered with transformers'
+``AttentionInterface`` and the model's config is pointed at them; each attention module gets
+its slot codecs and the implementation to fall back on where nothing is kept for backward."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from hf_actq.config import ActQConfig
+from hf_actq.ops.attention import register_attention, register_sdpa_attention
+
+# Config attributes that hold the attention-probability dropout, by model family.
+_ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
+
+
+def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> None:
+    """Compress attention in the ``layout.attention`` form ("eager": BERT's layout with
+    probabilities, "sdpa": decoders; None leaves it exact)."""
+    model_config = getattr(model, "config", None)
+    if layout.attention is None or model_config is None:
+        if layout.note:
+            handle.skipped["attention"] = layout.note
+        return
+    codec = config.make_codec()
+    if not config.attention:
+        if not (layout.attention == "eager" and config.dropout and _attention_dropout(model) > 0):
+            return
+        # Dropout compression covers attention-probability dropout too: eager attention keeps
+        # the dropped probabilities and a byte-per-element mask besides the probabilities; the
+        # op keeps q, k, v and the probabilities exact and the mask as an 8-byte seed.
+        codec = None
+    for attribute, reason in layout.exact_attention_when:
+        if getattr(model_config, attribute, None):
+            handle.skipped["attention"] = f"{reason} (kept exact)"
+            return
+    previous = model_config._attn_implementation
+    if layout.attention == "sdpa" and previous != "sdpa":
+        handle.skipped["attention"] = f"{previous!r} attention (kept exact; sdpa is patched)"
+        return
+    if previous not in ("eager", "sdpa", None):
+        handle.skipped["attention"] = f"{previous!r} attention (kept exact)"
+        return
+    name = register_attention() if layout.attention == "eager" else register_sdpa_attention()
+    slots = ("q", "k", "v", "probs") if layout.attention == "eager" else ("q", "k", "v")
+    codecs = dict.fromkeys(slots, codec)
+    what = repr(codec) if codec is not None else "exact operands, dropout mask as a seed"
+    count = 0
+    for path, module in model.named_modules():
+        if config.skips(path) or not _is_attention(module):
+            continue
+        module.hf_actq_attention_codecs = codecs
+        # Without grad in eval, the original implementation runs, so outputs stay identical.
+        module.hf_actq_attention_fallback = previous
+        handle.patched[path] = f"attention ({layout.attention}) {what}"
+        for attribute in ("hf_actq_attention_codecs", "hf_actq_attention_fallback"):
+            handle._undo.append(functools.partial(module.__dict__.pop, attribute, None))
+        count += 1
+    if count:
+        model_config._attn_implementation = name
+
+        def undo():
+            model_config._attn_implementation = previous
+
+        handle._undo.append(undo)
+
+
+def _attention_dropout(model) -> float:
+    model_config = getattr(model, "config", None)
+    return max(
+        (float(getattr(model_config, n, 0.0) or 0.0) for n in _ATTENTION_DROPOUT), default=0.0
+    )
+
+
+def _is_attention(module) -> bool:
+    # The innermost *Attention module calls the attention function; BERT's BertAttention only
+    # wraps BertSelfAttention and its output projection.
+    def named_attention(m):
+        return type(m).__name__.endswith("Attention")
+
+    return named_attention(module) and not any(
+        named_attention(child) for child in module.modules() if child is not module
+    )

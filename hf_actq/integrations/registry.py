@@ -1,0 +1,75 @@
+"""Which model types hf_actq knows, as data: how each one's attention is compressed and when it
+is kept exact. Everything else (linear layers, norms, dropout, activations, gated MLPs) is found
+by module type in any model, registered or not.
+
+``MODEL_TYPE_TO_APPLY_FN`` maps ``config.model_type`` to the function that patches it; add an
+entry to support a new architecture (``fn(model, config, handle)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch import nn
+
+from hf_actq.config import ActQConfig
+from hf_actq.integrations.attention import patch_attention
+from hf_actq.integrations.layers import patch_layers
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """``attention``: "eager" (BERT's layout through ``AttentionInterface``: q, k, v and the
+    probabilities), "sdpa" (decoders: q, k, v; the probabilities are recomputed), or None (the
+    model's own attention, kept exact, for the reason in ``note``).
+    ``exact_attention_when``: (config attribute, reason) pairs; a truthy attribute keeps
+    attention exact."""
+
+    attention: str | None
+    exact_attention_when: tuple[tuple[str, str], ...] = ()
+    note: str = ""
+
+
+_EAGER = ModelLayout("eager")
+_SDPA = ModelLayout("sdpa")
+
+MODEL_LAYOUTS: dict[str, ModelLayout] = {
+    "bert": _EAGER,
+    "roberta": _EAGER,
+    "xlm-roberta": _EAGER,
+    "electra": _EAGER,
+    "distilbert": _EAGER,
+    "gpt2": ModelLayout(
+        "eager", (("reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn path"),)
+    ),
+    "gpt_neox": _EAGER,
+    "llama": _SDPA,
+    "mistral": _SDPA,
+    "qwen2": _SDPA,
+    "qwen3": _SDPA,
+    "phi3": _SDPA,
+    "gemma": _SDPA,  # its (1 + w) RMSNorm fails the LLaMA-formula check and stays exact
+    "gemma2": ModelLayout(
+        "sdpa", (("attn_logit_softcapping", "logit soft-capping needs eager attention"),)
+    ),
+    "deberta-v2": ModelLayout(
+        None, note="disentangled attention does not go through AttentionInterface (kept exact)"
+    ),
+}
+
+GENERIC = ModelLayout(None)
+
+
+def apply_generic(
+    model: nn.Module, config: ActQConfig, handle, layout: ModelLayout = GENERIC
+) -> None:
+    """Patch every known module type in ``model``, and attention as ``layout`` says."""
+    patch_layers(model, config, handle)
+    patch_attention(model, config, handle, layout)
+
+
+MODEL_TYPE_TO_APPLY_FN = {
+    model_type: functools.partial(apply_generic, layout=layout)
+    for model_type, layout in MODEL_LAYOUTS.items()
+}

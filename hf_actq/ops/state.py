@@ -1,0 +1,82 @@
+"""What a compressed op keeps on its module besides the module's own parameters, and the rules
+every compressed ``forward`` shares.
+
+Each compressed op is an ``nn.Module`` whose ``forward`` reads parameters and submodules under
+the names the stock module uses (``weight``, ``bias``, ``gate_proj``, ...) and everything else
+from one :class:`OpState` attribute. ``hf_actq.apply`` binds that very ``forward`` onto the stock
+module instances it patches (as Liger-Kernel binds its modules' methods), so a standalone op and
+a patched model run the same code under the same rules:
+
+- backward needed (grad enabled and any input or parameter requires grad): the compressed
+  autograd Function runs and keeps its packed buffers;
+- otherwise the stock forward runs and nothing is packed; in training mode the op still draws
+  the RNG seeds its packing would have drawn (:func:`keep_rng_stream`), because reentrant
+  checkpointing runs its first pass under ``no_grad`` and its recompute with grad, and both must
+  leave the RNG where the other does, or every dropout after the op draws a different mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from hf_actq.codecs import AverageQuantCodec
+from hf_actq.codecs.packed import Codec, skip_seeds
+from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
+
+STATE = "_hf_actq"
+
+
+@dataclass(eq=False)
+class OpState:
+    """``plain`` is the stock forward, run when nothing is kept for backward (set when a
+    standalone op is built or an op is bound onto a module); ``codec`` the slot's codec (None
+    keeps it exact); ``cache`` shares packed inputs between ops."""
+
+    plain: Callable | None = None
+    codec: Codec | None = None
+    cache: PackCache = field(default=DEFAULT_CACHE)
+    # Few-bit activations and gated MLPs: the activation and its derivative table.
+    activation: object | None = None
+    # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``).
+    eps: float | None = None
+    # Dropout: "seed" or "mask".
+    dropout_mode: str = "seed"
+    # Phi-3's fused gate_up projection: the codec of its input (None: a plain linear).
+    linear_codec: Codec | None = None
+    # Gated MLPs patched with plain nn.Linear projections (the fused path), and whether the
+    # warning that one was replaced later has been given.
+    fused_projections: bool = False
+    warned_replaced: bool = False
+
+
+def default_state(plain, codec: Codec | None, cache: PackCache | None, **extra) -> OpState:
+    """A standalone op's state: 4-bit uniform rounding and the shared cache unless given."""
+    return OpState(
+        plain=plain,
+        codec=codec if codec is not None else AverageQuantCodec(bits=4),
+        cache=cache if cache is not None else DEFAULT_CACHE,
+        **extra,
+    )
+
+
+def state_of(module: nn.Module) -> OpState:
+    return module.__dict__[STATE]
+
+
+def set_state(module: nn.Module, state: OpState) -> None:
+    module.__dict__[STATE] = state
+
+
+def wants_backward(*tensors) -> bool:
+    """Whether autograd will record this op: grad enabled and any tensor requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def keep_rng_stream(module: nn.Module, *codecs) -> None:
+    """For a forward that keeps nothing: in training mode, draw the seeds packing would draw."""
+    if module.training:
+        skip_seeds(*codecs)

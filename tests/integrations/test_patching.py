@@ -1,0 +1,109 @@
+"""Patching modules that already carry an instance-level forward: accelerate's hooks (as set by
+``from_pretrained(..., device_map=...)``) keep running, and revert restores every forward."""
+
+import logging
+
+import pytest
+import torch
+from tiny_models import tiny_llama as _llama
+from torch import nn
+
+import hf_actq
+
+accelerate_hooks = pytest.importorskip("accelerate.hooks")
+
+
+class _Count(accelerate_hooks.ModelHook):
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls[module.hf_path] = self.calls.get(module.hf_path, 0) + 1
+        return args, kwargs
+
+
+def _hooked_llama():
+    """A LLaMA with accelerate's AlignDevicesHook on every leaf (what a device-map load
+    attaches) and a counting hook chained after it."""
+    model = _llama()
+    accelerate_hooks.attach_align_device_hook(model, execution_device=torch.device("cpu"))
+    counter = _Count()
+    for path, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            module.hf_path = path
+            accelerate_hooks.add_hook_to_module(module, counter, append=True)
+    return model, counter
+
+
+def _forwards(model):
+    return {
+        path: (module.__dict__.get("forward"), module.__dict__.get("_old_forward"))
+        for path, module in model.named_modules()
+    }
+
+
+def _step(model, ids):
+    model.zero_grad()
+    torch.manual_seed(0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_accelerate_hooks_keep_running_and_revert_restores_them():
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    model, counter = _hooked_llama()
+    loss, expected = _step(model, ids)
+    unpatched_calls = dict(counter.calls)
+    before = _forwards(model)
+    handle = hf_actq.apply(model, bits=8)
+    counter.calls.clear()
+    patched_loss, grads = _step(model, ids)
+    assert counter.calls == unpatched_calls  # every hook ran, as often as without hf_actq
+    assert any(d.startswith("gated_mlp") for d in handle.patched.values())
+    assert ".mlp.down_proj" in "".join(handle.patched)  # a hooked projection runs as a module
+    assert torch.equal(patched_loss, loss)
+    for got, want in zip(grads, expected):
+        assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.99
+    handle.revert()
+    after = _forwards(model)
+    for path, (forward, old_forward) in before.items():
+        assert after[path][0] is forward and after[path][1] is old_forward, path
+    assert torch.equal(_step(model, ids)[0], loss)
+
+
+def test_hooks_added_or_removed_after_apply_survive_revert():
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    model = _llama()
+    handle = hf_actq.apply(model, bits=4)
+    added = model.model.layers[0].self_attn.q_proj
+    counter = _Count()
+    added.hf_path = "q"
+    accelerate_hooks.add_hook_to_module(added, counter)
+    removed = model.model.layers[0].self_attn.k_proj
+    accelerate_hooks.add_hook_to_module(removed, accelerate_hooks.ModelHook())
+    accelerate_hooks.remove_hook_from_module(removed)
+    handle.revert()
+    # The later hook still wraps the stock forward; the removed one left no trace of hf_actq.
+    assert added.__dict__["_old_forward"].__func__ is nn.Linear.forward
+    assert "_hf_actq" not in added.__dict__ and "_hf_actq" not in removed.__dict__
+    assert removed.forward.__func__ is nn.Linear.forward
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert counter.calls == {"q": 1}
+
+
+def test_an_unknown_instance_forward_is_left_alone_with_a_warning(caplog):
+    model = _llama()
+    mine = model.model.layers[0].self_attn.o_proj
+
+    def wrapped(x):
+        return nn.Linear.forward(mine, x)
+
+    mine.forward = wrapped
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        handle = hf_actq.apply(model, bits=4)
+    assert mine.forward is wrapped
+    assert "model.layers.0.self_attn.o_proj" in handle.skipped
+    assert "instance-level forward" in caplog.text
+    handle.revert()
+    assert mine.forward is wrapped

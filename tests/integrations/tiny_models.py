@@ -1,0 +1,25 @@
+"""The tiny LLaMA the integration tests train (importable by the tests and by the script that
+``accelerate launch`` runs, which sits beside it)."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    settings = dict(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(**overrides))

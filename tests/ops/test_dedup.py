@@ -1,0 +1,79 @@
+"""PackCache: shares one packed copy between consumers without keeping anything alive itself."""
+
+import gc
+import threading
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hf_actq.codecs import AverageQuantCodec, uniform
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.linear import CompressedLinear
+
+
+def _qkv(cache):
+    torch.manual_seed(0)
+    return [CompressedLinear(nn.Linear(64, 64), uniform(4), cache) for _ in range(3)]
+
+
+def test_without_checkpointing_consumers_share_one_packed_copy():
+    cache = PackCache()
+    q, k, v = _qkv(cache)
+    x = torch.randn(8, 64, requires_grad=True)
+    out = q(x) + k(x) + v(x)
+    assert len(cache) == 1  # kept alive by the three autograd nodes, not by the cache
+    out.sum().backward()
+    del out
+    assert len(cache) == 0
+
+
+def test_non_reentrant_checkpointing_frees_what_the_first_pass_packed():
+    # The layer's input is the checkpoint's own input, alive until backward; the cache used to
+    # keep its packed copy alive with it, which checkpointing meant to free.
+    cache = PackCache()
+    q, k, v = _qkv(cache)
+    x = torch.randn(8, 64, requires_grad=True)
+    out = checkpoint(lambda t: q(t) + k(t) + v(t), x, use_reentrant=False)
+    assert len(cache) == 0
+    out.sum().backward()
+    assert all(p.grad is not None for m in (q, k, v) for p in m.parameters())
+
+
+class _CollectingCodec(AverageQuantCodec):
+    """Runs a garbage collection whenever the cache compares codecs, as any allocation in the
+    cache's own code may."""
+
+    def __eq__(self, other):
+        gc.collect()
+        return super().__eq__(other)
+
+    __hash__ = AverageQuantCodec.__hash__
+
+
+def test_a_garbage_collection_inside_the_cache_does_not_deadlock():
+    cache = PackCache()
+    codec = _CollectingCodec(bits=4)
+    kept = torch.randn(64)
+    cache.pack(kept, codec)
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me, cycle.x = cycle, torch.randn(64)  # freed only by the collector
+    cache.pack(cycle.x, codec)
+    del cycle
+    worker = threading.Thread(target=cache.pack, args=(kept, codec), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "PackCache.pack deadlocked in a garbage collection"
+
+
+def test_inference_tensors_are_packed_without_caching():
+    cache = PackCache()
+    linear = CompressedLinear(nn.Linear(32, 32), uniform(4), cache)
+    with torch.inference_mode():
+        x = torch.randn(4, 32)
+    linear(x).sum().backward()  # grad enabled, weight trainable: x is packed
+    assert linear.weight.grad is not None and len(cache) == 0
