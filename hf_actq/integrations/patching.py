@@ -33,8 +33,10 @@ def _forward_attribute(module: nn.Module) -> str | None:
     return None
 
 
-def bind_forward(module, op_forward, state: OpState, path: str, description: str, handle) -> bool:
-    """Make ``module`` run ``op_forward`` with ``state``; False (and a warning) if it cannot."""
+def bind_forward(module, op_forward, state: OpState, path: str, describe, handle) -> bool:
+    """Make ``module`` run ``op_forward`` with ``state``; False (and a warning) if it cannot.
+
+    ``describe()`` says what the module keeps now (``print(model)`` and ``handle.patched``)."""
     attribute = _forward_attribute(module)
     if attribute is None:
         handle.skipped[path] = "an instance-level forward that is not an accelerate hook (kept)"
@@ -57,10 +59,11 @@ def bind_forward(module, op_forward, state: OpState, path: str, description: str
 
     def extra_repr(self=module):
         inner = base_repr(self)
-        return f"{inner}, hf_actq={description}" if inner else f"hf_actq={description}"
+        return f"{inner}, hf_actq={describe()}" if inner else f"hf_actq={describe()}"
 
     module.__dict__["extra_repr"] = extra_repr
-    handle.patched[path] = description
+    handle.describers[path] = describe
+    handle.patched[path] = describe()
 
     def undo():
         # A hook added or removed after apply moved our forward between the two attributes;

@@ -11,11 +11,18 @@ training step and every ``logging_steps``-th: the most bytes one forward pass le
 step's peak allocation (``actq_peak_mib``). The figures go into the Trainer's logs and
 ``state.log_history``; ``log_memory=False`` turns this off. (Under FSDP the figure also holds the
 gathered weights autograd keeps for backward; parameters are excluded by their local shards.)
+
+With an adaptive config (``ActQConfig.from_recipe("alam")``) and no plan, it calibrates before the
+first step and again after ``recalibrate_at`` of the steps (ALAM re-plans after 10% of training,
+when sensitivities have settled), on ``calibration_examples`` examples collated from the training
+set (the Trainer's own data loader and RNG are not touched), logs a per-kind summary of the bits
+and writes the plan to ``<output_dir>/actq_plan.json``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 from transformers import TrainerCallback
@@ -39,6 +46,8 @@ class ActQCallback(TrainerCallback):
         self.memory_history: list[dict] = []  # {"step", "activation_bytes"[, "peak_bytes"]}
         self._monitor: ActivationMonitor | None = None
         self._pending: dict | None = None
+        self.calibrated_at: list[int] = []  # the steps before which a plan was computed
+        self._dataloader = None
 
     def _ensure_patched(self, state, model) -> None:
         if model is None:
@@ -55,14 +64,20 @@ class ActQCallback(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure_patched(state, model)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self._ensure_patched(state, model)
+        self._dataloader = train_dataloader
+        if self._adaptive():
+            self._calibrate(args, state)
         if self.log_memory and model is not None:
             if self._monitor is not None:
                 self._monitor.remove()
             self._monitor = ActivationMonitor(unwrap(model))
 
     def on_step_begin(self, args, state, control, **kwargs):
+        at = int(self.config.recalibrate_at * (state.max_steps or 0))
+        if self._adaptive() and at > 0 and state.global_step == at and at not in self.calibrated_at:
+            self._calibrate(args, state)
         if self._monitor is None:
             return
         # state.logging_steps is absolute even when args gives a fraction of max_steps.
@@ -102,7 +117,53 @@ class ActQCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(figures)
 
+    def _adaptive(self) -> bool:
+        config = self.handle.config if self.handle is not None else self.config
+        return config.adaptive and config.plan is None and self._dataloader is not None
+
+    def _calibrate(self, args, state) -> None:
+        examples = self.handle.config.calibration_examples
+        batch = calibration_batch(self._dataloader, examples, offset=len(self.calibrated_at))
+        plan = self.handle.calibrate(batch)
+        self.calibrated_at.append(state.global_step)
+        if state.is_world_process_zero:
+            if args.output_dir:
+                os.makedirs(args.output_dir, exist_ok=True)
+                plan.save(os.path.join(args.output_dir, "actq_plan.json"))
+            summary = "; ".join(
+                f"{kind}: " + ", ".join(f"{label} x{n}" for label, n in sorted(counts.items()))
+                for kind, counts in sorted(plan.summary(self.handle.slots).items())
+            )
+            logger.info(
+                "hf_actq: plan for %s bits on average before step %d (%d of %d bytes, %.1f s): %s",
+                plan.target_bits,
+                state.global_step,
+                plan.info["bytes"],
+                plan.info["budget_bytes"],
+                plan.info["seconds"],
+                summary,
+            )
+
     def on_train_end(self, args, state, control, **kwargs):
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
+
+
+def calibration_batch(dataloader, examples: int, offset: int = 0):
+    """``examples`` examples of the loader's dataset, collated by its collate function: the
+    ``offset``-th block of them for map-style datasets, the first ones of an iterable dataset.
+    Nothing of the loader itself is iterated (accelerate's loaders keep gradient-accumulation
+    state per iteration) and torch's RNG is left as it was."""
+    dataset, collate = dataloader.dataset, dataloader.collate_fn
+    with torch.random.fork_rng():
+        if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+            start = offset * examples % max(1, len(dataset))
+            indices = [(start + i) % len(dataset) for i in range(min(examples, len(dataset)))]
+            return collate([dataset[i] for i in indices])
+        rows = []
+        for row in dataset:
+            rows.append(row)
+            if len(rows) == examples:
+                break
+        return collate(rows)

@@ -15,8 +15,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from hf_actq.adaptive.plan import BitPlan
+from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
+from hf_actq.ops.fewbit_activation import ActivationTable
+from hf_actq.ops.state import OpState
 
 logger = logging.getLogger("hf_actq")
 
@@ -25,13 +29,64 @@ _HANDLE = "_hf_actq_handle"
 
 @dataclass
 class ActQHandle:
-    """What :func:`apply` changed; ``revert()`` undoes all of it."""
+    """What :func:`apply` changed; ``revert()`` undoes all of it.
+
+    ``patched``/``skipped``: module path -> what it keeps / why it was left alone. ``slots``:
+    slot id -> kind of every compressed slot (the ids plans and reports use); ``plan``: the
+    bit plan in force, if any.
+    """
 
     model: nn.Module
     config: ActQConfig
     patched: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    slots: dict[str, str] = field(default_factory=dict)
+    plan: BitPlan | None = None
+    describers: dict = field(default_factory=dict, repr=False)
+    _states: dict = field(default_factory=dict, repr=False)
     _undo: list = field(default_factory=list, repr=False)
+
+    def add_slots(self, state: OpState, kinds: dict[str, str]) -> None:
+        """Register the compressed slots of ``state`` (``kinds``: slot name -> kind)."""
+        for slot, kind in kinds.items():
+            if slot != "act" and isinstance(state.codecs.get(slot), (type(None), ExactCodec)):
+                continue  # kept exact by the config: not a slot to allocate
+            self.slots[state.slot_id(slot)] = kind
+            self._states[state.slot_id(slot)] = (state, slot)
+
+    def set_plan(self, plan: BitPlan) -> None:
+        """Give every slot the setting ``plan`` names (ValueError if it does not name exactly
+        this model's slots)."""
+        plan.check_slots(self.slots)
+        for slot_id, setting in plan.slots.items():
+            state, slot = self._states[slot_id]
+            if slot == "act":
+                act = state.activation
+                state.activation = ActivationTable(act.spec.name, setting["bits"], act.params)
+                continue
+            codec = self.config.codec_for_setting(setting)
+            if codec is None and self.slots[slot_id] != "attention":
+                codec = ExactCodec()  # attention keeps an exact slot as the tensor itself
+            state.codecs[slot] = codec
+        self.plan = plan
+        for path, describe in self.describers.items():
+            self.patched[path] = describe()
+
+    def list_slots(self, batch) -> dict:
+        """Slot id -> :class:`~hf_actq.adaptive.calibrate.SlotInfo` (shape, codec, bytes,
+        shared packed tensor) of every slot one forward on ``batch`` fills."""
+        from hf_actq.adaptive.calibrate import list_slots
+
+        return list_slots(self, batch)
+
+    def calibrate(self, batch, **options) -> BitPlan:
+        """Measure, allocate and install a plan for ``config.bits`` on average (the adaptive
+        pass, :func:`hf_actq.adaptive.calibrate`); returns the plan."""
+        from hf_actq.adaptive.calibrate import calibrate
+
+        plan = calibrate(self, batch, **options)
+        self.set_plan(plan)
+        return plan
 
     def revert(self) -> None:
         for undo in reversed(self._undo):
@@ -78,9 +133,23 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
         raise ValueError(
             "hf_actq is already applied to this model; call handle.revert() before applying again"
         )
+    plan = _load_plan(config.plan)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     handle = ActQHandle(base, config)
     MODEL_TYPE_TO_APPLY_FN.get(model_type, apply_generic)(base, config, handle)
+    if plan is not None:
+        try:
+            handle.set_plan(plan)
+        except ValueError:
+            handle.revert()
+            raise
+    elif config.adaptive:
+        logger.warning(
+            "hf_actq: adaptive precision needs a calibration batch: call "
+            "handle.calibrate(batch) (ActQCallback does it before the first step); until then "
+            "every slot keeps the even spread of %s bits",
+            config.bits,
+        )
     if model_type not in MODEL_TYPE_TO_APPLY_FN:
         logger.warning(
             "hf_actq: model type %r has no registered patcher; the generic path patched %s",
@@ -89,6 +158,12 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
         )
     setattr(base, _HANDLE, handle)
     return handle
+
+
+def _load_plan(plan) -> BitPlan | None:
+    if plan is None or isinstance(plan, BitPlan):
+        return plan
+    return BitPlan.load(plan)
 
 
 def revert(model: nn.Module) -> None:

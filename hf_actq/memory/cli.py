@@ -69,6 +69,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="all: build every layer; scaled: measure 1 and 2 layers and extrapolate; "
         "auto: all when it fits comfortably in memory",
     )
+    parser.add_argument(
+        "--calibration-examples",
+        type=int,
+        default=2,
+        help="examples of the batch an adaptive recipe (alam) calibrates its bit plan on "
+        "(default 2: the weights are random, and each measured slot costs a backward)",
+    )
+    parser.add_argument(
+        "--calibration-seconds",
+        type=float,
+        default=30.0,
+        help="time cap of an adaptive recipe's calibration (default 30; slots left unmeasured "
+        "take the median sensitivity of their kind, and the report says how many)",
+    )
     parser.add_argument("--task", choices=("causal-lm", "classification"))
     parser.add_argument("--attn-implementation", help="e.g. eager or sdpa (default: the model's)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -137,6 +151,8 @@ def main(argv=None) -> int:
             gpu_memory_bytes=args.gpu_memory,
             device=device,
             attn_implementation=args.attn_implementation,
+            calibration_examples=args.calibration_examples,
+            calibration_seconds=args.calibration_seconds,
             progress=progress,
         )
     except ValueError as error:

@@ -21,8 +21,10 @@ largest batch that fits a GPU follows the few-bit paper's App. B:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
+import logging
 import math
 import os
 import tempfile
@@ -71,6 +73,8 @@ class RecipeResult:
     config: dict | None  # ActQConfig.to_dict(), None for the baseline
     measurement: Measurement
     patched_modules: int = 0
+    plan: dict | None = None  # BitPlan.to_dict() of an adaptive recipe
+    slot_kinds: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -164,6 +168,9 @@ class MemoryReport:
         for result in self.results:
             cells = [_fmt(result.measurement.by_kind.get(kind, 0)) for kind in kinds]
             lines.append(f"| {result.label} | " + " | ".join(cells) + " |")
+        for result in self.results:
+            if result.plan is not None:
+                lines += ["", *_plan_markdown(result)]
         return "\n".join(lines) + "\n"
 
     def write(self, directory: str) -> list[str]:
@@ -179,6 +186,16 @@ class MemoryReport:
         png = os.path.join(directory, "memory.png")
         if plot(self, png):
             paths.append(png)
+        for result in self.results:
+            if result.plan is None:
+                continue
+            name = result.label.replace(":", "_").replace(",", "_").replace("=", "")
+            paths.append(os.path.join(directory, f"plan_{name}.json"))
+            with open(paths[-1], "w") as file:
+                json.dump(result.plan, file, indent=1, sort_keys=True)
+            chart = os.path.join(directory, f"bits_{name}.png")
+            if plot_plan(result, chart):
+                paths.append(chart)
         return paths
 
 
@@ -216,6 +233,75 @@ def plot(report: MemoryReport, path: str) -> bool:
         f"{report.model}: batch {report.batch_size}, seq {report.seq_len}, {report.dtype}, "
         f"PEFT {report.peft}"
     )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _plan_markdown(result: RecipeResult) -> list[str]:
+    from hf_actq.adaptive.plan import BitPlan
+
+    plan = BitPlan.from_dict(result.plan)
+    info = plan.info
+    lines = [
+        f"Bit plan of {result.label}: {plan.target_bits} bits on average over "
+        f"{info['elements']:,} elements, {info['bytes']:,} of {info['budget_bytes']:,} bytes "
+        f"(the even spread keeps {info['even_bytes']:,}); {info['measured']} slots measured "
+        f"on {info.get('examples', '?')} examples, {info['estimated']} estimated, "
+        f"{info['seconds']:.1f} s"
+        + (" (on the measured model, before extrapolation)." if info.get("scaled") else "."),
+        "",
+        "| slot kind | settings (slots) |",
+        "|---|---|",
+    ]
+    for kind, counts in sorted(plan.summary(result.slot_kinds).items()):
+        cells = ", ".join(f"{label} ({n})" for label, n in sorted(counts.items()))
+        lines.append(f"| {kind} | {cells} |")
+    return lines
+
+
+def bits_by_layer(plan: dict, kinds: dict[str, str]) -> dict[str, dict[int, float]]:
+    """Average bits per element of each slot kind in each layer (the first number in a slot's
+    module path), from a plan's settings."""
+    import re
+
+    totals: dict[str, dict[int, list[float]]] = {}
+    for slot, setting in plan["slots"].items():
+        layer = re.search(r"\.(\d+)(\.|:)", slot)
+        if layer is None or setting.get("codec") == "exact":
+            continue
+        per_layer = totals.setdefault(kinds.get(slot, "other"), {})
+        per_layer.setdefault(int(layer.group(1)), []).append(float(setting["bits"]))
+    return {
+        kind: {layer: sum(v) / len(v) for layer, v in sorted(layers.items())}
+        for kind, layers in totals.items()
+    }
+
+
+def plot_plan(result: RecipeResult, path: str) -> bool:
+    """Bits per layer and slot kind of an adaptive plan (as ALAM's Fig. 6)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    series = bits_by_layer(result.plan, result.slot_kinds)
+    if not series:
+        return False
+    figure, axis = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(series)
+    for i, (kind, layers) in enumerate(sorted(series.items())):
+        xs = [layer + (i - (len(series) - 1) / 2) * width for layer in layers]
+        axis.bar(xs, list(layers.values()), width=width, label=kind)
+    axis.set_xticks(sorted({layer for layers in series.values() for layer in layers}))
+    axis.set_xlabel("layer")
+    axis.set_ylabel("bits per element")
+    axis.set_yscale("log", base=2)
+    axis.set_title(f"{result.label}: bits by layer and slot kind")
+    axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -276,6 +362,8 @@ def measure_model(
     gpu_memory_bytes: int = 80 * 2**30,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
+    calibration_examples: int = 2,
+    calibration_seconds: float = 30.0,
     progress: Callable[[str, int], None] | None = None,
 ) -> MemoryReport:
     """Measures ``config``'s architecture under each recipe; see the module docstring.
@@ -285,6 +373,10 @@ def measure_model(
     ``layers``: "all" builds every layer, "scaled" measures 1 and 2 layers and extrapolates,
     "auto" picks "all" when four copies of the parameters (weights, gradients, two Adam moments)
     take under a quarter of the available RAM (or GPU memory).
+
+    Adaptive recipes ("alam") calibrate their bit plan on ``calibration_examples`` examples of
+    the step's batch, for at most ``calibration_seconds``, before the step is measured; the plan
+    is part of the result.
     """
     if peft not in PEFT_MODES:
         raise ValueError(f"peft must be one of {', '.join(PEFT_MODES)}, got {peft!r}")
@@ -329,13 +421,17 @@ def measure_model(
                     task,
                     device,
                     attn_implementation,
+                    (calibration_examples, calibration_seconds),
                 )
             )
         measurement = runs[0][0]
         if len(runs) == 2:
             measurement = _extrapolate(runs[0][0], runs[1][0], num_layers)
         as_dict = actq_config.to_dict() if actq_config is not None else None
-        results.append(RecipeResult(label, as_dict, measurement, patched_modules=runs[-1][1]))
+        _, patched, plan, kinds = runs[-1]
+        if plan is not None:
+            plan["info"]["scaled"] = len(runs) == 2
+        results.append(RecipeResult(label, as_dict, measurement, patched, plan, kinds))
     return MemoryReport(
         model=name or config.model_type,
         model_type=config.model_type,
@@ -440,20 +536,29 @@ def _quantize_nf4(model, dtype, task, device, kwargs):
 
 
 def _measure_step(
-    config, actq_config, num_layers, batch_size, seq_len, dtype, peft, task, device, attn
-) -> tuple[Measurement, int]:
+    config, actq_config, num_layers, batch_size, seq_len, dtype, peft, task, device, attn, budget
+) -> tuple[Measurement, int, dict | None, dict]:
+    """One step's measurement, the number of patched modules, and for an adaptive recipe the
+    plan it calibrated on the step's inputs (and the slots' kinds)."""
     model = build_model(config, num_layers, dtype, peft, task, device, attn)
-    patched = 0
+    model.train()
+    inputs = _inputs(model.config, task, batch_size, seq_len, device)
+    patched, plan, kinds = 0, None, {}
     if actq_config is not None:
         from hf_actq.integrations.transformers import apply
 
-        patched = len(apply(model, actq_config).patched)
-    model.train()
+        adaptive = actq_config.adaptive and actq_config.plan is None
+        with _quiet(adaptive):  # the plan is calibrated right here
+            handle = apply(model, actq_config)
+        patched, kinds = len(handle.patched), dict(handle.slots)
+        if adaptive:
+            examples, seconds = budget
+            plan = handle.calibrate(inputs, examples=examples, seconds=seconds).to_dict()
+            plan["info"]["examples"] = min(examples, batch_size)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5)
     _create_optimizer_state(optimizer, trainable)
-    inputs = _inputs(model.config, task, batch_size, seq_len, device)
     model_bytes = _distinct_bytes(_model_tensors(model))
     optimizer_bytes = _distinct_bytes(_optimizer_tensors(optimizer))
 
@@ -478,7 +583,20 @@ def _measure_step(
     # Patched forwards are bound methods on their module (a reference cycle): collect now, or
     # the next recipe's model is built while this one is still in memory.
     gc.collect()
-    return measurement, patched
+    return measurement, patched, plan, kinds
+
+
+@contextlib.contextmanager
+def _quiet(active: bool):
+    """Hides hf_actq's warnings (the calibrate-me reminder) while ``active``."""
+    logger = logging.getLogger("hf_actq")
+    level = logger.level
+    if active:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _create_optimizer_state(optimizer, trainable) -> None:

@@ -15,10 +15,13 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from hf_actq.codecs.packed import Codec, draw_seed, skip_seeds
+from hf_actq.codecs.packed import Codec, draw_seed
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.dropout import keep_mask
-from hf_actq.ops.state import wants_backward
+from hf_actq.ops.state import STATE, OpState, keep_rng_stream, wants_backward
+
+EAGER_SLOTS = ("q", "k", "v", "probs")
+SDPA_SLOTS = ("q", "k", "v")
 
 ATTENTION_NAME = "hf_actq_eager"
 
@@ -32,12 +35,12 @@ class _Slot:
     def __init__(self, codec: Codec | None):
         self.codec, self.header, self.start, self.count = codec, None, 0, 0
 
-    def keep(self, x: torch.Tensor, saved: list, cache: PackCache) -> None:
+    def keep(self, x: torch.Tensor, saved: list, state: OpState, slot: str) -> None:
         self.start = len(saved)
         if self.codec is None:
             saved.append(x)
         else:
-            packed = cache.pack(x, self.codec)
+            packed = state.cache.pack(x, self.codec, state.slot_id(slot))
             self.header = packed.with_tensors(())
             saved.extend(packed.tensors)
         self.count = len(saved) - self.start
@@ -63,18 +66,15 @@ def _eager_forward(query, key, value, mask, scaling, dropout):
     return torch.matmul(dropped, value), probs, dropped, seed
 
 
-_EAGER_SLOTS = ("q", "k", "v", "probs")
-
-
 class CompressedAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, mask, scaling, dropout, codecs, cache):
+    def forward(ctx, query, key, value, mask, scaling, dropout, state):
         out, probs, dropped, seed = _eager_forward(query, key, value, mask, scaling, dropout)
         saved: list = []
         slots = {}
-        for name, tensor in zip(_EAGER_SLOTS, (query, key, value, probs)):
-            slots[name] = _Slot(codecs.get(name))
-            slots[name].keep(tensor, saved, cache)
+        for name, tensor in zip(EAGER_SLOTS, (query, key, value, probs)):
+            slots[name] = _Slot(state.codecs.get(name))
+            slots[name].keep(tensor, saved, state, name)
         ctx.slots, ctx.seed, ctx.dropout, ctx.scaling = slots, seed, dropout, scaling
         ctx.save_for_backward(*saved)
         return out, dropped
@@ -101,10 +101,20 @@ class CompressedAttentionFunction(torch.autograd.Function):
         grad_scores = grad_scores * ctx.scaling
         grad_q = torch.matmul(grad_scores, k)
         grad_k = torch.matmul(grad_scores.transpose(2, 3), q)
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None
 
 
-DEFAULT_CODECS: dict[str, Codec | None] = {}
+def _state(module, codecs, cache) -> OpState:
+    """The module's attention state, or one made of the explicit ``codecs`` and ``cache``."""
+    state = None if module is None else module.__dict__.get(STATE)
+    if state is not None and codecs is None and cache is None:
+        return state
+    return OpState(
+        codecs=codecs if codecs is not None else (state.codecs if state is not None else {}),
+        cache=cache if cache is not None else DEFAULT_CACHE,
+        path=state.path if state is not None else "",
+        attention_fallback=state.attention_fallback if state is not None else None,
+    )
 
 
 def compressed_eager_attention(
@@ -123,12 +133,11 @@ def compressed_eager_attention(
     shape [batch, heads, seq, head_dim]); returns ``(attn_output [b, s, h, d], attn_weights)``.
 
     ``codecs`` maps "q", "k", "v", "probs" to a codec, or to None to keep that slot exact; by
-    default the module's ``hf_actq_attention_codecs`` attribute, else all exact.
+    default the codecs ``hf_actq.apply`` gave the module, else all exact.
     """
     if scaling is None:
         scaling = query.size(-1) ** -0.5
-    if codecs is None:
-        codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
+    state = _state(module, codecs, cache)
     training = module is not None and module.training
     p = dropout if module is None or training else 0.0
     if wants_backward(query, key, value):
@@ -139,17 +148,15 @@ def compressed_eager_attention(
             attention_mask,
             float(scaling),
             float(p),
-            codecs,
-            cache if cache is not None else DEFAULT_CACHE,
+            state,
         )
     elif training:
         # Reentrant checkpointing's first pass: the output and RNG draws of the compressed
         # path (the same dropout mask, the packing seeds), with nothing packed.
         out, _, weights, _ = _eager_forward(query, key, value, attention_mask, scaling, p)
-        skip_seeds(*(codecs.get(name) for name in _EAGER_SLOTS))
+        keep_rng_stream(module, *(state.codecs.get(name) for name in EAGER_SLOTS))
     else:
-        fallback = getattr(module, "hf_actq_attention_fallback", None)
-        if fallback == "sdpa":
+        if state.attention_fallback == "sdpa":
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
             return sdpa_attention_forward(
@@ -197,13 +204,13 @@ class CompressedSDPAFunction(torch.autograd.Function):
     output copy, since rowsum(dO * O) = rowsum(dP * P)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, scaling, causal, groups, run_sdpa, codecs, cache):
+    def forward(ctx, query, key, value, mask, scaling, causal, groups, run_sdpa, state):
         output = run_sdpa(query, key, value)
         # With q and k exact, backward rebuilds the probabilities from the saved row statistics.
         # With either one lossy, exp(lossy logits - exact lse) is no distribution and blows up
         # where the logit error is positive, so backward renormalises its own logits instead
         # (and nothing is saved for the rows).
-        exact_logits = codecs.get("q") is None and codecs.get("k") is None
+        exact_logits = state.codecs.get("q") is None and state.codecs.get("k") is None
         rows = query.shape[:3] if exact_logits else (0,)
         lse = torch.empty(rows, dtype=torch.float32, device=query.device)
         if exact_logits:
@@ -214,8 +221,8 @@ class CompressedSDPAFunction(torch.autograd.Function):
         saved: list = []
         slots = {}
         for name, tensor in (("q", query), ("k", key), ("v", value)):
-            slots[name] = _Slot(codecs.get(name))
-            slots[name].keep(tensor, saved, cache)
+            slots[name] = _Slot(state.codecs.get(name))
+            slots[name].keep(tensor, saved, state, name)
         ctx.slots, ctx.scaling, ctx.causal, ctx.groups = slots, scaling, causal, groups
         ctx.has_mask, ctx.exact_logits = mask is not None, exact_logits
         ctx.save_for_backward(lse, *([mask] if mask is not None else []), *saved)
@@ -248,7 +255,7 @@ class CompressedSDPAFunction(torch.autograd.Function):
             grads[0][b] = grad_q
             grads[1][b] = grad_k.view(heads, ctx.groups, *grad_k.shape[1:]).sum(1)
             grads[2][b] = grad_v.view(heads, ctx.groups, *grad_v.shape[1:]).sum(1)
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
 
 
 def compressed_sdpa_attention(
@@ -292,11 +299,9 @@ def compressed_sdpa_attention(
         or query.shape[2] != key.shape[2]
     ):
         return run_sdpa(query, key, value)
-    if codecs is None:
-        codecs = getattr(module, "hf_actq_attention_codecs", DEFAULT_CODECS)
+    state = _state(module, codecs, cache)
     if not wants_backward(query, key, value):
-        if module is not None and getattr(module, "training", False):
-            skip_seeds(*(codecs.get(name) for name in ("q", "k", "v")))
+        keep_rng_stream(module, *(state.codecs.get(name) for name in ("q", "k", "v")))
         return run_sdpa(query, key, value)
     if scaling is None:
         scaling = query.size(-1) ** -0.5
@@ -312,8 +317,7 @@ def compressed_sdpa_attention(
         causal,
         groups,
         lambda q, k, v: run_sdpa(q, k, v)[0],
-        codecs,
-        cache if cache is not None else DEFAULT_CACHE,
+        state,
     )
     return output, None
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_actq.codecs.packed import Codec, Packed, draw_seed
+from hf_actq.ops.slots import observer, seed_override
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class _Entry:
     version: int
     header: Packed  # the packed object without its tensors
     buffers: tuple[weakref.ref, ...]
+    slot: str | None  # the slot that packed it
 
     def reuse(self, x: torch.Tensor, codec: Codec) -> Packed | None:
         if self.source() is not x or self.version != x._version or self.header.codec != codec:
@@ -48,29 +50,44 @@ class PackCache:
         self._entries: dict[int, _Entry] = {}
         self._purge_at = 64
 
-    def pack(self, x: torch.Tensor, codec: Codec) -> Packed:
-        """``codec.pack(x)``, reusing the result of an earlier call on the same live tensor.
+    def pack(self, x: torch.Tensor, codec: Codec, slot: str | None = None) -> Packed:
+        """``codec.pack(x)`` for ``slot``, reusing the result of an earlier call on the same live
+        tensor.
 
         A stochastic codec's seed is drawn whether or not the result is reused, so the RNG stream
         (and with it checkpoint replay) does not depend on what the cache holds.
         """
-        seed = draw_seed() if codec.uses_rng else None
+        seed = None
+        if codec.uses_rng:
+            seed = seed_override(slot)
+            seed = draw_seed() if seed is None else seed
+        watcher = observer()
         if x.is_inference():  # no version counter to key on
-            return codec.pack(x, seed)
+            return self._packed(watcher, slot, x, codec, seed)
         key = id(x)
         entry = self._entries.get(key)
         found = entry.reuse(x, codec) if entry is not None else None
         if found is not None:
+            if watcher is not None:
+                watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
             return found
-        packed = codec.pack(x, seed)
+        packed = self._packed(watcher, slot, x, codec, seed)
         self._entries[key] = _Entry(
             weakref.ref(x),
             x._version,
             packed.with_tensors(()),
             tuple(weakref.ref(t) for t in packed.tensors),
+            slot,
         )
         if len(self._entries) >= self._purge_at:
             self._purge()
+        return packed
+
+    @staticmethod
+    def _packed(watcher, slot, x, codec, seed) -> Packed:
+        packed = codec.pack(x, seed)
+        if watcher is not None:
+            watcher.on_pack(slot, x, codec, packed.nbytes, None)
         return packed
 
     def _purge(self) -> None:

@@ -15,9 +15,11 @@ from hf_actq.fewbit.activations import get_activation, resolve_params
 from hf_actq.fewbit.dp import FewBitTable
 from hf_actq.fewbit.tables import table_for, validate_bits
 from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.ops.slots import observer
 from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SLOTS = ("act",)
 
 
 class FewBitActivationFunction(torch.autograd.Function):
@@ -160,6 +162,9 @@ class FewBitActivation(nn.Module):
         if not wants_backward(x):
             return state.plain(x)
         act = state.activation
+        watcher = observer()
+        if watcher is not None:
+            watcher.on_fewbit(state.slot_id("act"), x, act)
         borders, levels = act.tensors(x.device)
         return FewBitActivationFunction.apply(
             x, act.spec.name, act.param_values, borders, levels, act.bits

@@ -27,6 +27,7 @@ from hf_actq.kernels import fewbit_backward, fewbit_forward
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.linear import CompressedLinearFunction
+from hf_actq.ops.slots import observer
 from hf_actq.ops.state import (
     OpState,
     default_state,
@@ -45,17 +46,20 @@ class GatedDownFunction(torch.autograd.Function):
     its own module, e.g. wrapped by PEFT LoRA)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, act, borders, levels, bits, codec, cache):
-        name, params = act
-        activated, codes, nan_flag = fewbit_forward(gate, name, borders, bits, params)
+    def forward(ctx, gate, up, weight, bias, state):
+        act = state.activation
+        borders, levels = act.tensors(gate.device)
+        activated, codes, nan_flag = fewbit_forward(
+            gate, act.spec.name, borders, act.bits, act.param_values
+        )
         y = activated * up
         if weight is not None:
             y = F.linear(y, weight, bias)
-        packed_a = cache.pack(activated, codec)
-        packed_up = cache.pack(up, codec)
+        packed_a = state.pack(activated, "gate")
+        packed_up = state.pack(up, "up")
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
         ctx.split = len(packed_a.tensors)
-        ctx.bits, ctx.has_bias = bits, bias is not None
+        ctx.bits, ctx.has_bias = act.bits, bias is not None
         ctx.save_for_backward(
             weight, codes, levels, nan_flag, *packed_a.tensors, *packed_up.tensors
         )
@@ -79,26 +83,23 @@ class GatedDownFunction(torch.autograd.Function):
             grad_b = flat_grad.sum(0)
         grad_up = grad_h * a_hat.to(dtype)
         grad_gate = fewbit_backward(grad_h * up_hat.to(dtype), codes, levels, nan_flag, ctx.bits)
-        return grad_gate, grad_up, grad_w, grad_b, None, None, None, None, None, None
+        return grad_gate, grad_up, grad_w, grad_b, None
+
+
+# The slots of a gated MLP: x (shared by gate and up), the few-bit code of act'(gate) (kept by
+# the state's activation table), and the product's operands act(gate) and up (kept by codecs).
+SLOTS = ("input", "act", "gate", "up")
+CODEC_SLOTS = ("input", "gate", "up")
 
 
 def gated_down(state: OpState, gate, up, down: nn.Module | None) -> torch.Tensor:
     """``down(act(gate) * up)`` through :class:`GatedDownFunction` with the state's activation,
-    codec and cache; with ``down=None`` only the product."""
-    act = state.activation
-    borders, levels = act.tensors(gate.device)
-    return GatedDownFunction.apply(
-        gate,
-        up,
-        None if down is None else down.weight,
-        None if down is None else down.bias,
-        (act.spec.name, act.param_values),
-        borders,
-        levels,
-        act.bits,
-        state.codec,
-        state.cache,
-    )
+    codecs and cache; with ``down=None`` only the product."""
+    watcher = observer()
+    if watcher is not None:
+        watcher.on_fewbit(state.slot_id("act"), gate, state.activation)
+    weight, bias = (None, None) if down is None else (down.weight, down.bias)
+    return GatedDownFunction.apply(gate, up, weight, bias, state)
 
 
 def runs_as_linear(module) -> bool:
@@ -159,7 +160,7 @@ class CompressedGatedMLP(nn.Module):
         self.gate_proj, self.up_proj = mlp.gate_proj, mlp.up_proj
         self.down_proj, self.act_fn = mlp.down_proj, mlp.act_fn
         activation = ActivationTable(found[0], activation_bits, found[1])
-        state = default_state(mlp.forward, codec, cache, activation=activation)
+        state = default_state(mlp.forward, codec, cache, CODEC_SLOTS, activation=activation)
         state.fused_projections = plain_projections(mlp)
         set_state(self, state)
 
@@ -174,21 +175,21 @@ class CompressedGatedMLP(nn.Module):
             gate, up = gate_proj(x), up_proj(x)
             if wants_backward(gate, up):
                 return down(gated_down(state, gate, up, None))
-            keep_rng_stream(self, state.codec, state.codec)
+            keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
             return down(self.act_fn(gate) * up)
         if not wants_backward(x, *self.parameters()):
-            packs_x = [state.codec for p in (gate_proj, up_proj) if p.weight.requires_grad]
-            keep_rng_stream(self, *packs_x, state.codec, state.codec)
+            packs_x = [
+                state.codecs["input"] for p in (gate_proj, up_proj) if p.weight.requires_grad
+            ]
+            keep_rng_stream(self, *packs_x, state.codecs["gate"], state.codecs["up"])
             return state.plain(x)
-        codec, cache = state.codec, state.cache
         # gate and up share one packed x through the cache; a frozen weight keeps nothing.
-        gate = CompressedLinearFunction.apply(x, gate_proj.weight, gate_proj.bias, codec, cache)
-        up = CompressedLinearFunction.apply(x, up_proj.weight, up_proj.bias, codec, cache)
+        gate = CompressedLinearFunction.apply(x, gate_proj.weight, gate_proj.bias, state, "input")
+        up = CompressedLinearFunction.apply(x, up_proj.weight, up_proj.bias, state, "input")
         return gated_down(state, gate, up, down)
 
     def extra_repr(self) -> str:
-        state = state_of(self)
-        return f"codec={state.codec!r}, activation={state.activation.describe()}"
+        return _describe(state_of(self))
 
 
 class CompressedFusedGatedMLP(nn.Module):
@@ -220,8 +221,8 @@ class CompressedFusedGatedMLP(nn.Module):
         self.gate_up_proj, self.down_proj = mlp.gate_up_proj, mlp.down_proj
         self.activation_fn = mlp.activation_fn
         activation = ActivationTable(found[0], activation_bits, found[1])
-        state = default_state(mlp.forward, codec, cache, activation=activation)
-        state.linear_codec = linear_codec
+        state = default_state(mlp.forward, codec, cache, CODEC_SLOTS, activation=activation)
+        state.codecs["input"] = linear_codec
         set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,22 +231,25 @@ class CompressedFusedGatedMLP(nn.Module):
         if not is_fused_gated_mlp(self):
             _warn_replaced(self, state)
             return state.plain(x)
+        input_codec = state.codecs.get("input")
         if not wants_backward(x, *self.parameters()):
-            packs_x = state.linear_codec if fused.weight.requires_grad else None
-            keep_rng_stream(self, packs_x, state.codec, state.codec)
+            packs_x = input_codec if fused.weight.requires_grad else None
+            keep_rng_stream(self, packs_x, state.codecs["gate"], state.codecs["up"])
             return state.plain(x)
-        if state.linear_codec is not None:
-            gate_up = CompressedLinearFunction.apply(
-                x, fused.weight, fused.bias, state.linear_codec, state.cache
-            )
+        if input_codec is not None:
+            gate_up = CompressedLinearFunction.apply(x, fused.weight, fused.bias, state, "input")
         else:
             gate_up = F.linear(x, fused.weight, fused.bias)
         gate, up = gate_up.chunk(2, dim=-1)
         return gated_down(state, gate, up, down)
 
     def extra_repr(self) -> str:
-        state = state_of(self)
-        return f"codec={state.codec!r}, activation={state.activation.describe()}"
+        return _describe(state_of(self))
+
+
+def _describe(state: OpState) -> str:
+    codecs = ", ".join(f"{slot}={codec!r}" for slot, codec in state.codecs.items())
+    return f"{codecs}, act={state.activation.describe()}"
 
 
 def is_fused_gated_mlp(module: nn.Module) -> bool:

@@ -24,13 +24,15 @@ from hf_actq.ops.state import (
 
 
 class CompressedLinearFunction(torch.autograd.Function):
+    """``F.linear(x, weight, bias)`` keeping ``x`` packed into ``state``'s slot ``slot``."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, codec, cache):
+    def forward(ctx, x, weight, bias, state, slot):
         y = F.linear(x, weight, bias)
         ctx.has_bias = bias is not None
         ctx.weight_grad = weight.requires_grad
         if ctx.weight_grad:
-            packed = cache.pack(x, codec)
+            packed = state.pack(x, slot)
             ctx.header = packed.with_tensors(())
             ctx.save_for_backward(weight, *packed.tensors)
         else:
@@ -54,14 +56,17 @@ class CompressedLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+SLOTS = ("input",)
+
+
 def compressed_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T + module.bias``, keeping the packed input when backward needs it."""
     state = state_of(module)
     if not wants_backward(x, weight, module.bias):
         if weight.requires_grad:
-            keep_rng_stream(module, state.codec)
+            keep_rng_stream(module, state.codecs["input"])
         return state.plain(x)
-    return CompressedLinearFunction.apply(x, weight, module.bias, state.codec, state.cache)
+    return CompressedLinearFunction.apply(x, weight, module.bias, state, "input")
 
 
 class CompressedLinear(nn.Linear):
@@ -80,11 +85,11 @@ class CompressedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         plain = nn.Linear.forward.__get__(self)
-        set_state(self, default_state(plain, codec, cache))
+        set_state(self, default_state(plain, codec, cache, SLOTS))
 
     @property
     def codec(self) -> Codec:
-        return state_of(self).codec
+        return state_of(self).codecs["input"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return compressed_linear(self, x, self.weight)
@@ -105,7 +110,7 @@ class CompressedConv1D(nn.Module):
         super().__init__()
         self.nf, self.nx = conv.nf, conv.nx
         self.weight, self.bias = conv.weight, conv.bias
-        set_state(self, default_state(Conv1D.forward.__get__(self), codec, cache))
+        set_state(self, default_state(Conv1D.forward.__get__(self), codec, cache, SLOTS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return compressed_linear(self, x, self.weight.t())

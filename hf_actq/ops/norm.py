@@ -26,7 +26,7 @@ def _normalized_backward(grad_xhat, x_hat, rstd):
 
 class CompressedLayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, codec, cache):
+    def forward(ctx, x, weight, bias, eps, state):
         width = x.shape[-1]
         y, mean, rstd = torch.native_layer_norm(x, (width,), weight, bias, eps)
         if rstd.dtype != torch.float32:
@@ -34,7 +34,7 @@ class CompressedLayerNormFunction(torch.autograd.Function):
             var, mean = torch.var_mean(x.float(), dim=-1, keepdim=True, correction=0)
             rstd = torch.rsqrt(var + eps)
         x_hat = ((x.float() - mean) * rstd).to(x.dtype)
-        packed = cache.pack(x_hat, codec)
+        packed = state.pack(x_hat, "input")
         ctx.header = packed.with_tensors(())
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
         ctx.save_for_backward(rstd, weight, *packed.tensors)
@@ -51,20 +51,20 @@ class CompressedLayerNormFunction(torch.autograd.Function):
         rows = tuple(range(g.dim() - 1))
         grad_w = (g * x_hat).sum(rows).to(weight.dtype) if ctx.has_weight else None
         grad_b = g.sum(rows).to(grad_y.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class CompressedRMSNormFunction(torch.autograd.Function):
     """HF's RMSNorm (LLaMA, Mistral, Qwen): ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, codec, cache):
+    def forward(ctx, x, weight, eps, state):
         hidden = x.to(torch.float32)
         variance = hidden.pow(2).mean(-1, keepdim=True)
         rstd = torch.rsqrt(variance + eps)
         normed = (hidden * rstd).to(x.dtype)
         y = weight * normed
-        packed = cache.pack(normed, codec)
+        packed = state.pack(normed, "input")
         ctx.header = packed.with_tensors(())
         ctx.save_for_backward(rstd, weight, *packed.tensors)
         return y
@@ -80,7 +80,10 @@ class CompressedRMSNormFunction(torch.autograd.Function):
         grad_x = (rstd * (grad_xhat - x_hat * mean_gx)).to(grad_y.dtype)
         rows = tuple(range(g.dim() - 1))
         grad_w = (g * x_hat).sum(rows).to(weight.dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None
+
+
+SLOTS = ("input",)
 
 
 def rms_norm_eps(module: nn.Module) -> float | None:
@@ -125,19 +128,17 @@ class CompressedLayerNorm(nn.LayerNorm):
         self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
         self.elementwise_affine = norm.elementwise_affine
         self.weight, self.bias = norm.weight, norm.bias
-        set_state(self, default_state(nn.LayerNorm.forward.__get__(self), codec, cache))
+        set_state(self, default_state(nn.LayerNorm.forward.__get__(self), codec, cache, SLOTS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
         if not wants_backward(x, self.weight, self.bias):
-            keep_rng_stream(self, state.codec)
+            keep_rng_stream(self, state.codecs["input"])
             return state.plain(x)
-        return CompressedLayerNormFunction.apply(
-            x, self.weight, self.bias, self.eps, state.codec, state.cache
-        )
+        return CompressedLayerNormFunction.apply(x, self.weight, self.bias, self.eps, state)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, codec={state_of(self).codec!r}"
+        return f"{super().extra_repr()}, codec={state_of(self).codecs['input']!r}"
 
 
 class CompressedRMSNorm(nn.Module):
@@ -161,17 +162,19 @@ class CompressedRMSNorm(nn.Module):
             )
         super().__init__()
         self.weight = norm.weight
-        set_state(self, default_state(norm.forward, codec, cache, eps=rms_norm_eps(norm)))
+        state = default_state(norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm))
+        set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
         if not wants_backward(x, self.weight):
-            keep_rng_stream(self, state.codec)
+            keep_rng_stream(self, state.codecs["input"])
             return state.plain(x)
-        return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state.codec, state.cache)
+        return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state)
 
     def extra_repr(self) -> str:
-        return f"eps={state_of(self).eps}, codec={state_of(self).codec!r}"
+        state = state_of(self)
+        return f"eps={state.eps}, codec={state.codecs['input']!r}"
 
 
 __all__ = [

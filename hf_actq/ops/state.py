@@ -26,6 +26,7 @@ from torch import nn
 from hf_actq.codecs import AverageQuantCodec
 from hf_actq.codecs.packed import Codec, skip_seeds
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
+from hf_actq.ops.slots import per_slot_seeds
 
 STATE = "_hf_actq"
 
@@ -33,31 +34,43 @@ STATE = "_hf_actq"
 @dataclass(eq=False)
 class OpState:
     """``plain`` is the stock forward, run when nothing is kept for backward (set when a
-    standalone op is built or an op is bound onto a module); ``codec`` the slot's codec (None
-    keeps it exact); ``cache`` shares packed inputs between ops."""
+    standalone op is built or an op is bound onto a module); ``codecs`` the codec of each slot
+    the op fills (see :mod:`hf_actq.ops.slots`; None keeps a slot exact); ``path`` the module's
+    path, which prefixes its slot ids; ``cache`` shares packed inputs between ops."""
 
     plain: Callable | None = None
-    codec: Codec | None = None
+    codecs: dict[str, Codec | None] = field(default_factory=dict)
+    path: str = ""
     cache: PackCache = field(default=DEFAULT_CACHE)
-    # Few-bit activations and gated MLPs: the activation and its derivative table.
+    # Few-bit activations and gated MLPs: the activation and its derivative table (the "act"
+    # slot).
     activation: object | None = None
     # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``).
     eps: float | None = None
     # Dropout: "seed" or "mask".
     dropout_mode: str = "seed"
-    # Phi-3's fused gate_up projection: the codec of its input (None: a plain linear).
-    linear_codec: Codec | None = None
     # Gated MLPs patched with plain nn.Linear projections (the fused path), and whether the
     # warning that one was replaced later has been given.
     fused_projections: bool = False
     warned_replaced: bool = False
+    # Attention: the implementation to run where nothing is kept for backward (eval, no_grad).
+    attention_fallback: str | None = None
+
+    def slot_id(self, slot: str) -> str:
+        return f"{self.path}:{slot}"
+
+    def pack(self, x: torch.Tensor, slot: str):
+        """Pack ``x`` into ``slot`` with the slot's codec (through the shared cache)."""
+        return self.cache.pack(x, self.codecs[slot], self.slot_id(slot))
 
 
-def default_state(plain, codec: Codec | None, cache: PackCache | None, **extra) -> OpState:
-    """A standalone op's state: 4-bit uniform rounding and the shared cache unless given."""
+def default_state(plain, codec: Codec | None, cache: PackCache | None, slots, **extra) -> OpState:
+    """A standalone op's state: ``codec`` (4-bit uniform rounding unless given) in each of
+    ``slots``, and the shared cache unless given."""
+    codec = codec if codec is not None else AverageQuantCodec(bits=4)
     return OpState(
         plain=plain,
-        codec=codec if codec is not None else AverageQuantCodec(bits=4),
+        codecs=dict.fromkeys(slots, codec),
         cache=cache if cache is not None else DEFAULT_CACHE,
         **extra,
     )
@@ -76,7 +89,8 @@ def wants_backward(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def keep_rng_stream(module: nn.Module, *codecs) -> None:
-    """For a forward that keeps nothing: in training mode, draw the seeds packing would draw."""
-    if module.training:
+def keep_rng_stream(module: nn.Module | None, *codecs) -> None:
+    """For a forward that keeps nothing: in training mode, draw the seeds packing would draw
+    (none when per-slot seeds replace the draws, as in the adaptive pass)."""
+    if module is not None and module.training and not per_slot_seeds():
         skip_seeds(*codecs)

@@ -12,9 +12,12 @@ ActQCallback does), "after" to the wrapped or sharded model.
 """
 
 import sys
+from pathlib import Path
 
 import torch
-from tiny_models import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for tiny_models
+from tiny_models import tiny_llama  # noqa: E402
 
 import hf_actq
 from hf_actq.codecs import uniform
@@ -89,7 +92,12 @@ def main(out_dir, mode, when):
     if when == "after":
         handle = hf_actq.apply(model, CONFIG)
     losses = train(model, optimizer, accelerator.process_index, accelerator.num_processes, backward)
+    # Each rank calibrates on its own examples; the sensitivities are averaged across ranks, so
+    # every rank must arrive at the same plan.
+    ids = global_batches()[0][accelerator.process_index :: accelerator.num_processes]
+    plan = handle.calibrate({"input_ids": ids, "labels": ids}, target_bits=1)
     record = {
+        "plan": plan.slots,
         "world": accelerator.num_processes,
         "sharded": any(hasattr(p, "full_tensor") for p in model.parameters()),
         "patched": handle.patched,

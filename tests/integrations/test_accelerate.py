@@ -70,6 +70,8 @@ def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path, refe
         assert torch.equal(weight, ranks[1]["weights"][name]), name
     # Each rank rounds with its own seeds: averaging the two gradients averages the noise.
     assert not torch.equal(ranks[0]["codes"], ranks[1]["codes"])
+    # Calibrated on different examples, with the sensitivities averaged: one plan.
+    assert ranks[0]["plan"] == ranks[1]["plan"]
 
     losses, initial, weights = references[True]
     unpatched_losses, _, unpatched_weights = references[False]

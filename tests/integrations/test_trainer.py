@@ -1,3 +1,5 @@
+import logging
+
 import torch
 from tiny_models import tiny_llama as _llama
 from transformers import (
@@ -160,3 +162,23 @@ def test_memory_is_metered_on_the_first_and_on_logging_steps(tmp_path):
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["step"] for e in logged] == [2, 4]
     assert all(e["actq_activation_mib"] > 0 for e in logged)
+
+
+def test_adaptive_callback_plans_before_training_and_again_after_a_fraction(tmp_path, caplog):
+    from hf_actq import ActQConfig
+    from hf_actq.adaptive import BitPlan
+
+    config = ActQConfig.from_recipe("alam", bits=1, calibration_examples=2, recalibrate_at=0.25)
+    callback = ActQCallback(config)
+    trainer = Trainer(
+        model=_llama(), args=_args(tmp_path), train_dataset=Toy(True), callbacks=[callback]
+    )
+    with caplog.at_level(logging.INFO, logger="hf_actq"):
+        trainer.train()
+    assert callback.calibrated_at == [0, 1]  # before step 1, and after a quarter of 4 steps
+    assert "plan for 1 bits on average before step 0" in caplog.text
+    saved = BitPlan.load(tmp_path / "actq_plan.json")
+    assert saved == callback.handle.plan
+    saved.check_slots(callback.handle.slots)
+    assert saved.info["bytes"] <= saved.info["budget_bytes"]
+    assert all(torch.isfinite(torch.tensor(_losses(trainer))))

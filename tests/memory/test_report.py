@@ -139,3 +139,24 @@ def test_every_preset_measures_offline(preset):
 def test_sequence_longer_than_the_positions_is_rejected():
     with pytest.raises(ValueError, match="seq_len 513 exceeds the 512 positions roberta supports"):
         measure_model(preset_config("roberta-base"), [], seq_len=513)
+
+
+def test_adaptive_recipes_show_and_write_their_plan(tmp_path):
+    report = measure_model(
+        preset_config("tiny-llama"),
+        ["alam:bits=1", "alam:bits=1,adaptive=False"],
+        batch_size=2,
+        seq_len=16,
+    )
+    adaptive, even = report.results[1], report.results[2]
+    assert even.plan is None and adaptive.plan is not None
+    info = adaptive.plan["info"]
+    assert info["bytes"] <= info["budget_bytes"] and info["examples"] == 2
+    # Measured with the plan: fewer activation bytes than the even spread, which overruns the
+    # nominal 1 bit by its metadata.
+    assert adaptive.measurement.activation_bytes < even.measurement.activation_bytes
+    text = report.to_markdown()
+    assert "Bit plan of alam:bits=1: 1 bits on average" in text and "| attention |" in text
+    paths = report.write(str(tmp_path))
+    assert str(tmp_path / "plan_alam_bits1.json") in paths
+    assert str(tmp_path / "bits_alam_bits1.png") in paths

@@ -1,5 +1,5 @@
-"""The tiny LLaMA the integration tests train (importable by the tests and by the script that
-``accelerate launch`` runs, which sits beside it)."""
+"""The tiny LLaMA the tests train (tests/ is on sys.path through its conftest; the script that
+``accelerate launch`` runs adds it)."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -1,0 +1,383 @@
+"""The adaptive pass: measure each slot's sensitivity (GradNormVar), allocate precision to a
+byte budget, and return a :class:`~hf_actq.adaptive.plan.BitPlan`.
+
+Sensitivity follows ALAM's Algorithm 2, slot by slot: one backward with every slot's rounding
+seeded from ``r1`` gives ``h0``, the L2 norm of each trainable parameter tensor's gradient; a
+backward in which only slot ``l`` takes seed ``r2`` gives ``h1``; ``0.5 * ||h0 - h1||^2`` is the
+gradient-norm variance that slot's rounding causes. Slots that share one packed tensor (q, k and
+v's input) are one item. ALAM scales that variance by ``(2^b - 1)^2`` to get a sensitivity
+``c_l`` and predicts ``c_l (2^b - 1)^-2`` at ``b`` bits; here the factor is each candidate's
+measured relative error on the slot's own tensor (from the first pass), so average quantization
+and stochastic rounding share one scale. Few-bit slots are deterministic: their effect is the
+gradient-norm change when the slot's table switches between two bit widths, scaled by the tables'
+measured derivative errors on the slot's own inputs.
+
+The pass leaves the training state as it found it: rounding seeds come from the slot ids (no
+draw from torch's RNG), dropout masks and the RNG state are restored (``fork_rng``), existing
+gradients are put back, the optimizer is never touched. Its cost is bounded by
+``calibration_examples`` (a sub-batch) and ``calibration_seconds`` (slots left unmeasured take
+the median sensitivity of their kind). Under torch.distributed every rank runs the same passes
+and the sensitivities are averaged, so all ranks get the same plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from hf_actq.adaptive.allocate import Candidate, Item, allocate
+from hf_actq.adaptive.plan import BitPlan
+from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.ops.fewbit_activation import ActivationTable
+from hf_actq.ops.slots import SlotObserver, observe, slot_seeds
+
+logger = logging.getLogger("hf_actq")
+
+# Candidate settings of codec slots (average bits; ALAM's AQ below 1 bit).
+CODEC_CANDIDATES = (
+    {"codec": "uniform", "bits": 8},
+    {"codec": "uniform", "bits": 4},
+    {"codec": "uniform", "bits": 2},
+    {"codec": "uniform", "bits": 1},
+    {"codec": "aq", "bits": 1, "group_size": 2},
+    {"codec": "aq", "bits": 0.5, "group_size": 4},
+    {"codec": "aq", "bits": 0.25, "group_size": 8},
+)
+FEWBIT_CANDIDATES = (1, 2, 3, 4)
+# Elements of a slot's tensor the candidates' errors are measured on.
+_SAMPLE = 1 << 16
+
+
+@dataclass
+class SlotInfo:
+    """One slot as a forward filled it: shape, the bytes it kept and, for slots that reuse
+    another slot's packed tensor, that slot."""
+
+    slot: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    codec: str
+    nbytes: int
+    shared_with: str | None = None
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+class _Recorder(SlotObserver):
+    def __init__(self, handle, measure: bool) -> None:
+        self.handle, self.measure = handle, measure
+        self.infos: dict[str, SlotInfo] = {}
+        # slot -> (errors of the candidates, error of the slot's current setting)
+        self.errors: dict[str, tuple[list[float], float]] = {}
+
+    def _new(self, slot) -> str | None:
+        kind = self.handle.slots.get(slot)
+        return None if kind is None or slot in self.infos else kind
+
+    def on_pack(self, slot, x, codec, nbytes, shared_with):
+        kind = self._new(slot)
+        if kind is None:
+            return
+        self.infos[slot] = SlotInfo(
+            slot, kind, tuple(x.shape), x.dtype, repr(codec), nbytes, shared_with
+        )
+        if self.measure and shared_with is None:
+            config = self.handle.config
+            codecs = [config.codec_for_setting(s) for s in CODEC_CANDIDATES]
+            errors = _codec_errors(x, [*codecs, codec])
+            self.errors[slot] = (errors[:-1], errors[-1])
+
+    def on_fewbit(self, slot, x, activation):
+        kind = self._new(slot)
+        if kind is None:
+            return
+        nbytes = (x.numel() * activation.bits + 7) // 8 + 4
+        self.infos[slot] = SlotInfo(
+            slot, kind, tuple(x.shape), x.dtype, activation.describe(), nbytes
+        )
+        if self.measure:
+            errors = _fewbit_errors(x, activation)
+            self.errors[slot] = (errors, errors[FEWBIT_CANDIDATES.index(activation.bits)])
+
+
+def _sample(x: torch.Tensor) -> torch.Tensor:
+    rows = x.detach().reshape(-1, x.shape[-1])
+    return rows[: max(1, _SAMPLE // max(1, x.shape[-1]))].contiguous()
+
+
+def _codec_errors(x, codecs) -> list[float]:
+    """Relative squared error ``||x_hat - x||^2 / ||x||^2`` of each codec on a sample of x."""
+    sample = _sample(x)
+    reference = sample.float()
+    energy = reference.pow(2).sum().clamp_min(1e-30)
+    return [
+        float((codec.pack(sample, 0).unpack().float() - reference).pow(2).sum() / energy)
+        for codec in codecs
+    ]
+
+
+def _fewbit_errors(x, activation) -> list[float]:
+    """Relative squared error of each candidate table's derivative on a sample of x."""
+    sample = x.detach().reshape(-1)[:_SAMPLE]
+    with torch.enable_grad():
+        leaf = sample.float().requires_grad_()
+        (exact,) = torch.autograd.grad(activation.plain(leaf).sum(), leaf)
+    energy = exact.pow(2).sum().clamp_min(1e-30)
+    errors = []
+    for bits in FEWBIT_CANDIDATES:
+        table = ActivationTable(activation.spec.name, bits, activation.params)
+        borders, levels = table.tensors(sample.device)
+        _, codes, flag = fewbit_forward(
+            sample, table.spec.name, borders, table.bits, table.param_values
+        )
+        approx = fewbit_backward(torch.ones_like(exact), codes, levels, flag, table.bits)
+        errors.append(float((approx.float() - exact).pow(2).sum() / energy))
+    return errors
+
+
+def _seeds(base: int, changed: set[str] = frozenset(), other: int = 0):
+    def seed_for(slot: str) -> int:
+        return zlib.crc32(f"{other if slot in changed else base}:{slot}".encode()) & 0x7FFFFFFF
+
+    return seed_for
+
+
+def _sub_batch(batch, examples: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[:examples]
+    return {
+        k: v[:examples] if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+        for k, v in dict(batch).items()
+    }
+
+
+def _default_loss(model, batch):
+    out = model(**batch) if isinstance(batch, dict) else model(batch)
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        raise ValueError(
+            "calibration needs the model's loss: pass a batch with labels, or loss_fn="
+        )
+    return loss
+
+
+def _norm(grad: torch.Tensor | None) -> torch.Tensor:
+    if grad is None:
+        return torch.zeros((), dtype=torch.float64)
+    norm = torch.linalg.vector_norm(grad.float())
+    if hasattr(norm, "full_tensor"):  # FSDP2: a sharded gradient's norm is a collective
+        norm = norm.full_tensor()
+    return norm.double().cpu()
+
+
+def _distributed() -> bool:
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
+
+
+def _average_across_ranks(values: list[float]) -> list[float]:
+    """The mean over ranks (every rank passes its values in the same order)."""
+    if not _distributed():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    torch.distributed.all_reduce(tensor)
+    return (tensor / torch.distributed.get_world_size()).tolist()
+
+
+def _all_ranks_agree_to_stop(stop: bool) -> bool:
+    if not _distributed():
+        return stop
+    flag = torch.tensor([float(stop)])
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def calibrate(
+    handle,
+    batch,
+    *,
+    loss_fn=None,
+    examples: int | None = None,
+    seconds: float | None = None,
+    target_bits: float | None = None,
+    budget_bytes: int | None = None,
+) -> BitPlan:
+    """Measure the slots of ``handle``'s model on ``batch`` and allocate ``target_bits`` (default
+    ``config.bits``) on average, or ``budget_bytes`` in all, over them. Returns the plan; the
+    model keeps its current settings (``handle.calibrate`` installs the plan)."""
+    config = handle.config
+    model = handle.model
+    loss_fn = loss_fn or _default_loss
+    examples = examples or config.calibration_examples
+    seconds = seconds or config.calibration_seconds
+    target_bits = config.bits if target_bits is None else target_bits
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("calibration needs trainable parameters (none require grad)")
+    device = params[0].device
+    batch = _sub_batch(batch, examples)
+    if isinstance(batch, dict):
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    saved_grads = [p.grad for p in params]
+    start = time.perf_counter()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        rng_seed = int(torch.randint(0, 2**31 - 1, (1,)))
+
+        def run(seed_for) -> torch.Tensor:
+            torch.manual_seed(rng_seed)  # the same dropout masks in every pass
+            with slot_seeds(seed_for):
+                loss_fn(model, batch).backward()
+            norms = torch.stack([_norm(p.grad) for p in params])
+            for p in params:
+                p.grad = None
+            return norms
+
+        try:
+            for p in params:
+                p.grad = None
+            recorder = _Recorder(handle, measure=True)
+            with observe(recorder):
+                h0 = run(_seeds(1))
+            sensitivity, measured = _measure(handle, recorder, run, h0, start, seconds)
+        finally:
+            for p, grad in zip(params, saved_grads):
+                p.grad = grad
+    return _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, start)
+
+
+def _items(recorder) -> list[str]:
+    """Slots measured and allocated on their own: those that packed their own tensor, and few-bit
+    slots with more than one candidate."""
+    return sorted(recorder.errors)
+
+
+def _measure(handle, recorder, run, h0, start, seconds):
+    items = _items(recorder)
+    members = {slot: [slot] for slot in items}
+    for slot, info in recorder.infos.items():
+        if info.shared_with in members and slot not in members:
+            members[info.shared_with].append(slot)
+    sensitivity: dict[str, float] = {}
+    measured: list[str] = []
+    for slot in items:
+        if _all_ranks_agree_to_stop(time.perf_counter() - start > seconds):
+            break
+        errors, current = recorder.errors[slot]
+        if slot.endswith(":act") and handle.slots[slot] == "activation":
+            state, _ = handle._states[slot]
+            act = state.activation
+            other = 4 if act.bits < 4 else 1
+            if act.exact or errors[other - 1] == current:
+                sensitivity[slot] = 0.0
+                measured.append(slot)
+                continue
+            state.activation = ActivationTable(act.spec.name, other, act.params)
+            try:
+                h1 = run(_seeds(1))
+            finally:
+                state.activation = act
+            change = float((h0 - h1).pow(2).sum())
+            sensitivity[slot] = change / abs(current - errors[other - 1])
+        else:
+            h1 = run(_seeds(1, set(members[slot]), 2))
+            variance = 0.5 * float((h0 - h1).pow(2).sum())
+            sensitivity[slot] = variance / max(current, 1e-30)
+        measured.append(slot)
+    # Ranks measured different examples: average what they measured, so all plan alike (the
+    # stop above was agreed, so every rank measured the same slots).
+    values = _average_across_ranks([sensitivity[s] for s in measured])
+    sensitivity = dict(zip(measured, values))
+    for slot in items:
+        errors, current = recorder.errors[slot]
+        averaged = _average_across_ranks([*errors, current])
+        recorder.errors[slot] = (averaged[:-1], averaged[-1])
+    for slot in items:  # unmeasured within the time cap: the median of their kind
+        if slot not in sensitivity:
+            kind = handle.slots[slot]
+            same = [v for s, v in sensitivity.items() if handle.slots[s] == kind]
+            sensitivity[slot] = statistics.median(same or list(sensitivity.values()) or [1.0])
+    return sensitivity, measured
+
+
+def _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, start) -> BitPlan:
+    config = handle.config
+    items, numel, even = [], 0, 0
+    for slot in _items(recorder):
+        info = recorder.infos[slot]
+        errors, _ = recorder.errors[slot]
+        numel += info.numel
+        even += info.nbytes
+        if slot.endswith(":act") and handle.slots[slot] == "activation":
+            state, _ = handle._states[slot]
+            allowed = (1,) if state.activation.exact else FEWBIT_CANDIDATES
+            candidates = [
+                Candidate(
+                    {"bits": b}, (info.numel * b + 7) // 8 + 4, sensitivity[slot] * errors[b - 1]
+                )
+                for b in allowed
+            ]
+        else:
+            candidates = [
+                Candidate(
+                    setting,
+                    config.codec_for_setting(setting).nbytes(info.shape),
+                    sensitivity[slot] * error,
+                )
+                for setting, error in zip(CODEC_CANDIDATES, errors)
+            ]
+        items.append(Item(slot, tuple(candidates)))
+    budget = int(target_bits * numel / 8) if budget_bytes is None else int(budget_bytes)
+    choice, met = allocate(items, budget)
+    if not met:
+        logger.warning(
+            "hf_actq: %d bytes cannot hold these slots even at the lowest precision; each slot "
+            "gets its cheapest setting (%d bytes)",
+            budget,
+            sum(c.nbytes for c in choice.values()),
+        )
+    even_setting = {"codec": config.codec, "bits": config.bits, "group_size": config.group_size}
+    settings = {}
+    for slot, kind in handle.slots.items():
+        info = recorder.infos.get(slot)
+        leader = info.shared_with if info is not None and info.shared_with in choice else slot
+        if leader in choice:
+            settings[slot] = dict(choice[leader].setting)
+        elif slot.endswith(":act") and kind == "activation":
+            settings[slot] = {"bits": handle._states[slot][0].activation.bits}
+        else:  # never filled on this batch (a frozen layer's input): the even setting
+            settings[slot] = dict(even_setting)
+    info = {
+        "budget_bytes": budget,
+        "bytes": sum(c.nbytes for c in choice.values()),
+        "even_bytes": even,
+        "elements": numel,
+        "budget_met": met,
+        "sensitivity": {s: sensitivity[s] for s in sorted(sensitivity)},
+        "measured": len(measured),
+        "estimated": len(sensitivity) - len(measured),
+        "shared": {s: i.shared_with for s, i in recorder.infos.items() if i.shared_with},
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    return BitPlan(settings, target_bits, info)
+
+
+def list_slots(handle, batch) -> dict[str, SlotInfo]:
+    """Every slot one forward on ``batch`` fills, with its shape, codec and bytes (the RNG is
+    left as it was; nothing is kept)."""
+    recorder = _Recorder(handle, measure=False)
+    with torch.random.fork_rng(), observe(recorder), slot_seeds(_seeds(1)), torch.enable_grad():
+        out = handle.model(**batch) if isinstance(batch, dict) else handle.model(batch)
+        del out
+    return recorder.infos

@@ -1,0 +1,86 @@
+import logging
+
+import pytest
+import torch
+from tiny_models import tiny_llama
+
+import hf_actq
+from hf_actq import ActQConfig
+from hf_actq.adaptive.calibrate import list_slots
+
+
+def _batch(seed=1, rows=4):
+    ids = torch.randint(3, 100, (rows, 12), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _patched(bits=1, **extra):
+    model = tiny_llama()
+    return model, hf_actq.apply(model, ActQConfig.from_recipe("alam", bits=bits, **extra))
+
+
+def test_list_slots_reports_shapes_bytes_and_shared_inputs():
+    _, handle = _patched()
+    infos = list_slots(handle, _batch())
+    q = infos["model.layers.0.self_attn.q_proj:input"]
+    k = infos["model.layers.0.self_attn.k_proj:input"]
+    assert q.shape == (4, 12, 32) and q.shared_with is None
+    assert k.shared_with == "model.layers.0.self_attn.q_proj:input"  # one packed x for q, k, v
+    assert infos["model.layers.0.self_attn:k"].shape == (4, 2, 12, 8)  # GQA: 2 kv heads
+    assert infos["model.layers.0.mlp:act"].nbytes == (4 * 12 * 64 + 7) // 8 + 4
+    assert set(infos) <= set(handle.slots)
+
+
+@pytest.mark.parametrize("bits", [0.5, 1, 2])
+def test_the_plan_fits_the_budget_in_counted_bytes(bits):
+    model, handle = _patched(bits)
+    plan = handle.calibrate(_batch())
+    elements = plan.info["elements"]
+    assert plan.info["budget_bytes"] == int(bits * elements / 8)
+    # What the slots keep under the plan, counted from the packed buffers of a real forward.
+    kept = sum(i.nbytes for i in list_slots(handle, _batch()).values() if i.shared_with is None)
+    assert kept == plan.info["bytes"] <= plan.info["budget_bytes"]
+    assert plan.info["measured"] == len(plan.info["sensitivity"])
+
+
+def test_calibration_is_deterministic():
+    plans = []
+    for _ in range(2):
+        _, handle = _patched()
+        plans.append(handle.calibrate(_batch()))
+    assert plans[0].slots == plans[1].slots
+    assert plans[0].info["sensitivity"] == plans[1].info["sensitivity"]
+
+
+def test_calibration_leaves_rng_optimizer_and_accumulated_gradients_untouched():
+    model, handle = _patched()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**_batch(2)).loss.backward()
+    optimizer.step()  # Adam has state now
+    model(**_batch(3)).loss.backward()  # a micro-batch accumulated, not stepped yet
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    values = {n: g.clone() for n, g in grads.items()}
+    adam = {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.state.items()}
+    rng = torch.get_rng_state()
+    handle.calibrate(_batch())
+    assert torch.equal(torch.get_rng_state(), rng)
+    for n, p in model.named_parameters():
+        assert p.grad is grads[n] and torch.equal(p.grad, values[n])
+    for key, state in optimizer.state.items():
+        assert all(torch.equal(t, adam[key][n]) for n, t in state.items())
+
+
+def test_adaptive_config_warns_until_calibrated_and_validates_its_options(caplog):
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        _patched()
+    assert "handle.calibrate(batch)" in caplog.text
+    with pytest.raises(ValueError, match="calibration_examples must be a positive integer"):
+        ActQConfig(adaptive=True, calibration_examples=0)
+    with pytest.raises(ValueError, match="recalibrate_at must be in"):
+        ActQConfig(recalibrate_at=1.5)
+
+
+def test_calibration_needs_a_loss():
+    _, handle = _patched()
+    with pytest.raises(ValueError, match="calibration needs the model's loss"):
+        handle.calibrate({"input_ids": _batch()["input_ids"]})
