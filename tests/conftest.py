@@ -1,5 +1,25 @@
 import os
 
-# No GPU on the development and CI machines: Triton kernels run under the interpreter, which must
-# be chosen before triton is first imported. The AOT compilation test clears it in a subprocess.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+
+# HF_ACTQ_TEST_DEVICE=cuda runs the kernel, op and integration tests on a GPU: tensors and models
+# the tests create land there (torch's default device), and the Triton kernels compile for it.
+# Otherwise (the development and CI machines have no GPU) the kernels run under the interpreter,
+# which must be chosen before triton is first imported; the AOT test clears it in a subprocess.
+TEST_DEVICE = os.environ.get("HF_ACTQ_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _test_device():
+    if TEST_DEVICE == "cpu":
+        yield
+        return
+    import torch
+
+    torch.set_default_device(TEST_DEVICE)
+    yield
+    torch.set_default_device(None)

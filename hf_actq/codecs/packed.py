@@ -100,7 +100,7 @@ def draw_seed() -> int:
     data-parallel launchers seed every rank identically, and ranks that draw the same rounding
     noise would not average it away when their gradients are reduced.
     """
-    seed = int(torch.randint(0, _SEED_MODULUS, (1,)).item())
+    seed = int(torch.randint(0, _SEED_MODULUS, (1,), device="cpu").item())
     rank = process_rank()
     return seed if rank == 0 else (seed + rank * _RANK_STRIDE) % _SEED_MODULUS
 
@@ -114,7 +114,7 @@ def skip_seeds(*codecs) -> None:
     """
     for codec in codecs:
         if codec is not None and codec.uses_rng:
-            torch.randint(0, _SEED_MODULUS, (1,))
+            torch.randint(0, _SEED_MODULUS, (1,), device="cpu")
 
 
 def process_rank() -> int:

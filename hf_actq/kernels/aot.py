@@ -240,10 +240,12 @@ def compile_variant(variant: Variant, cc: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from hf_actq.kernels.triton_common import LAUNCH_OPTIONS
+
     fn = getattr(importlib.import_module(f"hf_actq.kernels.{variant.module}"), variant.kernel)
     start = time.perf_counter()
     source = ASTSource(fn=fn, signature=variant.signature, constexprs=variant.constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32))
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=LAUNCH_OPTIONS)
     return {
         "variant": variant.label,
         "cc": cc,

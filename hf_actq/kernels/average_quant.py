@@ -15,12 +15,12 @@ import triton
 import triton.language as tl
 
 from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import load_codes, store_packed, to_dtype
+from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
 
 DEQUANT_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group", "bits", "stochastic", "seed"])
 def aq_quantize_kernel(
     src_ptr,
     packed_ptr,
@@ -43,13 +43,14 @@ def aq_quantize_kernel(
     for k in range(group):
         acc += tl.load(src_ptr + mean_idx * group + k, mask=valid, other=0.0).to(tl.float32)
     # Means are rounded to the source dtype, as the twin does.
-    mean = to_dtype(acc / group, src_ptr.dtype.element_ty).to(tl.float32)
+    mean = to_dtype(tl.math.div_rn(acc, group.to(tl.float32)), src_ptr.dtype.element_ty)
+    mean = mean.to(tl.float32)
 
     lo = tl.min(tl.where(valid, mean, float("inf")))
     hi = tl.max(tl.where(valid, mean, float("-inf")))
     top = ((1 << bits) - 1).to(tl.float32)
-    scale = hi / top - lo / top
-    inv = tl.where(scale > 0, 1.0 / scale, 0.0)
+    scale = tl.math.div_rn(hi, top) - tl.math.div_rn(lo, top)
+    inv = tl.where(scale > 0, tl.math.div_rn(1.0, scale), 0.0)
     q = mean * inv - lo * inv
     if stochastic != 0:  # noqa: SIM108 (a runtime branch inside a Triton kernel)
         q = q + tl.rand(seed, mean_idx)
@@ -62,7 +63,7 @@ def aq_quantize_kernel(
     tl.store(scales_ptr + pid, scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["last", "per_row", "group", "block", "bits"])
 def aq_dequantize_kernel(
     packed_ptr,
     mins_ptr,
@@ -107,8 +108,9 @@ def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
             group,
             bits,
             int(stochastic),
-            seed,
+            seed if seed is not None else 0,  # deterministic rounding: unused
             BLOCK=block,
+            **LAUNCH_OPTIONS,
         )
     return packed, mins, scales
 
@@ -133,5 +135,6 @@ def aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block):
             block,
             bits,
             BLOCK=DEQUANT_BLOCK,
+            **LAUNCH_OPTIONS,
         )
     return out.view(shape)

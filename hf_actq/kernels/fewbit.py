@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hf_actq.fewbit.activations import get_activation
 from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import load_codes, store_packed, to_dtype
+from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
 
 # constexpr id of each activation's Triton forward.
 ACTIVATION_IDS = {
@@ -155,7 +155,7 @@ def _activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_borders", "bits"])
 def fewbit_forward_kernel(
     x_ptr,
     y_ptr,
@@ -201,7 +201,7 @@ def fewbit_forward_kernel(
     tl.atomic_max(nan_flag_ptr, has_nan, mask=has_nan > 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bits"])
 def fewbit_backward_kernel(
     grad_ptr,
     packed_ptr,
@@ -255,6 +255,7 @@ def fewbit_forward_triton(
             ACTIVATION=ACTIVATION_IDS[spec.name],
             CODE_MODE=CODE_MODES[spec.code_mode],
             GROUPS=FORWARD_GROUPS,
+            **LAUNCH_OPTIONS,
         )
     return y, packed, nan_flag
 
@@ -273,6 +274,15 @@ def fewbit_backward_triton(
     if n:
         grid = (triton.cdiv(n, BACKWARD_BLOCK),)
         fewbit_backward_kernel[grid](
-            grad_y, packed, levels, nan_flag, out, n, packed.numel(), bits, BLOCK=BACKWARD_BLOCK
+            grad_y,
+            packed,
+            levels,
+            nan_flag,
+            out,
+            n,
+            packed.numel(),
+            bits,
+            BLOCK=BACKWARD_BLOCK,
+            **LAUNCH_OPTIONS,
         )
     return out

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import load_codes, store_packed, to_dtype
+from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
 
 GROUPS = 256
 UNPACK_BLOCK = 2048
@@ -40,7 +40,7 @@ def mask_pack_triton(source: torch.Tensor) -> torch.Tensor:
     packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8, device=source.device)
     if n:
         grid = (triton.cdiv(n, 8 * GROUPS),)
-        mask_pack_kernel[grid](source, packed, n, packed.numel(), GROUPS=GROUPS)
+        mask_pack_kernel[grid](source, packed, n, packed.numel(), GROUPS=GROUPS, **LAUNCH_OPTIONS)
     return packed
 
 
@@ -50,5 +50,5 @@ def mask_unpack_triton(data: torch.Tensor, shape: torch.Size, dtype: torch.dtype
     out = torch.empty(n, dtype=torch.uint8 if dtype == torch.bool else dtype, device=data.device)
     if n:
         grid = (triton.cdiv(n, UNPACK_BLOCK),)
-        mask_unpack_kernel[grid](data, out, n, data.numel(), BLOCK=UNPACK_BLOCK)
+        mask_unpack_kernel[grid](data, out, n, data.numel(), BLOCK=UNPACK_BLOCK, **LAUNCH_OPTIONS)
     return (out.view(torch.bool) if dtype == torch.bool else out).view(shape)

@@ -10,12 +10,12 @@ import triton
 import triton.language as tl
 
 from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import load_codes, store_packed, to_dtype
+from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
 
 DEQUANT_BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bits"])
 def blpa_quantize_kernel(
     src_ptr, packed_ptr, steps_ptr, n_elements, n_bytes, bits, BLOCK: tl.constexpr
 ):
@@ -25,15 +25,15 @@ def blpa_quantize_kernel(
     valid = offsets < n_elements
     x = tl.load(src_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
     half = (1 << (bits - 1)).to(tl.float32)
-    step = tl.max(tl.abs(x)) / half
-    inv = tl.where(step > 0, 1.0 / step, 0.0)
+    step = tl.math.div_rn(tl.max(tl.abs(x)), half)
+    inv = tl.where(step > 0, tl.math.div_rn(1.0, step), 0.0)
     # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
     q = tl.minimum(tl.maximum(tl.ceil(x * inv) - 1.0, -half), half - 1.0) + half
     store_packed(packed_ptr, groups8, tl.where(valid, q, 0.0).to(tl.uint32), bits, n_bytes)
     tl.store(steps_ptr + pid, step)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block", "bits"])
 def blpa_dequantize_kernel(
     packed_ptr, steps_ptr, out_ptr, n_elements, n_bytes, block, bits, BLOCK: tl.constexpr
 ):
@@ -55,7 +55,9 @@ def blpa_quantize_triton(source, bits, block):
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=source.device)
     steps = torch.empty(blocks, dtype=torch.float32, device=source.device)
     if n:
-        blpa_quantize_kernel[(blocks,)](source, packed, steps, n, packed.numel(), bits, BLOCK=block)
+        blpa_quantize_kernel[(blocks,)](
+            source, packed, steps, n, packed.numel(), bits, BLOCK=block, **LAUNCH_OPTIONS
+        )
     return packed, steps
 
 
@@ -66,6 +68,6 @@ def blpa_dequantize_triton(data, steps, shape, dtype, bits, block):
     if n:
         grid = (triton.cdiv(n, DEQUANT_BLOCK),)
         blpa_dequantize_kernel[grid](
-            data, steps, out, n, data.numel(), block, bits, BLOCK=DEQUANT_BLOCK
+            data, steps, out, n, data.numel(), block, bits, BLOCK=DEQUANT_BLOCK, **LAUNCH_OPTIONS
         )
     return out.view(shape)

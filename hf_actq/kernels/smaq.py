@@ -11,10 +11,10 @@ import triton
 import triton.language as tl
 
 from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import load_codes, store_packed, to_dtype
+from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots", "stochastic", "seed"])
 def smaq_quantize_kernel(
     src_ptr,
     stats_ptr,
@@ -34,7 +34,7 @@ def smaq_quantize_kernel(
     x = tl.load(src_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
     mean = tl.load(stats_ptr)
     std = tl.load(stats_ptr + 1)
-    inv_std = tl.where(std > 0, 1.0 / std, 0.0)
+    inv_std = tl.where(std > 0, tl.math.div_rn(1.0, std), 0.0)
     z = tl.minimum(tl.maximum((x - mean) * inv_std, -2.0), 2.0)
     if stochastic != 0:  # noqa: SIM108 (a runtime branch inside a Triton kernel)
         u = tl.rand(seed, offsets)
@@ -47,7 +47,7 @@ def smaq_quantize_kernel(
     coarse = tl.minimum(tl.maximum(tl.floor(magnitude * 15.0 + u), 0.0), 15.0)
     rank = tl.cumsum(outlier.to(tl.int32), axis=0) - 1
     extended = outlier & (rank < slots)
-    top = tl.where(extended, tl.floor(fine / 4.0), coarse)
+    top = tl.where(extended, tl.floor(tl.math.div_rn(fine, 4.0)), coarse)
     sign = tl.where(z < 0, 16.0, 0.0)
     code = tl.where(outlier, 32.0 + sign + top, inlier_code)
     code = tl.where(valid, code, 0.0).to(tl.uint32)
@@ -55,7 +55,7 @@ def smaq_quantize_kernel(
     store_packed(main_ptr, groups8, tl.reshape(code, (BLOCK // 8, 8)), 6, n_main_bytes)
 
     # Slot j of this block holds the low 2 magnitude bits of its outlier of rank j.
-    low = fine - 4.0 * tl.floor(fine / 4.0)
+    low = fine - 4.0 * tl.floor(tl.math.div_rn(fine, 4.0))
     slot = tl.arange(0, SLOTS_PAD)
     match = (rank[:, None] == slot[None, :]) & extended[:, None]
     values = tl.sum(tl.where(match, low[:, None], 0.0), axis=0).to(tl.uint32)
@@ -67,7 +67,7 @@ def smaq_quantize_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])
 def smaq_dequantize_kernel(
     main_ptr,
     ext_ptr,
@@ -89,9 +89,9 @@ def smaq_dequantize_kernel(
     extended = outlier & (rank < slots)
     slot_index = pid * slots + tl.maximum(rank, 0).to(tl.int64)
     low = load_codes(ext_ptr, slot_index, extended, 2, n_ext_bytes).to(tl.float32)
-    magnitude = tl.where(extended, (4.0 * top + low) / 63.0, top / 15.0)
+    magnitude = tl.where(extended, tl.math.div_rn(4.0 * top + low, 63.0), tl.math.div_rn(top, 15.0))
     sign = tl.where((code & 16) > 0, -1.0, 1.0)
-    z = tl.where(outlier, sign * (1.0 + magnitude), code.to(tl.float32) / 15.5 - 1.0)
+    z = tl.where(outlier, sign * (1.0 + magnitude), tl.math.div_rn(code.to(tl.float32), 15.5) - 1.0)
     value = z * tl.load(stats_ptr + 1) + tl.load(stats_ptr)
     tl.store(out_ptr + offsets, to_dtype(value, out_ptr.dtype.element_ty), mask=valid)
 
@@ -113,9 +113,10 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
             main.numel(),
             slots,
             int(stochastic),
-            seed,
+            seed if seed is not None else 0,  # deterministic rounding: unused
             BLOCK=block,
             SLOTS_PAD=block,
+            **LAUNCH_OPTIONS,
         )
     return main, extension
 
@@ -126,6 +127,15 @@ def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
     out = torch.empty(n, dtype=dtype, device=stats.device)
     if n:
         smaq_dequantize_kernel[(triton.cdiv(n, block),)](
-            main, extension, stats, out, n, main.numel(), extension.numel(), slots, BLOCK=block
+            main,
+            extension,
+            stats,
+            out,
+            n,
+            main.numel(),
+            extension.numel(),
+            slots,
+            BLOCK=block,
+            **LAUNCH_OPTIONS,
         )
     return out.view(shape)

@@ -9,6 +9,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Compile options of every launch: no FMA contraction, so a GPU rounds each product and sum as the
+# twins and the interpreter do (codes and values must match them bit for bit). The kernels are
+# memory-bound; fusion would buy nothing measurable. Divisions that decide codes or values use
+# tl.math.div_rn: Triton's fp32 `/` is div.full.f32 (up to 2 ulp off) on NVIDIA GPUs.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+# Integer arguments that must stay runtime values: Triton turns an int argument equal to 1 into a
+# compile-time constant, on which the kernels' `.to(...)` fails (bits=1, group=1), and each
+# value would be its own compilation that ahead-of-time compilation never saw.
+
 
 @triton.jit
 def store_packed(packed_ptr, group, code, bits, n_bytes):

@@ -617,12 +617,16 @@ def _create_optimizer_state(optimizer, trainable) -> None:
 def _inputs(config, task, batch_size, seq_len, device) -> dict:
     generator = torch.Generator().manual_seed(0)
     low = min(4, config.vocab_size - 1)  # keep clear of special ids
-    ids = torch.randint(low, config.vocab_size, (batch_size, seq_len), generator=generator)
+    ids = torch.randint(
+        low, config.vocab_size, (batch_size, seq_len), generator=generator, device="cpu"
+    )
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if task == "causal-lm":
         inputs["labels"] = ids
     else:
-        labels = torch.randint(0, config.num_labels, (batch_size,), generator=generator)
+        labels = torch.randint(
+            0, config.num_labels, (batch_size,), generator=generator, device="cpu"
+        )
         inputs["labels"] = labels
     return {key: value.to(device) for key, value in inputs.items()}
 

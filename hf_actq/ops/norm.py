@@ -106,7 +106,7 @@ def computes_llama_rms_norm(module: nn.Module) -> bool:
         return False
     generator = torch.Generator().manual_seed(0)
     sample, probe_weight = (
-        torch.randn(shape, generator=generator).to(weight.dtype).to(weight.device)
+        torch.randn(shape, generator=generator, device="cpu").to(weight.dtype).to(weight.device)
         for shape in ((3, weight.shape[0]), (weight.shape[0],))
     )
     probe = copy.copy(module)

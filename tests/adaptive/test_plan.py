@@ -10,7 +10,9 @@ from hf_actq.adaptive import BitPlan
 
 
 def _batch():
-    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, 100, (2, 12), generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    )
     return {"input_ids": ids, "labels": ids}
 
 

@@ -211,5 +211,5 @@ def test_each_rank_draws_its_own_seeds_and_rank_zero_draws_torchs(monkeypatch):
         seeds[rank] = [draw_seed() for _ in range(3)]
     assert len({tuple(s) for s in seeds.values()}) == 4
     torch.manual_seed(0)
-    assert seeds[0] == [int(torch.randint(0, 2**31 - 1, (1,))) for _ in range(3)]
+    assert seeds[0] == [int(torch.randint(0, 2**31 - 1, (1,), device="cpu")) for _ in range(3)]
     assert all(0 <= seed < 2**31 - 1 for s in seeds.values() for seed in s)

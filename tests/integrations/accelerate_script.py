@@ -33,7 +33,7 @@ def build_model():
 
 
 def global_batches():
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(1)
     return [torch.randint(3, 100, (GLOBAL_BATCH, 16), generator=generator) for _ in range(STEPS)]
 
 

@@ -51,7 +51,9 @@ def _step(model, ids):
 
 
 def test_accelerate_hooks_keep_running_and_revert_restores_them():
-    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, 100, (2, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    )
     model, counter = _hooked_llama()
     loss, expected = _step(model, ids)
     unpatched_calls = dict(counter.calls)
@@ -73,7 +75,9 @@ def test_accelerate_hooks_keep_running_and_revert_restores_them():
 
 
 def test_hooks_added_or_removed_after_apply_survive_revert():
-    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, 100, (2, 8), generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    )
     model = _llama()
     handle = hf_actq.apply(model, bits=4)
     added = model.model.layers[0].self_attn.q_proj

@@ -30,7 +30,9 @@ def _step(model, ids):
 
 @pytest.mark.parametrize("order", ["after", "before"])
 def test_lora_trains_with_fewer_bytes_and_close_gradients(order):
-    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, 100, (2, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    )
     reference = _lora(_llama())
     grads, nbytes = _step(reference, ids)
     if order == "after":
@@ -58,7 +60,9 @@ def test_lora_on_every_gated_mlp_projection_keeps_the_product_compressed(order, 
         targets = ["gate_proj", "up_proj", "down_proj"]
         return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=targets))
 
-    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, 100, (2, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    )
     grads, _ = _step(lora_mlp(_llama()), ids)
     unfused = lora_mlp(_llama())
     hf_actq.apply(unfused, bits=8, gated_mlp=False)
@@ -87,7 +91,9 @@ def test_callback_patches_a_peft_model_and_trains_as_well_as_unpatched(tmp_path)
     from hf_actq import ActQCallback
 
     class Causal(torch.utils.data.Dataset):
-        ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            3, 100, (4, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(0)
+        )
 
         def __len__(self):
             return len(self.ids)

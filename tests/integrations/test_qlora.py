@@ -51,7 +51,9 @@ def _losses(model, ids, steps=12):
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_qlora_trains_patched_as_well_as_unpatched(tmp_path, use_reentrant):
-    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        3, 100, (4, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(1)
+    )
     unpatched = _losses(_qlora(tmp_path, use_reentrant), ids)
     model = _qlora(tmp_path, use_reentrant)
     model.gradient_checkpointing_disable()  # compare what one plain forward keeps

@@ -14,7 +14,7 @@ from hf_actq import ActQCallback, SavedTensorMeter
 
 class Toy(torch.utils.data.Dataset):
     def __init__(self, causal: bool, n: int = 32):
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator(torch.get_default_device()).manual_seed(0)
         self.ids = torch.randint(3, 100, (n, 16), generator=generator)
         self.labels = self.ids if causal else (self.ids[:, 0] % 2)
 

@@ -11,8 +11,11 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 before triton is imported", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda":
+    pytest.skip(
+        "needs TRITON_INTERPRET=1 before triton is imported, or HF_ACTQ_TEST_DEVICE=cuda",
+        allow_module_level=True,
+    )
 
 from hf_actq.fewbit import ACTIVATIONS, table_for  # noqa: E402
 from hf_actq.kernels.fewbit import (  # noqa: E402

@@ -1,8 +1,12 @@
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
+
+if os.environ.get("HF_ACTQ_TEST_DEVICE", "cpu") != "cpu":
+    pytest.skip("the twins against NumPy: CPU tensors only", allow_module_level=True)
 
 from hf_actq.fewbit import table_for
 from hf_actq.kernels import reference

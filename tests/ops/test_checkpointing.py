@@ -48,7 +48,9 @@ def test_checkpointed_gradients_equal_uncheckpointed_with_dropout_after(op, drop
     # op that drew its rounding seeds in only one of them moved the RNG under the dropout, whose
     # recomputed mask then differed (gradient cosine 0.58-0.69 before the ops shared one rule).
     layer = nn.Sequential(_op(op), dropout(0.5), nn.Linear(WIDTH, WIDTH))
-    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(2)).requires_grad_()
+    x = torch.randn(
+        8, WIDTH, generator=torch.Generator(torch.get_default_device()).manual_seed(2)
+    ).requires_grad_()
     expected = _grads(layer, x, layer)
     got = _grads(layer, x, lambda t: checkpoint(layer, t, use_reentrant=use_reentrant))
     for a, b in zip(got, expected):
