@@ -66,12 +66,12 @@ def uses_triton(tensor: torch.Tensor, dtypes=_TRITON_DTYPES) -> bool:
     )
 
 
-def fewbit_forward(x, activation, borders, bits, params=()):
+def fewbit_forward(x, activation, borders, bits, params=(), output=True):
     if uses_triton(x):
         from hf_actq.kernels.fewbit import fewbit_forward_triton
 
-        return fewbit_forward_triton(x, activation, borders, bits, params)
-    return fewbit_forward_reference(x, activation, borders, bits, params)
+        return fewbit_forward_triton(x, activation, borders, bits, params, output)
+    return fewbit_forward_reference(x, activation, borders, bits, params, output)
 
 
 def fewbit_backward(grad_y, packed, levels, nan_flag, bits):

@@ -53,28 +53,36 @@ def variants() -> list[Variant]:
     out = []
     for dtype in FLOAT_TYPES.values():
         for index in INDEX_TYPES:
-            for name, act_id in fewbit.ACTIVATION_IDS.items():
+            forward_signature = {
+                "x_ptr": f"*{dtype}",
+                "y_ptr": f"*{dtype}",
+                "packed_ptr": "*u8",
+                "borders_ptr": "*fp32",
+                "nan_flag_ptr": "*i32",
+                "n_elements": index,
+                "n_bytes": index,
+                "num_borders": "i32",
+                "bits": "i32",
+                "p0": "fp32",
+                "p1": "fp32",
+            }
+            # With the output (one variant per activation), and codes only (one per code mode,
+            # as the ops launch it).
+            forward_constexprs = [
+                (act_id, fewbit.CODE_MODES[ACTIVATIONS[name].code_mode], True)
+                for name, act_id in fewbit.ACTIVATION_IDS.items()
+            ] + [(0, code_mode, False) for code_mode in fewbit.CODE_MODES.values()]
+            for act_id, code_mode, store_output in forward_constexprs:
                 out.append(
                     _variant(
                         "fewbit",
                         "fewbit_forward_kernel",
-                        {
-                            "x_ptr": f"*{dtype}",
-                            "y_ptr": f"*{dtype}",
-                            "packed_ptr": "*u8",
-                            "borders_ptr": "*fp32",
-                            "nan_flag_ptr": "*i32",
-                            "n_elements": index,
-                            "n_bytes": index,
-                            "num_borders": "i32",
-                            "bits": "i32",
-                            "p0": "fp32",
-                            "p1": "fp32",
-                        },
+                        forward_signature,
                         {
                             "ACTIVATION": act_id,
-                            "CODE_MODE": fewbit.CODE_MODES[ACTIVATIONS[name].code_mode],
+                            "CODE_MODE": code_mode,
                             "GROUPS": fewbit.FORWARD_GROUPS,
+                            "STORE_OUTPUT": store_output,
                         },
                     )
                 )

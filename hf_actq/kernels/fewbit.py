@@ -4,7 +4,10 @@ packing) and backward (unpack + table lookup + multiply), with their launchers.
 The PyTorch twins are ``fewbit_forward_reference`` / ``fewbit_backward_reference`` in
 ``reference.py``; packed codes are bit-identical to theirs (same fp32 comparisons, same layout).
 
-The fused forward computes the activation in fp32 with Triton math. Transcendentals are written
+The ops ask for the codes alone (``output=False``) and take the activation's value from PyTorch:
+on a GPU, Triton's transcendentals differ from PyTorch's in the last bits (seen on an H100), and
+the forward is promised exact. With ``output=True`` (the kernel tests, and callers that want one
+pass over x) the fused forward computes the activation in fp32 with Triton math. Transcendentals are written
 with ``tl.math`` primitives only (``libdevice`` does not run under the Triton interpreter, where
 the tests run), using Kahan's forms of expm1/log1p so that tanh, ELU and softplus stay accurate
 near 0. HF's formula activations (gelu_new, gelu_fast, quick_gelu, ...) round to the input dtype
@@ -171,6 +174,7 @@ def fewbit_forward_kernel(
     ACTIVATION: tl.constexpr,
     CODE_MODE: tl.constexpr,
     GROUPS: tl.constexpr,
+    STORE_OUTPUT: tl.constexpr,
 ):
     # Each program owns GROUPS groups of 8 elements; a group's 8 codes fill exactly `bits` bytes.
     group = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
@@ -179,8 +183,9 @@ def fewbit_forward_kernel(
     mask = offsets < n_elements
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
 
-    y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
-    tl.store(y_ptr + offsets, to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
+    if STORE_OUTPUT:
+        y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
+        tl.store(y_ptr + offsets, to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
 
     if CODE_MODE == 3:
         code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.uint32)
@@ -228,12 +233,13 @@ def fewbit_forward_triton(
     borders: torch.Tensor,
     bits: int,
     params: tuple[float, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Triton twin of :func:`hf_actq.kernels.reference.fewbit_forward_reference`."""
     spec = get_activation(activation)
     x = x.contiguous()
     n = x.numel()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if output else x  # codes only: y_ptr is never written
     n_bytes = packed_nbytes(n, bits)
     packed = torch.empty(n_bytes, dtype=torch.uint8, device=x.device)
     nan_flag = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -252,12 +258,14 @@ def fewbit_forward_triton(
             bits,
             p0,
             p1,
-            ACTIVATION=ACTIVATION_IDS[spec.name],
+            # Codes only: one compiled variant per code mode, whatever the activation.
+            ACTIVATION=ACTIVATION_IDS[spec.name] if output else 0,
             CODE_MODE=CODE_MODES[spec.code_mode],
             GROUPS=FORWARD_GROUPS,
+            STORE_OUTPUT=output,
             **LAUNCH_OPTIONS,
         )
-    return y, packed, nan_flag
+    return (y if output else None), packed, nan_flag
 
 
 def fewbit_backward_triton(

@@ -42,8 +42,10 @@ def fewbit_forward_reference(
     borders: torch.Tensor,
     bits: int,
     params: tuple[float, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activation output, packed ``bits``-bit codes and a NaN flag, in one call.
+    output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Activation output (None with ``output=False``), packed ``bits``-bit codes and a NaN flag,
+    in one call.
 
     ``borders`` (fp32) are the table's interior cut points, or ``(lo, hi)`` for activations whose
     derivative takes two values. Returns ``y`` (exactly ``activation``'s PyTorch output),
@@ -52,7 +54,7 @@ def fewbit_forward_reference(
     than silently finite ones).
     """
     spec = get_activation(activation)
-    y = spec.forward(x, **dict(zip(spec.params, params)))
+    y = spec.forward(x, **dict(zip(spec.params, params))) if output else None
     n = x.numel()
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     flat = x.reshape(-1)

@@ -49,9 +49,12 @@ class GatedDownFunction(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, state):
         act = state.activation
         borders, levels = act.tensors(gate.device)
-        activated, codes, nan_flag = fewbit_forward(
-            gate, act.spec.name, borders, act.bits, act.param_values
+        # The value from PyTorch's own function (as every other path computes it), codes from
+        # the kernel.
+        _, codes, nan_flag = fewbit_forward(
+            gate, act.spec.name, borders, act.bits, act.param_values, output=False
         )
+        activated = act.plain(gate)
         y = activated * up
         if weight is not None:
             y = F.linear(y, weight, bias)

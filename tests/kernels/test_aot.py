@@ -19,9 +19,12 @@ def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit import ACTIVATIONS
     from hf_actq.kernels.aot import FLOAT_TYPES, INDEX_TYPES, variants
+    from hf_actq.kernels.fewbit import CODE_MODES
 
-    # fewbit (forward per activation + backward), aq and blpa, smaq
-    per_float_type = len(ACTIVATIONS) + 1 + 2 * len(BLOCK_SIZES) + 2 + 2 * len(SMAQ_BLOCK_SIZES)
+    # fewbit forward with its output (per activation) and codes only (per code mode), fewbit
+    # backward, aq and blpa, smaq
+    per_float_type = len(ACTIVATIONS) + len(CODE_MODES) + 1 + 2 * len(BLOCK_SIZES) + 2
+    per_float_type += 2 * len(SMAQ_BLOCK_SIZES)
     per_mask_type = 2
     expected = len(INDEX_TYPES) * (
         len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type

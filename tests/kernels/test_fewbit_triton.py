@@ -64,6 +64,9 @@ def test_forward_kernel_matches_twin(name, dtype):
             bound = 4 * torch.finfo(dtype).eps * x.float()[finite].abs().clamp_min(1)
             assert (diff <= bound).all(), (diff / bound).max()
         assert torch.equal(y_t[finite].isnan(), y_r[finite].isnan())
+        # Codes only (as the ops launch it): the same codes and flag, no output.
+        none, packed_c, flag_c = fewbit_forward_triton(x, name, borders, bits, params, False)
+        assert none is None and torch.equal(packed_c, packed_r) and torch.equal(flag_c, flag_r)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
