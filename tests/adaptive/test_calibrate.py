@@ -6,11 +6,13 @@ from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import ActQConfig
-from hf_actq.adaptive.calibrate import list_slots
+from hf_actq.adaptive.calibrate import SKETCH_SIZE, _sketch, list_slots
 
 
 def _batch(seed=1, rows=4):
-    ids = torch.randint(3, 100, (rows, 12), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        3, 100, (rows, 12), generator=torch.Generator(torch.get_default_device()).manual_seed(seed)
+    )
     return {"input_ids": ids, "labels": ids}
 
 
@@ -43,13 +45,43 @@ def test_the_plan_fits_the_budget_in_counted_bytes(bits):
     assert plan.info["measured"] == len(plan.info["sensitivity"])
 
 
-def test_calibration_is_deterministic():
+@pytest.mark.parametrize("sensitivity", ["gradvar", "gradnormvar"])
+def test_calibration_is_deterministic(sensitivity):
     plans = []
     for _ in range(2):
-        _, handle = _patched()
+        _, handle = _patched(sensitivity=sensitivity)
         plans.append(handle.calibrate(_batch()))
     assert plans[0].slots == plans[1].slots
     assert plans[0].info["sensitivity"] == plans[1].info["sensitivity"]
+
+
+def test_sketch_is_linear_exact_when_small_and_unbiased_when_large():
+    small = torch.randn(SKETCH_SIZE)
+    assert torch.equal(_sketch(small, 0), small)
+    a, b = torch.randn(3, SKETCH_SIZE * 5 + 7), torch.randn(3, SKETCH_SIZE * 5 + 7)
+    assert _sketch(a, 1).shape == (SKETCH_SIZE,)
+    torch.testing.assert_close(_sketch(a, 1) - _sketch(b, 1), _sketch(a - b, 1))
+    # A change that fills few buckets (one row of an embedding, say): over many sign draws the
+    # squared sketch is the squared norm on average, and a single draw is not far off it.
+    change = torch.zeros(SKETCH_SIZE * 8)
+    change[1000:1384] = torch.randn(384)
+    estimates = torch.tensor([float(_sketch(change, i).pow(2).sum()) for i in range(400)])
+    truth = float(change.pow(2).sum())
+    assert abs(estimates.mean() / truth - 1) < 0.05
+    assert estimates.std() / truth < 0.6
+
+
+def test_gradient_variance_values_linear_inputs_more_than_norm_variance():
+    """The norms of a linear layer's weight gradient hardly move when its input is rounded (the
+    noise mostly turns the gradient): GradNormVar rates those inputs far below what they cost."""
+    ratios = {}
+    for sensitivity in ("gradvar", "gradnormvar"):
+        _, handle = _patched(sensitivity=sensitivity)
+        values = handle.calibrate(_batch()).info["sensitivity"]
+        linear = [v for s, v in values.items() if handle.slots[s] == "linear"]
+        other = [v for s, v in values.items() if handle.slots[s] != "linear"]
+        ratios[sensitivity] = (sum(linear) / len(linear)) / (sum(other) / len(other))
+    assert ratios["gradvar"] > 3 * ratios["gradnormvar"]
 
 
 def test_calibration_leaves_rng_optimizer_and_accumulated_gradients_untouched():
@@ -76,6 +108,8 @@ def test_adaptive_config_warns_until_calibrated_and_validates_its_options(caplog
     assert "handle.calibrate(batch)" in caplog.text
     with pytest.raises(ValueError, match="calibration_examples must be a positive integer"):
         ActQConfig(adaptive=True, calibration_examples=0)
+    with pytest.raises(ValueError, match="sensitivity must be 'gradvar' or 'gradnormvar'"):
+        ActQConfig(sensitivity="fisher")
     with pytest.raises(ValueError, match="recalibrate_at must be in"):
         ActQConfig(recalibrate_at=1.5)
 
