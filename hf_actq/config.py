@@ -9,9 +9,11 @@ from typing import Literal
 
 from hf_actq.codecs import AverageQuantCodec, SignPreservingCodec, SmaQCodec
 from hf_actq.codecs.packed import BLOCK_SIZES, Codec
+from hf_actq.codecs.rotated import RotatedSampleCodec
 
 CODECS = ("uniform", "aq", "blpa", "smaq")
-# What a per-slot setting may set; "codec" may also be "exact" (keep the slot as it is).
+# What a per-slot setting may set; "codec" may also be "exact" (keep the slot as it is) or
+# "rotated" (unbiased sub-1-bit storage; per slot only, as it suits linear-layer inputs alone).
 SETTING_KEYS = ("codec", "bits", "group_size", "block_size")
 DROPOUT_MODES = ("seed", "mask")
 RECIPES = ("fewbit", "uniform", "alam")
@@ -252,13 +254,25 @@ class ActQConfig:
             return SmaQCodec()
         group = self.group_size
         if self.codec == "aq":
-            if group is None:
-                # 2-bit codes averaged over enough elements to reach the target (ALAM's choice).
-                group = 1 if self.bits >= 2 else min(16, 2 ** round(math.log2(2 / self.bits)))
+            group = group or _group_for(self.bits)
             bits = max(1, min(8, round(self.bits * group)))
             return AverageQuantCodec(bits=bits, group_size=group, block_size=self.block_size)
         return AverageQuantCodec(
             bits=int(self.bits), group_size=group or 1, block_size=self.block_size
+        )
+
+    def _rotated_codec(self, setting: dict) -> RotatedSampleCodec:
+        bits = setting.get("bits", self.bits)
+        if isinstance(bits, bool) or not isinstance(bits, (int, float)) or not 1 / 16 <= bits < 2:
+            raise ValueError(
+                f"a 'rotated' setting's bits must be a number in 1/16..2 (below 2; use "
+                f"'uniform' from 2 bits up), got {bits!r}"
+            )
+        group = setting.get("group_size") or max(2, _group_for(bits))
+        return RotatedSampleCodec(
+            bits=max(1, min(8, round(bits * group))),
+            group_size=group,
+            block_size=setting.get("block_size", self.block_size),
         )
 
     def skips(self, path: str) -> bool:
@@ -278,7 +292,15 @@ class ActQConfig:
         """The codec a setting gives a codec slot (None for ``"codec": "exact"``)."""
         if setting.get("codec") == "exact":
             return None
+        if setting.get("codec") == "rotated":
+            return self._rotated_codec(setting)
         changes = {k: v for k, v in setting.items() if k in SETTING_KEYS}
         if "codec" in changes and "group_size" not in changes:
             changes["group_size"] = None
         return replace(self, slots={}, plan=None, adaptive=False, **changes).make_codec()
+
+
+def _group_for(bits: float) -> int:
+    """Elements per stored value for an average of ``bits``: 2-bit codes over enough elements to
+    reach it (ALAM's choice), none below 2 bits."""
+    return 1 if bits >= 2 else min(16, 2 ** round(math.log2(2 / bits)))

@@ -12,9 +12,12 @@ linear layer's input noise than the gradient carries, because that noise mostly 
 gradient without changing its length, and a plan built on them starves those inputs
 (docs/reference.md, "Adaptive precision"). Slots that share one packed tensor (q, k and v's input)
 are one item. ALAM scales the variance by ``(2^b - 1)^2`` to get a sensitivity ``c_l`` and
-predicts ``c_l (2^b - 1)^-2`` at ``b`` bits; here the factor is each candidate's measured relative
-error on the slot's own tensor (from the first pass), so average quantization and stochastic
-rounding share one scale. Few-bit slots are deterministic: their effect is the squared gradient
+predicts ``c_l (2^b - 1)^-2`` at ``b`` bits; here the sensitivity is the gradient's variance per
+unit of the same seed-to-seed variance measured on the slot's own tensor, and a candidate's
+prediction is the sensitivity times its measured relative error on that tensor (from the first
+pass), so average quantization and stochastic rounding share one scale. Below 1 bit linear-layer
+inputs get rotated sampling instead of average quantization (``codec_candidates``): averaging
+them biases the weight gradient in a way no seed changes, which this pass cannot see. Few-bit slots are deterministic: their effect is the squared gradient
 change when the slot's table switches between two bit widths, scaled by the tables' measured
 derivative errors on the slot's own inputs.
 
@@ -44,15 +47,17 @@ from hf_actq.ops.slots import SlotObserver, observe, slot_seeds
 
 logger = logging.getLogger("hf_actq")
 
-# Candidate settings of codec slots (average bits; ALAM's AQ below 1 bit).
-CODEC_CANDIDATES = (
-    {"codec": "uniform", "bits": 8},
-    {"codec": "uniform", "bits": 4},
-    {"codec": "uniform", "bits": 2},
-    {"codec": "uniform", "bits": 1},
-    {"codec": "aq", "bits": 1, "group_size": 2},
-    {"codec": "aq", "bits": 0.5, "group_size": 4},
-    {"codec": "aq", "bits": 0.25, "group_size": 8},
+# Candidate settings of codec slots (average bits). Below 1 bit, ALAM's average quantization,
+# except for linear-layer inputs: averaging them projects the weight gradient onto a subspace (a
+# bias no seed changes, invisible to the seed-to-seed variance measured here), so they get the
+# unbiased rotated sampling at the same bytes (hf_actq/codecs/rotated.py).
+UNIFORM_CANDIDATES = tuple({"codec": "uniform", "bits": b} for b in (8, 4, 2, 1))
+SUB_BIT = ((1, 2), (0.5, 4), (0.25, 8))
+CODEC_CANDIDATES = UNIFORM_CANDIDATES + tuple(
+    {"codec": "aq", "bits": b, "group_size": g} for b, g in SUB_BIT
+)
+LINEAR_INPUT_CANDIDATES = UNIFORM_CANDIDATES + tuple(
+    {"codec": "rotated", "bits": b, "group_size": g} for b, g in SUB_BIT
 )
 FEWBIT_CANDIDATES = (1, 2, 3, 4)
 # Elements of a slot's tensor the candidates' errors are measured on.
@@ -84,7 +89,8 @@ class _Recorder(SlotObserver):
     def __init__(self, handle, measure: bool) -> None:
         self.handle, self.measure = handle, measure
         self.infos: dict[str, SlotInfo] = {}
-        # slot -> (errors of the candidates, error of the slot's current setting)
+        # slot -> (errors of the candidates, seed-to-seed variance of the current codec; for
+        # few-bit slots the current table's error)
         self.errors: dict[str, tuple[list[float], float]] = {}
 
     def _new(self, slot) -> str | None:
@@ -100,9 +106,8 @@ class _Recorder(SlotObserver):
         )
         if self.measure and shared_with is None:
             config = self.handle.config
-            codecs = [config.codec_for_setting(s) for s in CODEC_CANDIDATES]
-            errors = _codec_errors(x, [*codecs, codec])
-            self.errors[slot] = (errors[:-1], errors[-1])
+            codecs = [config.codec_for_setting(s) for s in codec_candidates(self.handle, slot)]
+            self.errors[slot] = (_codec_errors(x, codecs), _seed_variance(x, codec))
 
     def on_fewbit(self, slot, x, activation):
         kind = self._new(slot)
@@ -120,6 +125,22 @@ class _Recorder(SlotObserver):
 def _sample(x: torch.Tensor) -> torch.Tensor:
     rows = x.detach().reshape(-1, x.shape[-1])
     return rows[: max(1, _SAMPLE // max(1, x.shape[-1]))].contiguous()
+
+
+def codec_candidates(handle, slot: str) -> tuple[dict, ...]:
+    """The settings the allocator may give codec slot ``slot``."""
+    linear_input = handle.slots.get(slot) in ("linear", "mlp") and slot.endswith(":input")
+    return LINEAR_INPUT_CANDIDATES if linear_input else CODEC_CANDIDATES
+
+
+def _seed_variance(x, codec) -> float:
+    """Half the relative squared change of ``codec``'s output between two rounding seeds: the
+    part of its error the sensitivity pass sees change (what a biased codec gets wrong for
+    every seed alike is not in it)."""
+    sample = _sample(x)
+    energy = sample.float().pow(2).sum().clamp_min(1e-30)
+    first, second = (codec.pack(sample, seed).unpack().float() for seed in (1, 2))
+    return float(0.5 * (first - second).pow(2).sum() / energy)
 
 
 def _codec_errors(x, codecs) -> list[float]:
@@ -379,7 +400,7 @@ def _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, st
                     config.codec_for_setting(setting).nbytes(info.shape),
                     sensitivity[slot] * error,
                 )
-                for setting, error in zip(CODEC_CANDIDATES, errors)
+                for setting, error in zip(codec_candidates(handle, slot), errors)
             ]
         items.append(Item(slot, tuple(candidates)))
     budget = int(target_bits * numel / 8) if budget_bytes is None else int(budget_bytes)

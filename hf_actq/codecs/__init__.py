@@ -11,6 +11,7 @@ import torch
 from hf_actq.codecs.average import AverageQuantCodec, uniform
 from hf_actq.codecs.mask import MaskCodec
 from hf_actq.codecs.packed import Codec, Packed
+from hf_actq.codecs.rotated import RotatedSampleCodec
 from hf_actq.codecs.sign_preserving import SignPreservingCodec
 from hf_actq.codecs.smaq import SmaQCodec
 
@@ -20,11 +21,12 @@ CODECS = {
     "blpa": SignPreservingCodec,
     "mask": MaskCodec,
     "smaq": SmaQCodec,
+    "rotated": RotatedSampleCodec,
 }
 
 
 def make_codec(name: str, **params) -> Codec:
-    """A codec by name ("aq", "uniform", "blpa", "mask", "smaq") with its parameters."""
+    """A codec by name ("aq", "uniform", "blpa", "mask", "smaq", "rotated") with its parameters."""
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; allowed values: {', '.join(sorted(CODECS))}")
     return CODECS[name](**params)
@@ -50,6 +52,7 @@ __all__ = [
     "Codec",
     "MaskCodec",
     "Packed",
+    "RotatedSampleCodec",
     "SignPreservingCodec",
     "SmaQCodec",
     "make_codec",

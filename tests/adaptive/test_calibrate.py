@@ -81,7 +81,20 @@ def test_gradient_variance_values_linear_inputs_more_than_norm_variance():
         linear = [v for s, v in values.items() if handle.slots[s] == "linear"]
         other = [v for s, v in values.items() if handle.slots[s] != "linear"]
         ratios[sensitivity] = (sum(linear) / len(linear)) / (sum(other) / len(other))
-    assert ratios["gradvar"] > 3 * ratios["gradnormvar"]
+    assert ratios["gradvar"] > 2 * ratios["gradnormvar"]
+
+
+def test_below_one_bit_linear_inputs_get_rotated_sampling_and_the_rest_averaging():
+    """Averaging a linear layer's input projects its weight gradient (a bias the seed-to-seed
+    pass cannot see): those inputs get the unbiased rotated sampling, the others AQ."""
+    _, handle = _patched(0.5)
+    plan = handle.calibrate(_batch())
+    codecs = {}
+    for slot, setting in plan.slots.items():
+        linear_input = handle.slots[slot] in ("linear", "mlp") and slot.endswith(":input")
+        codecs.setdefault(linear_input, set()).add(setting.get("codec"))
+    assert "rotated" in codecs[True] and "aq" not in codecs[True]
+    assert "aq" in codecs[False] and "rotated" not in codecs[False]
 
 
 def test_calibration_leaves_rng_optimizer_and_accumulated_gradients_untouched():

@@ -191,7 +191,10 @@ def test_property_shapes_strides_dtypes(shape, dtype, bits, group, transpose):
             lambda: AverageQuantCodec(2, 4, block_size=100),
             "block_size must be one of 32, 64, 128, 256, got 100",
         ),
-        (lambda: make_codec("zstd"), "unknown codec 'zstd'; allowed values: aq, blpa, mask, smaq"),
+        (
+            lambda: make_codec("zstd"),
+            "unknown codec 'zstd'; allowed values: aq, blpa, mask, rotated, smaq",
+        ),
         (lambda: pack(torch.arange(4), "uniform"), "packs floating-point tensors"),
         (lambda: pack(torch.randn(4), uniform(2), bits=3), "either in the codec object"),
     ],

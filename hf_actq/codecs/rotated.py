@@ -1,0 +1,142 @@
+"""Rotated sampling: ALAM's sub-1-bit budgets without the bias of averaging, for the inputs that
+a weight gradient is formed from.
+
+Why not average quantization there: AQ replaces each run of ``g`` adjacent features by its
+mean, so a linear layer's weight gradient ``dY^T X`` becomes ``dY^T X_avg``, whose ``g`` columns in
+each group are equal. Every update is projected onto a ``1/g``-dimensional subspace of the weight
+space; no rounding seed changes that, so it never averages out over steps, and the adaptive
+pass's seed-to-seed variance cannot see it. On the pretrained MiniLM (a real MRPC batch) averaging
+alone, without any rounding, turns the whole-model gradient to cosine 0.70, 0.54 and 0.42 for
+groups of 2, 4 and 8, and its length shrinks by the same factors (docs/reference.md, "Adaptive
+precision").
+
+This codec spends the same bytes without bias. Each run of ``ROTATION`` (128) values of the flat
+tensor is multiplied by random signs ``D`` (regenerated in backward from the pack's seed), rotated
+by the normalized Hadamard matrix, and only the first ``128 / g`` coefficients ``H_k D x`` are
+kept, stochastically rounded to ``bits`` bits against a per-block minimum and scale (AQ's kernels
+with group 1). Unpacking returns ``g D H_k^T q``. Since ``E_D[D H_k^T H_k D] = diag(H_k^T H_k) =
+I / g``, ``E[x_hat] = x``: the weight gradient is unbiased and its error averages out over tokens
+and steps, as stochastic rounding's does. The error's variance is ``(g - 1) ||x||^2`` plus the
+rounding's, and the rotation spreads outlier features over 128 coefficients, so the rounding's
+range stays narrow. ``bits / g`` bits per element: ``g=2, bits=2`` is the 1-bit setting.
+
+Only for tensors whose backward is linear in them (linear-layer inputs): through a norm or a
+softmax, zero-mean noise of that size does not stay zero-mean.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from hf_actq.codecs.packed import (
+    BLOCK_SIZES,
+    Codec,
+    Packed,
+    check_floating,
+    draw_seed,
+    validate_int,
+)
+from hf_actq.kernels import aq_dequantize, aq_quantize
+from hf_actq.kernels.reference import packed_nbytes
+
+ROTATION = 128
+GROUP_SIZES = (2, 4, 8, 16)
+# Rows of ROTATION values rotated at a time: bounds the fp32 transients to 8 MiB.
+_SLAB_ROWS = 1 << 14
+
+
+@functools.lru_cache(maxsize=32)
+def _hadamard_rows(keep: int, device: torch.device) -> torch.Tensor:
+    """The first ``keep`` rows of the normalized ``ROTATION``-point Hadamard matrix (fp32)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < ROTATION:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h[:keep] / math.sqrt(ROTATION)).to(device=device, dtype=torch.float32)
+
+
+def _signs(generator: torch.Generator, rows: int, device) -> torch.Tensor:
+    bits = torch.randint(0, 2, (rows, ROTATION), generator=generator, device=device)
+    return bits.to(torch.float32).mul_(2).sub_(1)
+
+
+@dataclass(frozen=True)
+class RotatedSampleCodec(Codec):
+    bits: int = 2
+    group_size: int = 2
+    block_size: int = 128
+    stochastic: bool = True
+
+    name = "rotated"
+    # Signs always come from a seed, so the codec draws one per pack even without rounding.
+    uses_rng = True
+
+    def __post_init__(self):
+        validate_int("bits", self.bits, range(1, 9))
+        validate_int("group_size", self.group_size, GROUP_SIZES)
+        validate_int("block_size", self.block_size, BLOCK_SIZES)
+
+    def _rows(self, shape) -> int:
+        return -(-int(torch.Size(tuple(shape)).numel()) // ROTATION)
+
+    def nbytes(self, shape) -> int:
+        kept = self._rows(shape) * (ROTATION // self.group_size)
+        blocks = -(-kept // self.block_size)
+        # Codes, a min and a scale per block, and the 8-byte seed of the signs.
+        return packed_nbytes(kept, self.bits) + blocks * 2 * 4 + 8
+
+    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
+        check_floating(x, self)
+        if seed is None:
+            seed = draw_seed()
+        flat = x.detach().reshape(-1)
+        rows, keep = self._rows(x.shape), ROTATION // self.group_size
+        rotation = _hadamard_rows(keep, x.device)
+        # bf16 coefficients for a bf16 input (they are rounded to a few bits next, and this
+        # halves the transient); fp32 otherwise (fp16's range is too short for rotated sums).
+        coeffs = torch.empty(rows, keep, dtype=_coeff_dtype(x.dtype), device=x.device)
+        generator = torch.Generator(device=x.device).manual_seed(seed)
+        for start in range(0, rows, _SLAB_ROWS):
+            stop = min(rows, start + _SLAB_ROWS)
+            slab = flat[start * ROTATION : stop * ROTATION].float()
+            slab = torch.nn.functional.pad(slab, (0, (stop - start) * ROTATION - slab.numel()))
+            slab = slab.view(-1, ROTATION).mul_(_signs(generator, stop - start, x.device))
+            coeffs[start:stop] = slab @ rotation.T
+        data, mins, scales = aq_quantize(
+            coeffs.reshape(-1), 1, self.bits, self.block_size, self.stochastic, seed
+        )
+        seed_tensor = torch.tensor([seed], dtype=torch.int64)
+        return Packed(self, x.shape, x.dtype, (data, mins, scales, seed_tensor))
+
+    def unpack(self, packed: Packed) -> torch.Tensor:
+        data, mins, scales, seed_tensor = packed.tensors
+        rows, keep = self._rows(packed.shape), ROTATION // self.group_size
+        device = data.device
+        coeffs = aq_dequantize(
+            data,
+            mins,
+            scales,
+            torch.Size((rows, keep)),
+            _coeff_dtype(packed.dtype),
+            self.bits,
+            1,
+            self.block_size,
+        )
+        rotation = _hadamard_rows(keep, device) * self.group_size
+        generator = torch.Generator(device=device).manual_seed(int(seed_tensor[0]))
+        out = torch.empty(packed.shape, dtype=packed.dtype, device=device).reshape(-1)
+        for start in range(0, rows, _SLAB_ROWS):
+            stop = min(rows, start + _SLAB_ROWS)
+            slab = (coeffs[start:stop].float() @ rotation).mul_(
+                _signs(generator, stop - start, device)
+            )
+            piece = out[start * ROTATION : stop * ROTATION]
+            piece.copy_(slab.view(-1)[: piece.numel()])
+        return out.view(packed.shape)
+
+
+def _coeff_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
