@@ -17,9 +17,10 @@ unit of the same seed-to-seed variance measured on the slot's own tensor, and a 
 prediction is the sensitivity times its measured relative error on that tensor (from the first
 pass), so average quantization and stochastic rounding share one scale. Below 1 bit linear-layer
 inputs get rotated sampling instead of average quantization (``codec_candidates``): averaging
-them biases the weight gradient in a way no seed changes, which this pass cannot see. Few-bit slots are deterministic: their effect is the squared gradient
-change when the slot's table switches between two bit widths, scaled by the tables' measured
-derivative errors on the slot's own inputs.
+them biases the weight gradient in a way no seed changes, which this pass cannot see. Few-bit
+slots are deterministic: their effect is the squared gradient change when the slot's table
+switches between two bit widths, scaled by the tables' measured derivative errors on the slot's
+own inputs.
 
 The pass leaves the training state as it found it: rounding seeds come from the slot ids (no
 draw from torch's RNG), dropout masks and the RNG state are restored (``fork_rng``), existing
