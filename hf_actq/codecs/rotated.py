@@ -6,7 +6,7 @@ mean, so a linear layer's weight gradient ``dY^T X`` becomes ``dY^T X_avg``, who
 each group are equal. Every update is projected onto a ``1/g``-dimensional subspace of the weight
 space; no rounding seed changes that, so it never averages out over steps, and the adaptive
 pass's seed-to-seed variance cannot see it. On the pretrained MiniLM (a real MRPC batch) averaging
-alone, without any rounding, turns the whole-model gradient to cosine 0.70, 0.54 and 0.42 for
+alone (8-bit means) turns the whole-model gradient to cosine 0.70, 0.54 and 0.42 for
 groups of 2, 4 and 8, and its length shrinks by the same factors (docs/reference.md, "Adaptive
 precision").
 
