@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -70,11 +71,13 @@ class ActQConfig:
     skip_modules: list[str] = field(
         default_factory=list, metadata=_help("Regexes on module paths to leave unpatched.")
     )
-    slots: dict[str, dict] = field(
+    # A JSON string is accepted too, so that command lines (HfArgumentParser) can give it.
+    slots: dict[str, dict] | str | None = field(
         default_factory=dict,
         metadata=_help(
             "Per-slot settings: slot id ('model.layers.0.mlp:up') or 're:<regex>' "
-            "-> {'codec', 'bits', 'group_size', 'block_size'} ({'bits': 1..4} for ':act' slots)."
+            "-> {'codec', 'bits', 'group_size', 'block_size'} ({'bits': 1..4} for ':act' slots); "
+            "a dict or its JSON."
         ),
     )
     plan: str | None = field(
@@ -170,6 +173,17 @@ class ActQConfig:
             )
         if not isinstance(self.recalibrate_at, (int, float)) or not 0 <= self.recalibrate_at < 1:
             raise ValueError(f"recalibrate_at must be in [0, 1), got {self.recalibrate_at!r}")
+        if self.slots is None:
+            self.slots = {}
+        if isinstance(self.slots, str):
+            try:
+                self.slots = json.loads(self.slots)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    "slots must be a dict or its JSON, e.g. "
+                    f"'{json.dumps({'re::input$': {'bits': 4}})}'; "
+                    f"could not parse {self.slots!r} ({error})"
+                ) from error
         if not isinstance(self.slots, dict):
             raise ValueError(f"slots must be a dict of slot id -> setting, got {self.slots!r}")
         for key, setting in self.slots.items():

@@ -47,6 +47,7 @@ class ActQCallback(TrainerCallback):
         self._monitor: ActivationMonitor | None = None
         self._pending: dict | None = None
         self.calibrated_at: list[int] = []  # the steps before which a plan was computed
+        self.plans: list = []  # the BitPlans computed, in order
         self._dataloader = None
 
     def _ensure_patched(self, state, model) -> None:
@@ -126,6 +127,7 @@ class ActQCallback(TrainerCallback):
         batch = calibration_batch(self._dataloader, examples, offset=len(self.calibrated_at))
         plan = self.handle.calibrate(batch)
         self.calibrated_at.append(state.global_step)
+        self.plans.append(plan)
         if state.is_world_process_zero:
             if args.output_dir:
                 os.makedirs(args.output_dir, exist_ok=True)

@@ -1,0 +1,482 @@
+"""Fine-tune a sequence classifier on a GLUE task with hf_actq, in the shape of transformers'
+``run_glue.py``: ``Trainer`` with ``ActQCallback``, and a results file per run with the dev
+metrics, the activation memory autograd kept, the step's peak memory, the step time and the
+config.
+
+    python recipes/glue/run.py --model_name_or_path <model dir> --task_name mrpc \\
+        --glue_dir ../shared/glue_data --recipe fewbit --bits 3 --output_dir runs/mrpc-fewbit3
+    accelerate launch recipes/glue/run.py <the same arguments>
+    python recipes/glue/run.py my_run.json          # every argument in one JSON file
+
+Arguments: this script's model and data arguments, every ``ActQConfig`` field (``--recipe``,
+``--bits``, ``--no_attention``, ``--slots '{"re::input$": {"bits": 4}}'``, ``--plan plan.json``,
+...; ``--recipe`` starts from a named recipe and explicit fields override it), ``--no_actq`` for
+the unpatched baseline (metered the same way), and all of ``TrainingArguments``.
+
+Data, first that applies: ``--glue_dir`` (the original GLUE TSV layout, e.g.
+``../shared/glue_data/MRPC/{train,dev}.tsv``), ``--train_file``/``--validation_file`` (csv or
+json with a ``label`` column and one or two text columns), else the hub dataset
+``nyu-mll/glue``. Metrics: ``evaluate.load("glue", task)`` when it loads, otherwise the same
+metrics from scikit-learn and scipy; the results record which.
+
+Written to ``--output_dir`` on the main process: ``actq_results.json`` and ``actq_results.md``
+(and ``actq_plan.json`` for adaptive recipes). Needs ``pip install -e ".[recipes]"``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import transformers
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
+
+import hf_actq
+from hf_actq import ActQCallback, ActQConfig
+from hf_actq.integrations.arguments import parse_arguments
+from hf_actq.integrations.transformers import unwrap
+from hf_actq.memory.meter import ActivationMonitor
+from hf_actq.memory.peak import PeakMemory
+
+logger = logging.getLogger("recipes.glue")
+
+Task = Literal["cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli"]
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    directory: str  # in the GLUE TSV layout
+    dev_file: str
+    tsv_columns: tuple  # text column(s) then the label column: header names, or indices
+    hub_columns: tuple  # the same in nyu-mll/glue
+    labels: tuple | None  # label strings of the TSV in class order; None: regression
+    main_metric: str
+
+
+TASKS: dict[str, TaskSpec] = {
+    # CoLA's TSVs have no header: source, label, original label, sentence.
+    "cola": TaskSpec("CoLA", "dev.tsv", (3, 1), ("sentence", "label"), ("0", "1"), "matthews_correlation"),
+    "sst2": TaskSpec("SST-2", "dev.tsv", ("sentence", "label"), ("sentence", "label"), ("0", "1"), "accuracy"),
+    "mrpc": TaskSpec("MRPC", "dev.tsv", ("#1 String", "#2 String", "Quality"), ("sentence1", "sentence2", "label"), ("0", "1"), "accuracy"),
+    "stsb": TaskSpec("STS-B", "dev.tsv", ("sentence1", "sentence2", "score"), ("sentence1", "sentence2", "label"), None, "pearson"),
+    "qqp": TaskSpec("QQP", "dev.tsv", ("question1", "question2", "is_duplicate"), ("question1", "question2", "label"), ("0", "1"), "accuracy"),
+    "mnli": TaskSpec("MNLI", "dev_matched.tsv", ("sentence1", "sentence2", "gold_label"), ("premise", "hypothesis", "label"), ("entailment", "neutral", "contradiction"), "accuracy"),
+    "qnli": TaskSpec("QNLI", "dev.tsv", ("question", "sentence", "label"), ("question", "sentence", "label"), ("entailment", "not_entailment"), "accuracy"),
+    "rte": TaskSpec("RTE", "dev.tsv", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"), ("entailment", "not_entailment"), "accuracy"),
+    "wnli": TaskSpec("WNLI", "dev.tsv", ("sentence1", "sentence2", "label"), ("sentence1", "sentence2", "label"), ("0", "1"), "accuracy"),
+}  # fmt: skip
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(metadata={"help": "A model directory or hub id."})
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Tokenizer directory or id, if not the model's."}
+    )
+    ignore_mismatched_sizes: bool = field(
+        default=False,
+        metadata={"help": "Reinitialise a checkpoint's head with another number of labels."},
+    )
+
+
+@dataclass
+class DataArguments:
+    task_name: Task | None = field(default=None, metadata={"help": "The GLUE task."})
+    glue_dir: str | None = field(
+        default=None,
+        metadata={"help": "A directory in the GLUE TSV layout (<dir>/MRPC/train.tsv, ...)."},
+    )
+    train_file: str | None = field(
+        default=None, metadata={"help": "csv/json training data: a 'label' and 1-2 text columns."}
+    )
+    validation_file: str | None = field(default=None, metadata={"help": "csv/json dev data."})
+    max_seq_length: int = field(
+        default=128, metadata={"help": "Longer inputs are truncated; batches pad dynamically."}
+    )
+    max_train_samples: int | None = field(
+        default=None,
+        metadata={
+            "help": "Train on this many examples, drawn at random (fixed seed 0, the same for "
+            "every run) from the training split."
+        },
+    )
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on the first this many dev examples."}
+    )
+
+
+@dataclass
+class RecipeArguments:
+    actq: bool = field(
+        default=True,
+        metadata={"help": "Patch with hf_actq; --no_actq trains the unpatched baseline."},
+    )
+    peak_step: int = field(
+        default=1,
+        metadata={
+            "help": "The training step whose peak memory is measured (after step 0, the "
+            "optimizer state exists and is counted as already live)."
+        },
+    )
+
+
+# Data ------------------------------------------------------------------------------------------
+def read_glue_tsv(path: Path, spec: TaskSpec) -> dict[str, list]:
+    """One split of the original GLUE TSVs as columns ``text_a``[, ``text_b``], ``label``."""
+    with open(path, encoding="utf-8-sig", newline="") as file:
+        rows = list(csv.reader(file, delimiter="\t", quoting=csv.QUOTE_NONE))
+    if isinstance(spec.tsv_columns[0], int):
+        indices = list(spec.tsv_columns)
+    else:
+        header, rows = rows[0], rows[1:]
+        missing = [c for c in spec.tsv_columns if c not in header]
+        if missing:
+            raise ValueError(f"{path}: no column {missing} in the header {header}")
+        indices = [header.index(c) for c in spec.tsv_columns]
+    columns: dict[str, list] = {name: [] for name in _column_names(len(indices) - 1)}
+    for row in rows:
+        if len(row) <= max(indices):
+            continue  # a few GLUE rows are malformed; the reference loaders skip them too
+        raw = row[indices[-1]]
+        if spec.labels is None:
+            label = float(raw)
+        elif raw in spec.labels:
+            label = spec.labels.index(raw)
+        else:
+            continue
+        for name, index in zip(columns, indices[:-1]):
+            columns[name].append(row[index])
+        columns["label"].append(label)
+    return columns
+
+
+def _column_names(texts: int) -> list[str]:
+    return ["text_a", "text_b"][:texts] + ["label"]
+
+
+def load_splits(data: DataArguments):
+    """(train, dev) as ``datasets.Dataset`` with ``text_a``[, ``text_b``], ``label``, and the
+    number of labels (1: regression)."""
+    import datasets
+
+    spec = TASKS.get(data.task_name) if data.task_name else None
+    if data.glue_dir:
+        if spec is None:
+            raise ValueError("--glue_dir needs --task_name (one of " + ", ".join(TASKS) + ")")
+        root = Path(data.glue_dir) / spec.directory
+        splits = [
+            datasets.Dataset.from_dict(read_glue_tsv(root / name, spec))
+            for name in ("train.tsv", spec.dev_file)
+        ]
+    elif data.train_file:
+        if not data.validation_file:
+            raise ValueError("--train_file needs --validation_file")
+        kind = "json" if data.train_file.endswith((".json", ".jsonl")) else "csv"
+        files = {"train": data.train_file, "validation": data.validation_file}
+        loaded = datasets.load_dataset(kind, data_files=files)
+        splits = [_normalise(loaded[s]) for s in ("train", "validation")]
+    elif spec is not None:
+        try:
+            loaded = datasets.load_dataset("nyu-mll/glue", data.task_name)
+        except Exception as error:
+            raise ValueError(
+                f"could not load nyu-mll/glue ({error}); give --glue_dir with the GLUE TSVs "
+                "or --train_file/--validation_file"
+            ) from error
+        dev = "validation_matched" if data.task_name == "mnli" else "validation"
+        texts = dict(zip(spec.hub_columns[:-1], ("text_a", "text_b")))
+        splits = [_normalise(loaded[s].rename_columns(texts)) for s in ("train", dev)]
+    else:
+        raise ValueError("give --task_name (with --glue_dir or the hub) or --train_file")
+    train, dev = splits
+    if data.max_train_samples is not None and data.max_train_samples < len(train):
+        train = train.shuffle(seed=0).select(range(data.max_train_samples))
+    if data.max_eval_samples is not None and data.max_eval_samples < len(dev):
+        dev = dev.select(range(data.max_eval_samples))
+    regression = spec.labels is None if spec else train.features["label"].dtype.startswith("float")
+    labels = 1 if regression else len(spec.labels) if spec else len(set(train["label"]))
+    return train, dev, labels
+
+
+def _normalise(split):
+    """csv/json/hub splits to ``text_a``[, ``text_b``], ``label`` (sentence1/sentence2 when
+    present, else the first one or two text columns, as run_glue does)."""
+    if "label" not in split.column_names:
+        raise ValueError(f"the data needs a 'label' column, has {split.column_names}")
+    if {"sentence1", "sentence2"} <= set(split.column_names):
+        texts = ["sentence1", "sentence2"]
+    elif {"text_a"} <= set(split.column_names):
+        texts = [c for c in ("text_a", "text_b") if c in split.column_names]
+    else:
+        texts = [c for c in split.column_names if c not in ("label", "idx")][:2]
+    names = _column_names(len(texts))
+    split = split.rename_columns(dict(zip(texts, names[:-1])))
+    return split.remove_columns([c for c in split.column_names if c not in names])
+
+
+# Metrics ---------------------------------------------------------------------------------------
+def glue_metric(task: str | None, regression: bool):
+    """``(compute(predictions, references) -> dict, source)``: evaluate's GLUE metric when it
+    loads (it needs the hub), else the same figures from scikit-learn and scipy."""
+    if task is not None:
+        try:
+            import evaluate
+
+            metric = evaluate.load("glue", task)
+            return (
+                lambda p, r: metric.compute(predictions=p, references=r),
+                "evaluate.load('glue')",
+            )
+        except Exception as error:
+            logger.info("evaluate's GLUE metric did not load (%s): using scikit-learn/scipy", error)
+    return (lambda p, r: sklearn_glue_metric(task, regression, p, r)), "scikit-learn/scipy"
+
+
+def sklearn_glue_metric(task, regression, predictions, references) -> dict:
+    """The figures ``evaluate``'s GLUE metric reports for ``task``, as fractions."""
+    from scipy.stats import pearsonr, spearmanr
+    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+
+    if regression:
+        return {
+            "pearson": float(pearsonr(predictions, references)[0]),
+            "spearmanr": float(spearmanr(predictions, references)[0]),
+        }
+    if task == "cola":
+        return {"matthews_correlation": float(matthews_corrcoef(references, predictions))}
+    result = {"accuracy": float(accuracy_score(references, predictions))}
+    if task in ("mrpc", "qqp"):
+        result["f1"] = float(f1_score(references, predictions))
+    return result
+
+
+# Measurements ----------------------------------------------------------------------------------
+class StepStats(TrainerCallback):
+    """Wall time of every optimizer step, the peak memory of step ``peak_step`` (most bytes live
+    at once above what was live when it began: activations, gradients and transients; on CPU
+    from the profiler's allocation events, see :mod:`hf_actq.memory.peak`), and, for the
+    unpatched baseline, the activation memory of step 0 metered as ``ActQCallback`` meters it."""
+
+    def __init__(self, peak_step: int, meter_activations: bool):
+        self.peak_step = peak_step
+        self.meter_activations = meter_activations
+        self.step_seconds: dict[int, float] = {}
+        self.peak_bytes: int | None = None
+        self.activation_bytes: int | None = None
+        self._monitor = None
+        self._peak = None
+        self._began = 0.0
+        self._step = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.meter_activations and model is not None:
+            self._monitor = ActivationMonitor(unwrap(model))
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._step = state.global_step
+        if self._monitor is not None and self._step == 0:
+            self._monitor.arm()
+        if self._step == self.peak_step:
+            self._peak = PeakMemory(args.device)
+            self._peak.__enter__()
+        self._began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds[self._step] = time.perf_counter() - self._began
+        if self._peak is not None:
+            self._peak.__exit__(None, None, None)
+            self.peak_bytes, self._peak = self._peak.peak_bytes, None
+        if self._monitor is not None and self._monitor.armed:
+            self._monitor.disarm()
+            self.activation_bytes = self._monitor.max_bytes
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._monitor is not None:
+            self._monitor.remove()
+            self._monitor = None
+
+    def typical_step_seconds(self) -> float | None:
+        """The median step, leaving out step 0 (warm-up, optimizer state) and the profiled one."""
+        kept = [s for k, s in self.step_seconds.items() if k not in (0, self.peak_step)]
+        kept = kept or list(self.step_seconds.values())
+        return statistics.median(kept) if kept else None
+
+
+def recipe_label(config: ActQConfig | None) -> str:
+    """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1``,
+    ``alam-1-even`` (adaptive off), or ``custom-...`` for configs made field by field."""
+    if config is None:
+        return "baseline"
+    bits = f"{config.bits:g}"
+    if config.recipe == "fewbit":
+        return f"fewbit-{config.activation_bits}"
+    if config.recipe == "alam" and not config.adaptive and config.plan is None:
+        return f"alam-{bits}-even"
+    return f"{config.recipe or 'custom-' + config.codec}-{bits}"
+
+
+# Main ------------------------------------------------------------------------------------------
+def main(args: list[str] | None = None) -> dict | None:
+    model_args, data_args, recipe_args, actq, training_args = parse_arguments(
+        (ModelArguments, DataArguments, RecipeArguments, ActQConfig, TrainingArguments), args
+    )
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=training_args.get_process_log_level(),
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    for name in ("hf_actq", "recipes.glue"):
+        logging.getLogger(name).setLevel(
+            logging.INFO if training_args.should_log else logging.WARNING
+        )
+    config = actq if recipe_args.actq else None
+
+    train, dev, num_labels = load_splits(data_args)
+    set_seed(training_args.seed)  # the classifier head's initialisation
+    model_config = AutoConfig.from_pretrained(
+        model_args.model_name_or_path, num_labels=num_labels, finetuning_task=data_args.task_name
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.tokenizer_name or model_args.model_name_or_path
+    )
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_args.model_name_or_path,
+        config=model_config,
+        ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+    )
+
+    def tokenize(batch):
+        texts = [batch["text_a"]] + ([batch["text_b"]] if "text_b" in batch else [])
+        return tokenizer(*texts, truncation=True, max_length=data_args.max_seq_length)
+
+    texts = [c for c in ("text_a", "text_b") if c in train.column_names]
+    with training_args.main_process_first(desc="tokenizing"):
+        train = train.map(tokenize, batched=True, remove_columns=texts)
+        dev = dev.map(tokenize, batched=True, remove_columns=texts)
+
+    compute, metric_source = glue_metric(data_args.task_name, num_labels == 1)
+
+    def compute_metrics(prediction):
+        logits = prediction.predictions
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        predicted = logits.squeeze(-1) if num_labels == 1 else logits.argmax(-1)
+        return compute(predicted, prediction.label_ids)
+
+    stats = StepStats(recipe_args.peak_step, meter_activations=config is None)
+    actq_callback = ActQCallback(config) if config is not None else None
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train,
+        eval_dataset=dev,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer),
+        compute_metrics=compute_metrics,
+        callbacks=[c for c in (actq_callback, stats) if c is not None],
+    )
+    began = time.perf_counter()
+    train_result = trainer.train()
+    train_seconds = time.perf_counter() - began
+    metrics = trainer.evaluate()
+    if not trainer.is_world_process_zero():
+        return None
+
+    spec = TASKS.get(data_args.task_name)
+    main_metric = spec.main_metric if spec else ("pearson" if num_labels == 1 else "accuracy")
+    if actq_callback is not None:
+        history = actq_callback.memory_history  # its first record is step 0's
+        activation_bytes = history[0]["activation_bytes"] if history else None
+    else:
+        activation_bytes = stats.activation_bytes
+    calibrations = []  # each adaptive plan's size and cost (not its per-slot sensitivities)
+    for at, plan in zip(actq_callback.calibrated_at, actq_callback.plans) if actq_callback else ():
+        info = {k: v for k, v in plan.info.items() if k not in ("sensitivity", "shared")}
+        calibrations.append({"step": at, **info})
+    results = {
+        "task": data_args.task_name,
+        "recipe": recipe_label(config),
+        "seed": training_args.seed,
+        "model": model_args.model_name_or_path,
+        "metric": {"name": main_metric, "value": metrics.get(f"eval_{main_metric}")},
+        "eval": metrics,
+        "metric_source": metric_source,
+        "train_loss": train_result.training_loss,
+        "loss_history": [
+            [entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry
+        ],
+        "activation_bytes_step0": activation_bytes,
+        "step_peak_bytes": stats.peak_bytes,
+        "step_peak_step": recipe_args.peak_step,
+        "step_seconds_median": stats.typical_step_seconds(),
+        "train_seconds": round(train_seconds, 1),
+        "steps": trainer.state.global_step,
+        "calibrations": calibrations,
+        "actq": config.to_dict() if config is not None else None,
+        "training": {
+            "learning_rate": training_args.learning_rate,
+            "per_device_train_batch_size": training_args.per_device_train_batch_size,
+            "gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+            "num_train_epochs": training_args.num_train_epochs,
+            "max_steps": training_args.max_steps,
+            "max_seq_length": data_args.max_seq_length,
+            "train_examples": len(train),
+            "dev_examples": len(dev),
+            "world_size": training_args.world_size,
+            "precision": "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32",
+        },
+        "device": torch.cuda.get_device_name() if training_args.device.type == "cuda" else "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "hf_actq": hf_actq.__version__,
+        },
+    }
+    out = Path(training_args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "actq_results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "actq_results.md").write_text(results_markdown(results))
+    logger.info("results in %s: %s", out / "actq_results.json", results["metric"])
+    return results
+
+
+def results_markdown(r: dict) -> str:
+    def mib(value):
+        return "n/a" if value is None else f"{value / 2**20:.1f}"
+
+    seconds = r["step_seconds_median"]
+    return (
+        f"# {r['task']} / {r['recipe']} / seed {r['seed']}\n\n"
+        "| metric | value |\n|---|---|\n"
+        + "".join(
+            f"| {k} | {v:.4f} |\n" if isinstance(v, float) else f"| {k} | {v} |\n"
+            for k, v in r["eval"].items()
+        )
+        + f"| train loss | {r['train_loss']:.4f} |\n"
+        f"| activation MiB (step 0) | {mib(r['activation_bytes_step0'])} |\n"
+        f"| step peak MiB (step {r['step_peak_step']}) | {mib(r['step_peak_bytes'])} |\n"
+        f"| step seconds (median) | {'n/a' if seconds is None else f'{seconds:.3f}'} |\n"
+        f"| steps | {r['steps']} |\n| device | {r['device']} |\n"
+        f"| metric source | {r['metric_source']} |\n\n"
+        f"Config: `{json.dumps(r['actq'])}`\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

