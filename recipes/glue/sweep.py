@@ -141,11 +141,27 @@ def run_one(task, recipe, seed, args, extra) -> bool:
         result = json.loads((workdir / "actq_results.json").read_text())
         result["sweep_recipe"] = recipe
         result["command"] = shlex.join(command)
+        result["commit"] = _commit()
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(result, indent=1) + "\n")
         return True
     finally:
         lock.unlink(missing_ok=True)
+
+
+def _commit() -> str | None:
+    """The checkout's commit (``+`` when it has uncommitted changes), for provenance."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+    except OSError:
+        return None
+    return (head + ("+" if dirty else "")) or None
 
 
 # Rendering -------------------------------------------------------------------------------------
