@@ -22,8 +22,9 @@ _ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_d
 
 
 def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> None:
-    """Compress attention in the ``layout.attention`` form ("eager": BERT's layout with
-    probabilities, "sdpa": decoders; None leaves it exact)."""
+    """Compress attention in the ``layout.attention`` form ("eager": BERT's layout, as SDPA
+    or, for models set to eager attention, with the probabilities; "sdpa": decoders; None
+    leaves it exact)."""
     model_config = getattr(model, "config", None)
     if layout.attention is None or model_config is None:
         if layout.note:
@@ -33,9 +34,10 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     if not config.attention:
         if not (layout.attention == "eager" and config.dropout and _attention_dropout(model) > 0):
             return
-        # Dropout compression covers attention-probability dropout too: eager attention keeps
-        # the dropped probabilities and a byte-per-element mask besides the probabilities; the
-        # op keeps q, k, v and the probabilities exact and the mask as an 8-byte seed.
+        # Dropout compression covers attention-probability dropout too: eager attention (and
+        # SDPA's math path, which CPUs take under dropout) keeps the dropped probabilities and
+        # a byte-per-element mask besides the probabilities; the ops keep q, k, v exact and the
+        # mask as a seed (eager, with the probabilities) or as the RNG state (SDPA).
         codec = None
     for attribute, reason in layout.exact_attention_when:
         if getattr(model_config, attribute, None):
@@ -48,8 +50,12 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     if previous not in ("eager", "sdpa", None):
         handle.skipped["attention"] = f"{previous!r} attention (kept exact)"
         return
-    name = register_attention() if layout.attention == "eager" else register_sdpa_attention()
-    slots = EAGER_SLOTS if layout.attention == "eager" else SDPA_SLOTS
+    # A model that runs SDPA keeps running it (backward recomputes it from compressed q, k, v:
+    # no [S, S] tensor is kept); the eager op, which keeps the probabilities, only for models
+    # set to eager attention.
+    kind = "eager" if layout.attention == "eager" and previous == "eager" else "sdpa"
+    name = register_attention() if kind == "eager" else register_sdpa_attention()
+    slots = EAGER_SLOTS if kind == "eager" else SDPA_SLOTS
     count = 0
     for path, module in model.named_modules():
         if config.skips(path) or not _is_attention(module):
@@ -60,7 +66,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
             setting = config.setting_for(state.slot_id(slot)) if codec is not None else None
             state.codecs[slot] = codec if setting is None else config.codec_for_setting(setting)
         set_state(module, state)
-        describe = functools.partial(_describe, layout.attention, state)
+        describe = functools.partial(_describe, kind, state)
         handle.describers[path] = describe
         handle.patched[path] = describe()
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
@@ -78,7 +84,9 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
 def _describe(kind: str, state: OpState) -> str:
     codecs = set(map(repr, state.codecs.values()))
     if codecs == {"None"}:
-        return f"attention ({kind}) exact operands, dropout mask as a seed"
+        return f"attention ({kind}) exact operands, dropout mask as " + (
+            "a seed" if kind == "eager" else "its RNG state"
+        )
     shown = (
         codecs.pop()
         if len(codecs) == 1

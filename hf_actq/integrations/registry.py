@@ -20,9 +20,10 @@ from hf_actq.integrations.layers import patch_layers
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """``attention``: "eager" (BERT's layout through ``AttentionInterface``: q, k, v and the
-    probabilities), "sdpa" (decoders: q, k, v; the probabilities are recomputed), or None (the
-    model's own attention, kept exact, for the reason in ``note``).
+    """``attention``: "eager" (BERT's layout through ``AttentionInterface``: q, k, v with
+    SDPA recomputed in backward, or, for a model set to eager attention, q, k, v and the
+    probabilities), "sdpa" (decoders: q, k, v, SDPA recomputed; only models running SDPA), or
+    None (the model's own attention, kept exact, for the reason in ``note``).
     ``exact_attention_when``: (config attribute, reason) pairs; a truthy attribute keeps
     attention exact."""
 

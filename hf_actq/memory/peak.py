@@ -24,12 +24,14 @@ from torch._C._autograd import DeviceType
 
 class PeakMemory:
     """``with PeakMemory(device) as peak: step()``; then ``peak.peak_bytes`` (most bytes live at
-    once above what was live on entry) and ``peak.end_bytes`` (live on exit minus on entry)."""
+    once above what was live on entry), ``peak.end_bytes`` (live on exit minus on entry) and,
+    on CPU, ``peak.largest_bytes`` (the largest single allocation)."""
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.peak_bytes = 0
         self.end_bytes = 0
+        self.largest_bytes: int | None = None  # the largest single allocation (CPU only)
         self._profiler = None
         self._start = 0
 
@@ -57,10 +59,12 @@ class PeakMemory:
         # The raw events hold one "[memory]" record per allocation (+bytes) and free (-bytes);
         # the aggregated event list folds them into the enclosing op and loses their order.
         live = peak = 0
-        for _, nbytes in sorted(_cpu_memory_events(self._profiler)):
+        events = sorted(_cpu_memory_events(self._profiler))
+        for _, nbytes in events:
             live += nbytes
             peak = max(peak, live)
         self.peak_bytes, self.end_bytes = peak, live
+        self.largest_bytes = max((nbytes for _, nbytes in events), default=0)
         self._profiler = None
 
 

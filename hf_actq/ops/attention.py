@@ -1,13 +1,19 @@
-"""Eager attention (the path BERT/RoBERTa training takes) that keeps compressed operands.
+"""Attention that keeps compressed operands, in two layouts.
 
-Eager attention saves q and k (for the score matmul), the softmax output, the dropout mask, the
-dropped probabilities and v: four full tensors of which two are S x S per head. This op keeps q,
-k, v and the probabilities compressed and the dropout mask as its RNG seed (8 bytes); each slot
-can be switched off (kept exact). The forward output equals ``eager_attention_forward``'s in
-every element the dropout keeps, with the same op order.
+SDPA (every registered model that runs SDPA, decoders and encoders): keeps packed q, k, v and,
+under attention dropout, the RNG state the mask was drawn from; backward rebuilds q, k, v and
+differentiates PyTorch's own SDPA on them, so no [S, S] tensor is kept and backward's transients
+are those of the fused kernels.
 
-``compressed_eager_attention`` has the signature of transformers' attention functions, so it can
-be registered with ``AttentionInterface`` (see :func:`register_attention`).
+Eager (encoders set to ``attn_implementation="eager"``): eager attention saves q and k (for the
+score matmul), the softmax output, the dropout mask, the dropped probabilities and v: four full
+tensors of which two are S x S per head. This op keeps q, k, v and the probabilities compressed
+and the dropout mask as its RNG seed (8 bytes); each slot can be switched off (kept exact). The
+forward output equals ``eager_attention_forward``'s in every element the dropout keeps, with the
+same op order.
+
+Both have the signature of transformers' attention functions and register with
+``AttentionInterface`` (:func:`register_sdpa_attention`, :func:`register_attention`).
 """
 
 from __future__ import annotations
@@ -178,84 +184,68 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
     return name
 
 
-# SDPA path (LLaMA-style decoders; no dropout) --------------------------------------------------
+# SDPA path (decoders, and encoders that run SDPA) ---------------------------------------------
 SDPA_NAME = "hf_actq_sdpa"
 
 
-def _sdpa_logits(q, k, scaling, mask, causal):
-    """fp32 attention logits of one batch element (heads already aligned)."""
-    logits = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling
-    if causal:
-        s, t = logits.shape[-2:]
-        upper = torch.ones(s, t, dtype=torch.bool, device=logits.device).triu(1)
-        logits = logits.masked_fill(upper, float("-inf"))
-    if mask is not None:
-        logits = (
-            logits.masked_fill(~mask, float("-inf"))
-            if mask.dtype == torch.bool
-            else logits + mask.float()
-        )
-    return logits
-
-
 class CompressedSDPAFunction(torch.autograd.Function):
-    """Keeps compressed q, k, v (and, when q and k are exact, the fp32 log-sum-exp of each row,
-    FlashAttention's statistics); backward recomputes the probabilities from them and needs no
-    output copy, since rowsum(dO * O) = rowsum(dP * P)."""
+    """Keeps compressed q, k, v (and, with attention dropout, the RNG state the forward drew its
+    mask from, as activation checkpointing does); backward rebuilds them and lets PyTorch's own
+    SDPA recompute and differentiate the attention: flash or memory-efficient kernels on CUDA,
+    the fused CPU kernel where it applies. No [S, S] tensor is kept between forward and backward,
+    and backward's transients are one layer's fused attention, not hand-written S x S algebra."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, scaling, causal, groups, run_sdpa, state):
-        output = run_sdpa(query, key, value)
-        # With q and k exact, backward rebuilds the probabilities from the saved row statistics.
-        # With either one lossy, exp(lossy logits - exact lse) is no distribution and blows up
-        # where the logit error is positive, so backward renormalises its own logits instead
-        # (and nothing is saved for the rows).
-        exact_logits = state.codecs.get("q") is None and state.codecs.get("k") is None
-        rows = query.shape[:3] if exact_logits else (0,)
-        lse = torch.empty(rows, dtype=torch.float32, device=query.device)
-        if exact_logits:
-            for b in range(query.shape[0]):  # one batch element at a time bounds the S x S buffer
-                k = key[b].repeat_interleave(groups, dim=0)
-                m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
-                lse[b] = torch.logsumexp(_sdpa_logits(query[b], k, scaling, m, causal), dim=-1)
+    def forward(ctx, query, key, value, mask, run_sdpa, dropout, state):
+        rng = _capture_rng(query.device) if dropout > 0.0 else None
+        output = run_sdpa(query, key, value, mask)
         saved: list = []
         slots = {}
         for name, tensor in (("q", query), ("k", key), ("v", value)):
             slots[name] = _Slot(state.codecs.get(name))
             slots[name].keep(tensor, saved, state, name)
-        ctx.slots, ctx.scaling, ctx.causal, ctx.groups = slots, scaling, causal, groups
-        ctx.has_mask, ctx.exact_logits = mask is not None, exact_logits
-        ctx.save_for_backward(lse, *([mask] if mask is not None else []), *saved)
+        # The mask is the model's (one for all layers); stock SDPA keeps it for backward too.
+        ctx.slots, ctx.has_mask, ctx.run_sdpa = slots, mask is not None, run_sdpa
+        ctx.rng_devices = rng[0] if rng is not None else None
+        ctx.save_for_backward(
+            *saved, *([mask] if mask is not None else []), *(rng[1] if rng else [])
+        )
         return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        lse, *rest = ctx.saved_tensors
-        mask = rest.pop(0) if ctx.has_mask else None
-        q, k, v = (ctx.slots[n].restore(rest) for n in ("q", "k", "v"))
-        grads = [torch.empty_like(t, dtype=grad_out.dtype) for t in (q, k, v)]
-        g_all = grad_out.transpose(1, 2)  # [b, h, s, d]
-        for b in range(q.shape[0]):
-            k_rep = k[b].repeat_interleave(ctx.groups, dim=0).float()
-            v_rep = v[b].repeat_interleave(ctx.groups, dim=0).float()
-            m = None if mask is None else mask[b if mask.shape[0] > 1 else 0]
-            logits = _sdpa_logits(q[b], k_rep, ctx.scaling, m, ctx.causal)
-            row_lse = (lse[b] if ctx.exact_logits else torch.logsumexp(logits, -1)).unsqueeze(-1)
-            # A row whose keys are all masked (left padding) has lse = -inf: its probs are 0.
-            row_lse = row_lse.masked_fill(torch.isinf(row_lse), 0.0)
-            probs = torch.exp(logits - row_lse)
-            g = g_all[b].float()
-            grad_v = torch.matmul(probs.transpose(-1, -2), g)
-            grad_p = torch.matmul(g, v_rep.transpose(-1, -2))
-            grad_s = probs * (grad_p - (grad_p * probs).sum(-1, keepdim=True)) * ctx.scaling
-            grad_q = torch.matmul(grad_s, k_rep)
-            grad_k = torch.matmul(grad_s.transpose(-1, -2), q[b].float())
-            heads = k.shape[1]
-            grads[0][b] = grad_q
-            grads[1][b] = grad_k.view(heads, ctx.groups, *grad_k.shape[1:]).sum(1)
-            grads[2][b] = grad_v.view(heads, ctx.groups, *grad_v.shape[1:]).sum(1)
-        return (*grads, None, None, None, None, None, None)
+        saved = list(ctx.saved_tensors)
+        rng_states = []
+        if ctx.rng_devices is not None:
+            count = 1 + len(ctx.rng_devices)
+            saved, rng_states = saved[:-count], saved[-count:]
+        mask = saved.pop() if ctx.has_mask else None
+        q, k, v = (
+            ctx.slots[n].restore(saved).to(grad_out.dtype).detach().requires_grad_()
+            for n in ("q", "k", "v")
+        )
+        replay = ctx.rng_devices is not None
+        with torch.random.fork_rng(devices=ctx.rng_devices or [], enabled=replay):
+            if replay:  # the forward's dropout mask, drawn again
+                _restore_rng(ctx.rng_devices, rng_states)
+            with torch.enable_grad():
+                output = ctx.run_sdpa(q, k, v, mask)
+        grads = torch.autograd.grad(output, (q, k, v), grad_out)
+        return (*grads, None, None, None, None)
+
+
+def _capture_rng(device: torch.device):
+    """The generator states a forward's dropout draws from: CPU's, and the device's own."""
+    devices = [device] if device.type == "cuda" else []
+    states = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in devices]
+    return devices, states
+
+
+def _restore_rng(devices, states) -> None:
+    torch.set_rng_state(states[0])
+    for d, state in zip(devices, states[1:]):
+        torch.cuda.set_rng_state(state, d)
 
 
 def compressed_sdpa_attention(
@@ -272,52 +262,37 @@ def compressed_sdpa_attention(
     **kwargs,
 ):
     """Drop-in for transformers' ``sdpa_attention_forward``: the output is its output (it is
-    called for the forward), the saved state is compressed q, k, v plus an fp32 log-sum-exp.
+    called for the forward, and again in backward to differentiate it), the saved state is
+    compressed q, k, v (see :class:`CompressedSDPAFunction`).
 
-    Configurations this op does not model (dropout, position bias, paged cache, a query shorter
-    than the keys) run the plain SDPA path with nothing compressed.
+    Configurations this op does not model (position bias, paged cache, a query shorter than
+    the keys) run the plain SDPA path with nothing compressed.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def run_sdpa(q, k, v):
-        return sdpa_attention_forward(
-            module,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=is_causal,
-            **kwargs,
-        )
-
     if (
-        dropout > 0.0
-        or kwargs.get("position_bias") is not None
+        kwargs.get("position_bias") is not None
         or kwargs.get("cache") is not None
         or query.shape[2] != key.shape[2]
     ):
-        return run_sdpa(query, key, value)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    # Backward calls this again: it holds no tensor but the mask it is given.
+    options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+
+    def run_sdpa(q, k, v, mask):
+        return sdpa_attention_forward(
+            module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **options
+        )[0]
+
     state = _state(module, codecs, cache)
     if not wants_backward(query, key, value):
-        keep_rng_stream(module, *(state.codecs.get(name) for name in ("q", "k", "v")))
-        return run_sdpa(query, key, value)
-    if scaling is None:
-        scaling = query.size(-1) ** -0.5
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
-    groups = query.shape[1] // key.shape[1]
+        output = run_sdpa(query, key, value, attention_mask)
+        keep_rng_stream(module, *(state.codecs.get(name) for name in SDPA_SLOTS))
+        return output, None
     output = CompressedSDPAFunction.apply(
-        query,
-        key,
-        value,
-        attention_mask,
-        float(scaling),
-        causal,
-        groups,
-        lambda q, k, v: run_sdpa(q, k, v)[0],
-        state,
+        query, key, value, attention_mask, run_sdpa, float(dropout), state
     )
     return output, None
 

@@ -181,7 +181,9 @@ GRADIENT_BOUNDS = [
     ("fewbit", {}, 0.98, 0.4, 0.85),
     ("uniform", {"bits": 8}, 0.99, 0.7, 0.97),
     ("uniform", {"bits": 4}, 0.97, 0.3, 0.93),
-    ("uniform", {}, 0.92, None, 0.65),  # 3 bits
+    # 3 bits. Electra's whole-model cosine varies from 0.87 to 0.94 over rounding draws, with
+    # attention kept either as SDPA operands (recomputed in backward) or as eager probabilities.
+    ("uniform", {}, 0.86, None, 0.65),
     ("alam", {"bits": 2, "adaptive": False}, 0.55, None, 0.25),  # the even spread
 ]
 

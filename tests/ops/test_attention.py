@@ -87,17 +87,22 @@ def test_saved_bytes_are_the_packed_slots_only():
     assert exact.nbytes > 6 * ours.nbytes
 
 
-def test_registered_with_transformers_for_a_bert_model():
+def _bert(implementation: str, dropout: float = 0.1):
     config = BertConfig(
         vocab_size=100,
         hidden_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=128,
-        attn_implementation="eager",
+        attention_probs_dropout_prob=dropout,
+        attn_implementation=implementation,
     )
     torch.manual_seed(0)
-    model = BertForSequenceClassification(config).eval()
+    return BertForSequenceClassification(config)
+
+
+def test_registered_with_transformers_for_a_bert_model():
+    model = _bert("eager").eval()
     ids = torch.randint(0, 100, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
@@ -200,3 +205,61 @@ def test_sdpa_backward_stays_stable_when_lossy_logits_are_large(scale, bits, min
         if min_cosine is not None:
             cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
             assert cosine > min_cosine
+
+
+def test_sdpa_encoder_with_dropout_and_padding_matches_stock_sdpa():
+    # Exact q, k, v: backward recomputes SDPA with the forward's RNG state, so the dropout mask
+    # is the one the forward drew and the gradients are stock SDPA's.
+    from hf_actq.ops.attention import register_sdpa_attention
+
+    model = _bert("sdpa", dropout=0.3).train()
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    results = {}
+    for implementation in ("sdpa", register_sdpa_attention()):
+        model.zero_grad()
+        model.config._attn_implementation = implementation
+        torch.manual_seed(1)  # the same dropout draws
+        out = model(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 1]))
+        out.loss.backward()
+        after = torch.rand(1)  # the RNG stream continues where stock SDPA leaves it
+        results[implementation] = out.logits, [p.grad.clone() for p in model.parameters()], after
+    (logits, grads, after), (ours, our_grads, our_after) = results.values()
+    assert torch.equal(ours, logits) and torch.equal(our_after, after)
+    for a, b in zip(our_grads, grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_sdpa_path_keeps_no_s_by_s_tensor(dropout):
+    from torch.nn.functional import scaled_dot_product_attention
+
+    from hf_actq.memory.peak import PeakMemory
+    from hf_actq.ops.attention import compressed_sdpa_attention
+
+    module = Holder()
+    module.is_causal = False
+    module.training = True
+    # Long enough that the fused kernel's blocks are smaller than the whole score matrix.
+    b, h, s, d = 1, 1, 2048, 16
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    mask = torch.ones(b, 1, 1, s, dtype=torch.bool)
+    codec = uniform(4)
+    with SavedTensorMeter() as meter:
+        out, _ = compressed_sdpa_attention(
+            module, q, k, v, mask, dropout=dropout, codecs=dict.fromkeys("qkv", codec)
+        )
+    rng_bytes = torch.get_rng_state().numel() if dropout else 0
+    assert meter.nbytes == 3 * codec.nbytes(q.shape) + mask.numel() + rng_bytes
+    with SavedTensorMeter() as stock:
+        scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)
+    assert meter.nbytes < stock.nbytes / 4
+    with PeakMemory("cpu") as peak:
+        out.backward(torch.randn(out.shape))
+    # Without dropout the fused CPU kernel recomputes the attention in blocks of 512 keys (its
+    # largest buffer is S x 512): no allocation comes near one head's S x S scores. Dropout
+    # takes SDPA's math path, in backward here as in stock SDPA's forward.
+    if dropout == 0.0:
+        assert peak.largest_bytes <= s * 512 * 4 < s * s * 4
