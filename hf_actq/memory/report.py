@@ -147,16 +147,29 @@ class MemoryReport:
             f"| max batch on {gpu:g} GiB |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        base_batch = None
+        base_batch = base_peak = None
+        above = []
         for row in self.rows():
             batch = row["max_batch_size"]
             base_batch = batch if base_batch is None else base_batch
+            base_peak = row["peak_bytes"] if base_peak is None else base_peak
             gain = f" ({100 * (batch / base_batch - 1):+.0f}%)" if base_batch else ""
+            # What runs out of memory is the peak: a recipe that raises it is flagged.
+            flag = " **above baseline**" if row["peak_bytes"] > base_peak * 1.001 else ""
+            if flag:
+                above.append(row["recipe"])
             lines.append(
                 f"| {row['recipe']} | {_fmt(row['activation_bytes'])} | "
                 f"{row['compression']:.2f}x | {100 * row['activation_saved']:.1f}% | "
-                f"{_fmt(row['model_state_bytes'])} | {_fmt(row['peak_bytes'])} | {batch}{gain} |"
+                f"{_fmt(row['model_state_bytes'])} | {_fmt(row['peak_bytes'])}{flag} | "
+                f"{batch}{gain} |"
             )
+        if above:
+            lines += [
+                "",
+                f"Warning: the step peak of {', '.join(above)} is above the baseline's: fewer "
+                "bytes kept for backward, yet more memory needed at the step's worst moment.",
+            ]
         kinds = [k for k in OP_KINDS if any(r.measurement.by_kind.get(k) for r in self.results)]
         lines += [
             "",

@@ -160,3 +160,14 @@ def test_adaptive_recipes_show_and_write_their_plan(tmp_path):
     paths = report.write(str(tmp_path))
     assert str(tmp_path / "plan_alam_bits1.json") in paths
     assert str(tmp_path / "bits_alam_bits1.png") in paths
+
+
+def test_a_recipe_whose_peak_exceeds_the_baseline_is_flagged():
+    report = measure_model(preset_config("tiny-llama"), ["fewbit"], batch_size=2, seq_len=16)
+    base, fewbit = (r.measurement for r in report.results)
+    # fewbit's peak here is the baseline's within a few hundred bytes (its tables): not flagged.
+    assert "above baseline" not in report.to_markdown()
+    assert fewbit.peak_bytes < base.peak_bytes * 1.001
+    fewbit.peak_bytes = int(base.peak_bytes * 1.01)  # as if the recipe had raised the peak
+    text = report.to_markdown()
+    assert "**above baseline**" in text and "Warning: the step peak of fewbit is above" in text
