@@ -41,19 +41,9 @@ def test_kernel_codec_and_op_tests_pass_compiled_on_the_gpu():
 
 
 def _bert():
-    from transformers import BertConfig, BertForSequenceClassification
+    from tiny_models import tiny_bert
 
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    return BertForSequenceClassification(config)
+    return tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def _llama():

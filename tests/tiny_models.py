@@ -23,3 +23,18 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 def tiny_llama(**overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_bert(**overrides):
+    """A 2-layer, 64-wide BERT classifier (random weights, seed 0)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    settings = dict(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))

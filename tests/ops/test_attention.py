@@ -1,6 +1,6 @@
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from tiny_models import tiny_bert
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from hf_actq import SavedTensorMeter
@@ -88,17 +88,7 @@ def test_saved_bytes_are_the_packed_slots_only():
 
 
 def _bert(implementation: str, dropout: float = 0.1):
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        attention_probs_dropout_prob=dropout,
-        attn_implementation=implementation,
-    )
-    torch.manual_seed(0)
-    return BertForSequenceClassification(config)
+    return tiny_bert(attention_probs_dropout_prob=dropout, attn_implementation=implementation)
 
 
 def test_registered_with_transformers_for_a_bert_model():
