@@ -23,6 +23,7 @@ from hf_actq.kernels.reference import (
     mask_unpack_reference,
     pack_codes,
     packed_nbytes,
+    seeded_dropout_reference,
     smaq_dequantize_reference,
     smaq_quantize_reference,
     unpack_codes,
@@ -41,6 +42,7 @@ __all__ = [
     "smaq_quantize",
     "pack_codes",
     "packed_nbytes",
+    "seeded_dropout",
     "triton_available",
     "unpack_codes",
     "uses_triton",
@@ -144,3 +146,11 @@ def smaq_dequantize(main, extension, stats, shape, dtype, block, slots):
 
         return smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots)
     return smaq_dequantize_reference(main, extension, stats, shape, dtype, block, slots)
+
+
+def seeded_dropout(x, p, seed):
+    if uses_triton(x):
+        from hf_actq.kernels.dropout import seeded_dropout_triton
+
+        return seeded_dropout_triton(x, p, seed)
+    return seeded_dropout_reference(x, p, seed)

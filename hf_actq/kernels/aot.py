@@ -48,7 +48,7 @@ def variants() -> list[Variant]:
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit.activations import ACTIVATIONS
-    from hf_actq.kernels import average_quant, fewbit, mask, sign_preserving
+    from hf_actq.kernels import average_quant, dropout, fewbit, mask, sign_preserving
 
     out = []
     for dtype in FLOAT_TYPES.values():
@@ -101,6 +101,21 @@ def variants() -> list[Variant]:
                         "bits": "i32",
                     },
                     {"BLOCK": fewbit.BACKWARD_BLOCK},
+                )
+            )
+            out.append(
+                _variant(
+                    "dropout",
+                    "seeded_dropout_kernel",
+                    {
+                        "x_ptr": f"*{dtype}",
+                        "out_ptr": f"*{dtype}",
+                        "n_elements": index,
+                        "p": "fp32",
+                        "scale": "fp32",
+                        "seed": "i32",
+                    },
+                    {"BLOCK": dropout.BLOCK},
                 )
             )
             for block in BLOCK_SIZES:

@@ -469,3 +469,16 @@ def smaq_dequantize_reference(
     z = torch.where(outlier, sign * (1.0 + magnitude), codes.float() / 15.5 - 1.0)
     values = z.view(-1)[:n] * stats[1] + stats[0]
     return values.to(dtype).view(shape)
+
+
+def dropout_keep_reference(shape, p: float, seed: int, device) -> torch.Tensor:
+    """The dropout keep-mask a seed stands for, from torch's generator (regenerated identically
+    in backward)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return torch.rand(shape, device=device, generator=generator) >= p
+
+
+def seeded_dropout_reference(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Dropout of ``x`` with the mask ``seed`` stands for: ``x * keep / (1 - p)``."""
+    return x * dropout_keep_reference(x.shape, p, seed, x.device) * (1.0 / (1.0 - p))

@@ -2,8 +2,9 @@
 
 ``nn.Dropout`` keeps a full-size mask (a byte, or on CPU a whole float, per element). Here the
 mask is either packed to 1 bit (``mode="mask"``) or regenerated in backward from a seed drawn from
-torch's RNG (``mode="seed"``: 8 bytes in all, one extra random draw in backward). Both are exact:
-backward multiplies by the very mask forward used.
+torch's RNG (``mode="seed"``: 8 bytes in all, one extra random draw in backward; on a GPU a
+Triton kernel draws each element's decision from the seed, so not even a transient mask or random
+tensor is allocated). Both are exact: backward multiplies by the very mask forward used.
 """
 
 from __future__ import annotations
@@ -13,21 +14,19 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import draw_seed
-from hf_actq.kernels import mask_pack, mask_unpack
+from hf_actq.kernels import mask_pack, mask_unpack, seeded_dropout
+from hf_actq.kernels.reference import dropout_keep_reference
 from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
 
 MODES = ("seed", "mask")
 
 
-def keep_mask(shape, p: float, seed: int, device) -> torch.Tensor:
-    """The dropout keep-mask a seed stands for (regenerated identically in backward)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return torch.rand(shape, device=device, generator=generator) >= p
+# The keep-mask a seed stands for (the eager attention op and "mask" mode materialise it).
+keep_mask = dropout_keep_reference
 
 
 def _dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    # One expression for every path, so a no_grad pass and its recompute agree bit for bit.
+    # The expression of seeded_dropout's twin, so every path agrees bit for bit.
     return x * keep * (1.0 / (1.0 - p))
 
 
@@ -35,12 +34,13 @@ class CompressedDropoutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, mode):
         seed = draw_seed()
-        keep = keep_mask(x.shape, p, seed, x.device)
         ctx.p, ctx.mode, ctx.shape = p, mode, x.shape
         if mode == "seed":
+            # On a GPU the kernel draws each element's decision from the seed: no mask exists.
             ctx.save_for_backward(torch.tensor([seed], dtype=torch.int64))
-        else:
-            ctx.save_for_backward(mask_pack(keep))
+            return seeded_dropout(x, p, seed)
+        keep = keep_mask(x.shape, p, seed, x.device)
+        ctx.save_for_backward(mask_pack(keep))
         return _dropped(x, keep, p)
 
     @staticmethod
@@ -48,9 +48,8 @@ class CompressedDropoutFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         (saved,) = ctx.saved_tensors
         if ctx.mode == "seed":
-            keep = keep_mask(ctx.shape, ctx.p, int(saved.item()), grad_y.device)
-        else:
-            keep = mask_unpack(saved, ctx.shape, torch.bool)
+            return seeded_dropout(grad_y, ctx.p, int(saved.item())), None, None
+        keep = mask_unpack(saved, ctx.shape, torch.bool)
         return _dropped(grad_y, keep, ctx.p), None, None
 
 
@@ -75,7 +74,9 @@ class CompressedDropout(nn.Dropout):
         if self.p == 1.0:
             return state_of(self).plain(x)
         if not wants_backward(x):
-            # The mask the Function would draw, from the same single seed draw.
+            # What the Function would compute, from the same single seed draw.
+            if state_of(self).dropout_mode == "seed":
+                return seeded_dropout(x, self.p, draw_seed())
             return _dropped(x, keep_mask(x.shape, self.p, draw_seed(), x.device), self.p)
         return CompressedDropoutFunction.apply(x, float(self.p), state_of(self).dropout_mode)
 

@@ -22,8 +22,8 @@ def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
     from hf_actq.kernels.fewbit import CODE_MODES
 
     # fewbit forward with its output (per activation) and codes only (per code mode), fewbit
-    # backward, aq and blpa, smaq
-    per_float_type = len(ACTIVATIONS) + len(CODE_MODES) + 1 + 2 * len(BLOCK_SIZES) + 2
+    # backward, seeded dropout, aq and blpa, smaq
+    per_float_type = len(ACTIVATIONS) + len(CODE_MODES) + 2 + 2 * len(BLOCK_SIZES) + 2
     per_float_type += 2 * len(SMAQ_BLOCK_SIZES)
     per_mask_type = 2
     expected = len(INDEX_TYPES) * (
@@ -48,7 +48,7 @@ def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 10
+    assert len(defined) == 11
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run
