@@ -211,31 +211,27 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
-    if args.minilm_bias:
-        rows = measure_minilm_bias(args.glue_dir, device=args.device)
-        print("| compressed (only) | cosine, one draw | cosine, mean of 4 | length ratio |")
-        print("|---|---:|---:|---:|")
+    if args.minilm_bias or args.minilm:
+        if args.minilm_bias:
+            rows = measure_minilm_bias(args.glue_dir, device=args.device)
+            header = "| compressed (only) | cosine, one draw | cosine, mean of 4 | length ratio |"
+            cells = "| {name} | {one draw:.3f} | {mean of 4:.3f} | {length ratio:.3f} |"
+            rule = "|---|---:|---:|---:|"
+        else:
+            rows = measure_minilm(args.glue_dir, device=args.device)
+            header = (
+                "| average bits | even spread | adaptive, GradNormVar | adaptive, gradient "
+                "variance | bytes (even / GradNormVar / gradient variance) |"
+            )
+            cells = (
+                "| {name} | {even:.3f} | {gradnormvar:.3f} | {gradvar:.3f} "
+                "| {even bytes:,} / {gradnormvar bytes:,} / {gradvar bytes:,} |"
+            )
+            rule = "|---|---:|---:|---:|---|"
+        print(header)
+        print(rule)
         for name, row in rows.items():
-            print(
-                f"| {name} | {row['one draw']:.3f} | {row['mean of 4']:.3f} "
-                f"| {row['length ratio']:.3f} |"
-            )
-        if args.output:
-            with open(args.output, "w") as file:
-                json.dump(rows, file, indent=1)
-        return
-    if args.minilm:
-        rows = measure_minilm(args.glue_dir, device=args.device)
-        print(
-            "| average bits | even spread | adaptive, GradNormVar | adaptive, gradient variance "
-            "| bytes (even / GradNormVar / gradient variance) |"
-        )
-        print("|---|---:|---:|---:|---|")
-        for label, row in rows.items():
-            print(
-                f"| {label} | {row['even']:.3f} | {row['gradnormvar']:.3f} | {row['gradvar']:.3f} "
-                f"| {row['even bytes']:,} / {row['gradnormvar bytes']:,} / {row['gradvar bytes']:,} |"
-            )
+            print(cells.format_map({"name": name, **row}))
         if args.output:
             with open(args.output, "w") as file:
                 json.dump(rows, file, indent=1)
