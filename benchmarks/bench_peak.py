@@ -5,7 +5,8 @@ CPU allocator's events under the profiler, ``torch.cuda.max_memory_allocated`` o
     python benchmarks/bench_peak.py --output benchmarks/results/bench_peak.json
 
 Models: BERT-base's layer shapes and a LLaMA-style decoder (hidden 1024, 16 heads, 4 KV heads,
-intermediate 2816), 2 layers each, batch 1, fp32, with a small vocabulary (2,048) so that the
+intermediate 2816), 2 layers each, batch 1, fp32 (``--dtype bfloat16``: weights and activations
+in bf16, as GPU training runs), with a small vocabulary (2,048) so that the
 layers, not the output head, decide the peak (the head is the chunked-loss issue's). The peak
 column is the step's own: the most bytes live at once during forward, backward and the AdamW
 step above the weights and optimizer state live when it began (activations, gradients and
@@ -38,12 +39,21 @@ MODELS = {
 RECIPES = ["fewbit", "uniform:bits=4", "alam:bits=1,adaptive=False"]
 
 
-def measure(model: str, seq_len: int, recipes: list[str], device: str) -> list[dict]:
+def measure(
+    model: str, seq_len: int, recipes: list[str], device: str, dtype: torch.dtype
+) -> list[dict]:
     config = MODELS[model]()
     config.num_hidden_layers, config.vocab_size = 2, 2048
     config.max_position_embeddings = max(seq_len, getattr(config, "max_position_embeddings", 0))
     report = measure_model(
-        config, recipes, name=model, batch_size=1, seq_len=seq_len, layers="all", device=device
+        config,
+        recipes,
+        name=model,
+        batch_size=1,
+        seq_len=seq_len,
+        layers="all",
+        device=device,
+        dtype=dtype,
     )
     rows = []
     for row, result in zip(report.rows(), report.results):
@@ -87,18 +97,22 @@ def main() -> None:
     parser.add_argument("--seq-lens", nargs="+", type=int, default=[128, 512, 1024, 2048])
     parser.add_argument("--recipes", nargs="+", default=RECIPES)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     rows = []
     for model in args.models:
         for seq_len in args.seq_lens:
-            rows += measure(model, seq_len, args.recipes, args.device)
+            rows += measure(model, seq_len, args.recipes, args.device, dtype)
             print(table(rows[-len(args.recipes) - 1 :]).split("\n", 2)[2], flush=True)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({"device": device, "rows": rows}, indent=1) + "\n")
-    print(f"\ndevice: {device}\n" + table(rows))
+        Path(args.output).write_text(
+            json.dumps({"device": device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n"
+        )
+    print(f"\ndevice: {device}, {args.dtype}\n" + table(rows))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from hf_actq.kernels.reference import (
     fewbit_forward_reference,
     mask_pack_reference,
     mask_unpack_reference,
+    norm_backward_reference,
     pack_codes,
     packed_nbytes,
     seeded_dropout_reference,
@@ -38,6 +39,7 @@ __all__ = [
     "fewbit_forward",
     "mask_pack",
     "mask_unpack",
+    "norm_backward",
     "smaq_dequantize",
     "smaq_quantize",
     "pack_codes",
@@ -154,3 +156,11 @@ def seeded_dropout(x, p, seed):
 
         return seeded_dropout_triton(x, p, seed)
     return seeded_dropout_reference(x, p, seed)
+
+
+def norm_backward(grad_y, x_hat, rstd, weight, centered):
+    if uses_triton(grad_y):
+        from hf_actq.kernels.norm import norm_backward_triton
+
+        return norm_backward_triton(grad_y, x_hat, rstd, weight, centered)
+    return norm_backward_reference(grad_y, x_hat, rstd, weight, centered)

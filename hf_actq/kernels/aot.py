@@ -48,7 +48,7 @@ def variants() -> list[Variant]:
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit.activations import ACTIVATIONS
-    from hf_actq.kernels import average_quant, dropout, fewbit, mask, sign_preserving
+    from hf_actq.kernels import average_quant, dropout, fewbit, mask, norm, sign_preserving
 
     out = []
     for dtype in FLOAT_TYPES.values():
@@ -225,6 +225,44 @@ def variants() -> list[Variant]:
                     {"BLOCK": sign_preserving.DEQUANT_BLOCK},
                 )
             )
+    # The norm kernels index rows and columns separately: both fit i32 at any real size.
+    for dtype in FLOAT_TYPES.values():
+        out.append(
+            _variant(
+                "norm",
+                "norm_row_means_kernel",
+                {
+                    "grad_ptr": f"*{dtype}",
+                    "xhat_ptr": f"*{dtype}",
+                    "w_ptr": "*fp32",
+                    "means_ptr": "*fp32",
+                    "width": "i32",
+                    "inv_width": "fp32",
+                    "centered": "fp32",
+                },
+                {"BLOCK": norm.BLOCK},
+            )
+        )
+        out.append(
+            _variant(
+                "norm",
+                "norm_backward_kernel",
+                {
+                    "grad_ptr": f"*{dtype}",
+                    "xhat_ptr": f"*{dtype}",
+                    "w_ptr": "*fp32",
+                    "rstd_ptr": "*fp32",
+                    "means_ptr": "*fp32",
+                    "out_ptr": f"*{dtype}",
+                    "partial_w_ptr": "*fp32",
+                    "partial_b_ptr": "*fp32",
+                    "n_rows": "i32",
+                    "width": "i32",
+                    "rows_per_program": "i32",
+                },
+                {"BLOCK": norm.BLOCK},
+            )
+        )
     for dtype in ("u8", *FLOAT_TYPES.values()):
         for index in INDEX_TYPES:
             out.append(

@@ -152,11 +152,17 @@ def fewbit_backward_reference(
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (each < 2**bits, bits in 1..8) into ``ceil(n*bits/8)`` bytes."""
     n = codes.numel()
-    padded = (n + 7) // 8 * 8
-    flat = torch.zeros(padded, dtype=torch.float32, device=codes.device)
-    flat[:n] = codes.reshape(-1)
-    out = torch.empty(padded * bits // 8, dtype=torch.uint8, device=codes.device)
-    _pack_into(flat, bits, out)
+    codes = codes.reshape(-1)
+    out = torch.empty((n + 7) // 8 * bits, dtype=torch.uint8, device=codes.device)
+    flat = torch.zeros(min(n, CHUNK) + 8, dtype=torch.float32, device=codes.device)
+    for start in range(0, n, CHUNK):  # CHUNK is a multiple of 8: chunks start on whole bytes
+        stop = min(n, start + CHUNK)
+        padded = (stop - start + 7) // 8 * 8
+        flat[padded - 8 : padded] = 0  # a short last chunk packs zeros after its codes
+        flat[: stop - start] = codes[start:stop]
+        _pack_into(
+            flat[:padded], bits, out[start // 8 * bits : start // 8 * bits + padded // 8 * bits]
+        )
     return out[: packed_nbytes(n, bits)]
 
 
@@ -374,7 +380,8 @@ def blpa_dequantize_reference(
 # Masks (codecs/mask.py) ----------------------------------------------------------------------------
 def mask_pack_reference(source: torch.Tensor) -> torch.Tensor:
     """``source != 0`` packed to 1 bit per element."""
-    return pack_codes(source.reshape(-1) != 0, 1)
+    # `!= 0` on a bool tensor would first promote it to int64.
+    return pack_codes(source if source.dtype == torch.bool else source != 0, 1)
 
 
 def mask_unpack_reference(
@@ -471,14 +478,55 @@ def smaq_dequantize_reference(
     return values.to(dtype).view(shape)
 
 
+# fp32 elements a chunked twin materialises at a time (16 MiB): bounds the transients of the
+# norms' forward and backward and the dropout twin's random draws on any input, where one
+# full-size fp32 copy of a bf16 activation would be twice its size.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def row_chunks(n_rows: int, width: int, budget: int = CHUNK_ELEMENTS):
+    """Slices of consecutive rows holding at most ``budget`` elements (at least one row)."""
+    step = max(1, budget // max(width, 1))
+    return [slice(start, min(start + step, n_rows)) for start in range(0, n_rows, step)]
+
+
 def dropout_keep_reference(shape, p: float, seed: int, device) -> torch.Tensor:
     """The dropout keep-mask a seed stands for, from torch's generator (regenerated identically
-    in backward)."""
+    in backward), drawn a chunk at a time so that no full-size fp32 random tensor exists."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
-    return torch.rand(shape, device=device, generator=generator) >= p
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    flat = keep.view(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        count = min(CHUNK_ELEMENTS, flat.numel() - start)
+        flat[start : start + count] = torch.rand(count, device=device, generator=generator) >= p
+    return keep
 
 
 def seeded_dropout_reference(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     """Dropout of ``x`` with the mask ``seed`` stands for: ``x * keep / (1 - p)``."""
     return x * dropout_keep_reference(x.shape, p, seed, x.device) * (1.0 / (1.0 - p))
+
+
+def norm_backward_reference(grad_y, x_hat, rstd, weight, centered: bool):
+    """Backward of LayerNorm (``centered``) or RMSNorm from the normalized input ``x_hat`` and the
+    per-row ``rstd``: ``grad_x`` in ``grad_y``'s dtype, and the fp32 weight and bias gradients
+    (``sum g * x_hat`` and ``sum g`` over rows). fp32 arithmetic, chunked over rows."""
+    width = grad_y.shape[-1]
+    grad = grad_y.reshape(-1, width)
+    x_hat = x_hat.reshape(-1, width)
+    rstd = rstd.reshape(-1, 1)
+    w = None if weight is None else weight.float()
+    grad_x = torch.empty_like(grad)
+    grad_w = torch.zeros(width, dtype=torch.float32, device=grad.device)
+    grad_b = torch.zeros_like(grad_w)
+    for rows in row_chunks(grad.shape[0], width):
+        g, xh = grad[rows].float(), x_hat[rows].float()
+        gw = g if w is None else g * w
+        mean_gwx = (gw * xh).mean(-1, keepdim=True)
+        if centered:
+            gw = gw - gw.mean(-1, keepdim=True)
+        grad_x[rows] = rstd[rows] * (gw - xh * mean_gwx)
+        grad_w += (g * xh).sum(0)
+        grad_b += g.sum(0)
+    return grad_x.view(grad_y.shape), grad_w, grad_b

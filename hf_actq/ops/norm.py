@@ -2,7 +2,9 @@
 
 Backward needs ``x_hat = (x - mean) * rstd`` and ``rstd``: the ops keep ``x_hat`` compressed (it
 has unit scale per row, which suits any codec) and ``rstd`` in fp32, one value per row. The
-forward output is the unpatched module's, bit for bit.
+forward output is the unpatched module's, bit for bit. Neither direction makes a full-size fp32
+copy of a half-precision input: forward works a chunk of rows at a time, and backward runs fused
+Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere.
 """
 
 from __future__ import annotations
@@ -14,14 +16,33 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec
+from hf_actq.kernels import norm_backward
+from hf_actq.kernels.reference import row_chunks
 from hf_actq.ops.state import default_state, keep_rng_stream, set_state, state_of, wants_backward
 
 
-def _normalized_backward(grad_xhat, x_hat, rstd):
-    """d/dx of x_hat = (x - mean) * rstd (LayerNorm) given dL/dx_hat, all fp32."""
-    mean_g = grad_xhat.mean(-1, keepdim=True)
-    mean_gx = (grad_xhat * x_hat).mean(-1, keepdim=True)
-    return rstd * (grad_xhat - mean_g - x_hat * mean_gx)
+def _layer_norm_input(x, mean, rstd):
+    """``x_hat = (x - mean) * rstd`` in ``x``'s dtype, computed in fp32 a chunk of rows at a time
+    (never a full-size fp32 copy of a half-precision input)."""
+    width = x.shape[-1]
+    rows_x = x.reshape(-1, width)
+    mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+    x_hat = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
+    for rows in row_chunks(rows_x.shape[0], width):
+        x_hat[rows] = (rows_x[rows].float() - mean[rows]) * rstd[rows]
+    return x_hat.view(x.shape)
+
+
+def _layer_norm_statistics(x, eps):
+    """fp32 mean and rstd per row, chunked as above."""
+    width = x.shape[-1]
+    rows_x = x.reshape(-1, width)
+    mean = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    for rows in row_chunks(rows_x.shape[0], width):
+        var, mean[rows] = torch.var_mean(rows_x[rows].float(), dim=-1, keepdim=True, correction=0)
+        rstd[rows] = torch.rsqrt(var + eps)
+    return mean, rstd
 
 
 class CompressedLayerNormFunction(torch.autograd.Function):
@@ -31,10 +52,8 @@ class CompressedLayerNormFunction(torch.autograd.Function):
         y, mean, rstd = torch.native_layer_norm(x, (width,), weight, bias, eps)
         if rstd.dtype != torch.float32:
             # Some backends return half-precision statistics; backward wants fp32 ones.
-            var, mean = torch.var_mean(x.float(), dim=-1, keepdim=True, correction=0)
-            rstd = torch.rsqrt(var + eps)
-        x_hat = ((x.float() - mean) * rstd).to(x.dtype)
-        packed = state.pack(x_hat, "input")
+            mean, rstd = _layer_norm_statistics(x, eps)
+        packed = state.pack(_layer_norm_input(x, mean, rstd), "input")
         ctx.header = packed.with_tensors(())
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
         ctx.save_for_backward(rstd, weight, *packed.tensors)
@@ -44,13 +63,10 @@ class CompressedLayerNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         rstd, weight, *buffers = ctx.saved_tensors
-        x_hat = ctx.header.with_tensors(buffers).unpack().float()
-        g = grad_y.float()
-        grad_xhat = g * weight.float() if ctx.has_weight else g
-        grad_x = _normalized_backward(grad_xhat, x_hat, rstd).to(grad_y.dtype)
-        rows = tuple(range(g.dim() - 1))
-        grad_w = (g * x_hat).sum(rows).to(weight.dtype) if ctx.has_weight else None
-        grad_b = g.sum(rows).to(grad_y.dtype) if ctx.has_bias else None
+        x_hat = ctx.header.with_tensors(buffers).unpack()
+        grad_x, grad_w, grad_b = norm_backward(grad_y, x_hat, rstd, weight, centered=True)
+        grad_w = grad_w.to(weight.dtype) if ctx.has_weight else None
+        grad_b = grad_b.to(grad_y.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -59,10 +75,17 @@ class CompressedRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps, state):
-        hidden = x.to(torch.float32)
-        variance = hidden.pow(2).mean(-1, keepdim=True)
-        rstd = torch.rsqrt(variance + eps)
-        normed = (hidden * rstd).to(x.dtype)
+        # HF's arithmetic row by row (the same bits), a chunk of rows at a time: HF makes three
+        # full-size fp32 temporaries of a half-precision input here.
+        width = x.shape[-1]
+        rows_x = x.reshape(-1, width)
+        normed = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
+        for rows in row_chunks(rows_x.shape[0], width):
+            hidden = rows_x[rows].to(torch.float32)
+            rstd[rows] = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+            normed[rows] = hidden * rstd[rows]
+        normed = normed.view(x.shape)
         y = weight * normed
         packed = state.pack(normed, "input")
         ctx.header = packed.with_tensors(())
@@ -73,14 +96,9 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         rstd, weight, *buffers = ctx.saved_tensors
-        x_hat = ctx.header.with_tensors(buffers).unpack().float()
-        g = grad_y.float()
-        grad_xhat = g * weight.float()
-        mean_gx = (grad_xhat * x_hat).mean(-1, keepdim=True)
-        grad_x = (rstd * (grad_xhat - x_hat * mean_gx)).to(grad_y.dtype)
-        rows = tuple(range(g.dim() - 1))
-        grad_w = (g * x_hat).sum(rows).to(weight.dtype)
-        return grad_x, grad_w, None, None
+        x_hat = ctx.header.with_tensors(buffers).unpack()
+        grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, weight, centered=False)
+        return grad_x, grad_w.to(weight.dtype), None, None
 
 
 SLOTS = ("input",)

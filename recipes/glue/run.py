@@ -28,32 +28,31 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import torch
-import transformers
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
     Trainer,
-    TrainerCallback,
     TrainingArguments,
     set_seed,
 )
 
-import hf_actq
-from hf_actq import ActQCallback, ActQConfig
+from hf_actq import ActQConfig
 from hf_actq.integrations.arguments import parse_arguments
-from hf_actq.integrations.transformers import unwrap
-from hf_actq.memory.meter import ActivationMonitor
-from hf_actq.memory.peak import PeakMemory
+from hf_actq.integrations.recipe_stats import (
+    RecipeArguments,
+    recipe_callbacks,
+    record_markdown_rows,
+    run_record,
+    setup_logging,
+    write_results,
+)
 
 logger = logging.getLogger("recipes.glue")
 
@@ -119,21 +118,6 @@ class DataArguments:
     )
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate on the first this many dev examples."}
-    )
-
-
-@dataclass
-class RecipeArguments:
-    actq: bool = field(
-        default=True,
-        metadata={"help": "Patch with hf_actq; --no_actq trains the unpatched baseline."},
-    )
-    peak_step: int = field(
-        default=1,
-        metadata={
-            "help": "The training step whose peak memory is measured (after step 0, the "
-            "optimizer state exists and is counted as already live)."
-        },
     )
 
 
@@ -267,85 +251,12 @@ def sklearn_glue_metric(task, regression, predictions, references) -> dict:
     return result
 
 
-# Measurements ----------------------------------------------------------------------------------
-class StepStats(TrainerCallback):
-    """Wall time of every optimizer step, the peak memory of step ``peak_step`` (most bytes live
-    at once above what was live when it began: activations, gradients and transients; on CPU
-    from the profiler's allocation events, see :mod:`hf_actq.memory.peak`), and, for the
-    unpatched baseline, the activation memory of step 0 metered as ``ActQCallback`` meters it."""
-
-    def __init__(self, peak_step: int, meter_activations: bool):
-        self.peak_step = peak_step
-        self.meter_activations = meter_activations
-        self.step_seconds: dict[int, float] = {}
-        self.peak_bytes: int | None = None
-        self.activation_bytes: int | None = None
-        self._monitor = None
-        self._peak = None
-        self._began = 0.0
-        self._step = 0
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.meter_activations and model is not None:
-            self._monitor = ActivationMonitor(unwrap(model))
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        self._step = state.global_step
-        if self._monitor is not None and self._step == 0:
-            self._monitor.arm()
-        if self._step == self.peak_step:
-            self._peak = PeakMemory(args.device)
-            self._peak.__enter__()
-        self._began = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.step_seconds[self._step] = time.perf_counter() - self._began
-        if self._peak is not None:
-            self._peak.__exit__(None, None, None)
-            self.peak_bytes, self._peak = self._peak.peak_bytes, None
-        if self._monitor is not None and self._monitor.armed:
-            self._monitor.disarm()
-            self.activation_bytes = self._monitor.max_bytes
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self._monitor is not None:
-            self._monitor.remove()
-            self._monitor = None
-
-    def typical_step_seconds(self) -> float | None:
-        """The median step, leaving out step 0 (warm-up, optimizer state) and the profiled one."""
-        kept = [s for k, s in self.step_seconds.items() if k not in (0, self.peak_step)]
-        kept = kept or list(self.step_seconds.values())
-        return statistics.median(kept) if kept else None
-
-
-def recipe_label(config: ActQConfig | None) -> str:
-    """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1``,
-    ``alam-1-even`` (adaptive off), or ``custom-...`` for configs made field by field."""
-    if config is None:
-        return "baseline"
-    bits = f"{config.bits:g}"
-    if config.recipe == "fewbit":
-        return f"fewbit-{config.activation_bits}"
-    if config.recipe == "alam" and not config.adaptive and config.plan is None:
-        return f"alam-{bits}-even"
-    return f"{config.recipe or 'custom-' + config.codec}-{bits}"
-
-
 # Main ------------------------------------------------------------------------------------------
 def main(args: list[str] | None = None) -> dict | None:
     model_args, data_args, recipe_args, actq, training_args = parse_arguments(
         (ModelArguments, DataArguments, RecipeArguments, ActQConfig, TrainingArguments), args
     )
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        level=training_args.get_process_log_level(),
-        handlers=[logging.StreamHandler(sys.stdout)],
-    )
-    for name in ("hf_actq", "recipes.glue"):
-        logging.getLogger(name).setLevel(
-            logging.INFO if training_args.should_log else logging.WARNING
-        )
+    setup_logging(training_args, "recipes.glue")
     config = actq if recipe_args.actq else None
 
     train, dev, num_labels = load_splits(data_args)
@@ -379,8 +290,7 @@ def main(args: list[str] | None = None) -> dict | None:
         predicted = logits.squeeze(-1) if num_labels == 1 else logits.argmax(-1)
         return compute(predicted, prediction.label_ids)
 
-    stats = StepStats(recipe_args.peak_step, meter_activations=config is None)
-    actq_callback = ActQCallback(config) if config is not None else None
+    stats, actq_callback, callbacks = recipe_callbacks(config, recipe_args)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -389,7 +299,7 @@ def main(args: list[str] | None = None) -> dict | None:
         processing_class=tokenizer,
         data_collator=DataCollatorWithPadding(tokenizer),
         compute_metrics=compute_metrics,
-        callbacks=[c for c in (actq_callback, stats) if c is not None],
+        callbacks=callbacks,
     )
     began = time.perf_counter()
     train_result = trainer.train()
@@ -400,35 +310,18 @@ def main(args: list[str] | None = None) -> dict | None:
 
     spec = TASKS.get(data_args.task_name)
     main_metric = spec.main_metric if spec else ("pearson" if num_labels == 1 else "accuracy")
-    if actq_callback is not None:
-        history = actq_callback.memory_history  # its first record is step 0's
-        activation_bytes = history[0]["activation_bytes"] if history else None
-    else:
-        activation_bytes = stats.activation_bytes
-    calibrations = []  # each adaptive plan's size and cost (not its per-slot sensitivities)
-    for at, plan in zip(actq_callback.calibrated_at, actq_callback.plans) if actq_callback else ():
-        info = {k: v for k, v in plan.info.items() if k not in ("sensitivity", "shared")}
-        calibrations.append({"step": at, **info})
+    record = run_record(trainer, stats, actq_callback, config)
     results = {
         "task": data_args.task_name,
-        "recipe": recipe_label(config),
-        "seed": training_args.seed,
+        "recipe": record.pop("recipe"),
+        "seed": record.pop("seed"),
         "model": model_args.model_name_or_path,
         "metric": {"name": main_metric, "value": metrics.get(f"eval_{main_metric}")},
         "eval": metrics,
         "metric_source": metric_source,
         "train_loss": train_result.training_loss,
-        "loss_history": [
-            [entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry
-        ],
-        "activation_bytes_step0": activation_bytes,
-        "step_peak_bytes": stats.peak_bytes,
-        "step_peak_step": recipe_args.peak_step,
-        "step_seconds_median": stats.typical_step_seconds(),
         "train_seconds": round(train_seconds, 1),
-        "steps": trainer.state.global_step,
-        "calibrations": calibrations,
-        "actq": config.to_dict() if config is not None else None,
+        **record,
         "training": {
             "learning_rate": training_args.learning_rate,
             "per_device_train_batch_size": training_args.per_device_train_batch_size,
@@ -441,26 +334,13 @@ def main(args: list[str] | None = None) -> dict | None:
             "world_size": training_args.world_size,
             "precision": "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32",
         },
-        "device": torch.cuda.get_device_name() if training_args.device.type == "cuda" else "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "hf_actq": hf_actq.__version__,
-        },
     }
-    out = Path(training_args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "actq_results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "actq_results.md").write_text(results_markdown(results))
-    logger.info("results in %s: %s", out / "actq_results.json", results["metric"])
+    path = write_results(training_args.output_dir, results, results_markdown(results))
+    logger.info("results in %s: %s", path, results["metric"])
     return results
 
 
 def results_markdown(r: dict) -> str:
-    def mib(value):
-        return "n/a" if value is None else f"{value / 2**20:.1f}"
-
-    seconds = r["step_seconds_median"]
     return (
         f"# {r['task']} / {r['recipe']} / seed {r['seed']}\n\n"
         "| metric | value |\n|---|---|\n"
@@ -469,11 +349,8 @@ def results_markdown(r: dict) -> str:
             for k, v in r["eval"].items()
         )
         + f"| train loss | {r['train_loss']:.4f} |\n"
-        f"| activation MiB (step 0) | {mib(r['activation_bytes_step0'])} |\n"
-        f"| step peak MiB (step {r['step_peak_step']}) | {mib(r['step_peak_bytes'])} |\n"
-        f"| step seconds (median) | {'n/a' if seconds is None else f'{seconds:.3f}'} |\n"
-        f"| steps | {r['steps']} |\n| device | {r['device']} |\n"
-        f"| metric source | {r['metric_source']} |\n\n"
+        + record_markdown_rows(r)
+        + f"| metric source | {r['metric_source']} |\n\n"
         f"Config: `{json.dumps(r['actq'])}`\n"
     )
 

@@ -106,6 +106,11 @@ def main(out_dir, mode, when):
         "codes": rounding_codes(),
     }
     torch.save(record, f"{out_dir}/rank{accelerator.process_index}.pt")
+    # Tear the gloo group down while both ranks are alive: left to interpreter exit, its
+    # threads can be destroyed still joinable and abort the process ("terminate called
+    # without an active exception"), failing a run whose results are already written.
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

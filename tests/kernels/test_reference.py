@@ -31,7 +31,9 @@ def _bitstream_pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4097])
-def test_pack_matches_bitstream_oracle_and_round_trips(bits, n):
+@pytest.mark.parametrize("chunk", [reference.CHUNK, 64], ids=["one_chunk", "many_chunks"])
+def test_pack_matches_bitstream_oracle_and_round_trips(bits, n, chunk, monkeypatch):
+    monkeypatch.setattr(reference, "CHUNK", chunk)  # packing crosses chunks, the last partial
     rng = np.random.default_rng(bits * 1000 + n)
     codes = rng.integers(0, 2**bits, size=n, dtype=np.uint8)
     packed = pack_codes(torch.from_numpy(codes), bits)

@@ -5,6 +5,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_actq import SavedTensorMeter
+from hf_actq.kernels.reference import CHUNK_ELEMENTS
+from hf_actq.memory.peak import PeakMemory
 from hf_actq.ops.dropout import CompressedDropout
 
 
@@ -24,6 +26,23 @@ def test_backward_uses_the_forward_mask_and_keeps_little(mode, dtype):
     expected = 8 if mode == "seed" else math.ceil(x.numel() / 8)
     assert meter.nbytes == expected
     assert 0.05 < 1 - keep.float().mean().item() < 0.15
+
+
+@pytest.mark.parametrize("mode", ["seed", "mask"])
+def test_masks_are_drawn_in_chunks_without_a_full_size_fp32_random_tensor(mode):
+    # A bf16 input three chunks and a bit long: no allocation in forward or backward exceeds the
+    # input itself (torch.rand over it would be twice as large), and the gradient still uses
+    # the forward's mask across the chunk boundaries.
+    x = (torch.rand(3 * CHUNK_ELEMENTS + 5) + 0.5).to(torch.bfloat16).requires_grad_()  # no zeros
+    drop = CompressedDropout(0.25, mode)
+    with PeakMemory("cpu") as forward:
+        y = drop(x)
+    with PeakMemory("cpu") as backward:
+        y.backward(torch.ones_like(y))
+    input_bytes = x.numel() * x.element_size()
+    assert forward.largest_bytes <= input_bytes and backward.largest_bytes <= input_bytes
+    assert torch.equal(x.grad != 0, y != 0)
+    assert abs((y != 0).float().mean().item() - 0.75) < 0.001
 
 
 def test_eval_and_p_zero_are_identity_and_seeded_masks_reproduce():

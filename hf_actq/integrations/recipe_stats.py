@@ -1,0 +1,192 @@
+"""What the recipes (``recipes/glue``, ``recipes/llama_lora``) record of a training run, in one
+place: the ``--no_actq``/``--peak_step`` arguments, a callback that times every step and
+measures one step's peak memory, and the part of the results file every recipe shares
+(activation and peak memory, step time, adaptive calibrations, config, versions)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from hf_actq.config import ActQConfig
+from hf_actq.integrations.transformers import unwrap
+from hf_actq.memory.meter import ActivationMonitor
+from hf_actq.memory.peak import PeakMemory
+
+
+@dataclass
+class RecipeArguments:
+    actq: bool = field(
+        default=True,
+        metadata={"help": "Patch with hf_actq; --no_actq trains the unpatched baseline."},
+    )
+    peak_step: int = field(
+        default=1,
+        metadata={
+            "help": "The training step whose peak memory is measured (after step 0, the "
+            "optimizer state exists and is counted as already live)."
+        },
+    )
+
+
+class StepStats(TrainerCallback):
+    """Wall time of every optimizer step, the peak memory of step ``peak_step`` (most bytes live
+    at once above what was live when it began: activations, gradients and transients; on CPU
+    from the profiler's allocation events, see :mod:`hf_actq.memory.peak`), and, for the
+    unpatched baseline, the activation memory of step 0 metered as ``ActQCallback`` meters it."""
+
+    def __init__(self, peak_step: int, meter_activations: bool):
+        self.peak_step = peak_step
+        self.meter_activations = meter_activations
+        self.step_seconds: dict[int, float] = {}
+        self.peak_bytes: int | None = None
+        self.activation_bytes: int | None = None
+        self._monitor = None
+        self._peak = None
+        self._began = 0.0
+        self._step = 0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.meter_activations and model is not None:
+            self._monitor = ActivationMonitor(unwrap(model))
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self._step = state.global_step
+        if self._monitor is not None and self._step == 0:
+            self._monitor.arm()
+        if self._step == self.peak_step:
+            self._peak = PeakMemory(args.device)
+            self._peak.__enter__()
+        self._began = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_seconds[self._step] = time.perf_counter() - self._began
+        if self._peak is not None:
+            self._peak.__exit__(None, None, None)
+            self.peak_bytes, self._peak = self._peak.peak_bytes, None
+        if self._monitor is not None and self._monitor.armed:
+            self._monitor.disarm()
+            self.activation_bytes = self._monitor.max_bytes
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._monitor is not None:
+            self._monitor.remove()
+            self._monitor = None
+
+    def typical_step_seconds(self) -> float | None:
+        """The median step, leaving out step 0 (warm-up, optimizer state) and the profiled one."""
+        kept = [s for k, s in self.step_seconds.items() if k not in (0, self.peak_step)]
+        kept = kept or list(self.step_seconds.values())
+        return statistics.median(kept) if kept else None
+
+
+def recipe_label(config: ActQConfig | None) -> str:
+    """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1``,
+    ``alam-1-even`` (adaptive off), or ``custom-...`` for configs made field by field."""
+    if config is None:
+        return "baseline"
+    bits = f"{config.bits:g}"
+    if config.recipe == "fewbit":
+        return f"fewbit-{config.activation_bits}"
+    if config.recipe == "alam" and not config.adaptive and config.plan is None:
+        return f"alam-{bits}-even"
+    return f"{config.recipe or 'custom-' + config.codec}-{bits}"
+
+
+def run_record(trainer, stats: StepStats, actq_callback, config: ActQConfig | None) -> dict:
+    """The fields every recipe's results file holds: loss history, activation bytes of step 0
+    (``ActQCallback``'s figure, or ``stats``' for the baseline), the step peak, the median step
+    time, each adaptive plan's size and cost (not its per-slot sensitivities), the config, the
+    device and the versions."""
+    import transformers
+
+    import hf_actq
+
+    if actq_callback is not None:
+        history = actq_callback.memory_history  # its first record is step 0's
+        activation_bytes = history[0]["activation_bytes"] if history else None
+    else:
+        activation_bytes = stats.activation_bytes
+    calibrations = []
+    for at, plan in zip(actq_callback.calibrated_at, actq_callback.plans) if actq_callback else ():
+        info = {k: v for k, v in plan.info.items() if k not in ("sensitivity", "shared")}
+        calibrations.append({"step": at, **info})
+    args = trainer.args
+    return {
+        "recipe": recipe_label(config),
+        "seed": args.seed,
+        "loss_history": [
+            [entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry
+        ],
+        "activation_bytes_step0": activation_bytes,
+        "step_peak_bytes": stats.peak_bytes,
+        "step_peak_step": stats.peak_step,
+        "step_seconds_median": stats.typical_step_seconds(),
+        "steps": trainer.state.global_step,
+        "calibrations": calibrations,
+        "actq": config.to_dict() if config is not None else None,
+        "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "hf_actq": hf_actq.__version__,
+        },
+    }
+
+
+def setup_logging(training_args, *names: str) -> None:
+    """Log to stdout at the Trainer's process level; hf_actq's and the recipe's own loggers at
+    INFO on the main process, WARNING elsewhere."""
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        level=training_args.get_process_log_level(),
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    for name in ("hf_actq", *names):
+        logging.getLogger(name).setLevel(
+            logging.INFO if training_args.should_log else logging.WARNING
+        )
+
+
+def recipe_callbacks(config: ActQConfig | None, recipe_args: RecipeArguments):
+    """``(stats, actq_callback, callbacks)``: the step statistics, ``ActQCallback`` (``None``
+    for the baseline, whose activations ``stats`` meters instead) and the list for Trainer."""
+    stats = StepStats(recipe_args.peak_step, meter_activations=config is None)
+    actq_callback = None
+    if config is not None:
+        from hf_actq.integrations.trainer import ActQCallback
+
+        actq_callback = ActQCallback(config)
+    return stats, actq_callback, [c for c in (actq_callback, stats) if c is not None]
+
+
+def write_results(output_dir: str, results: dict, markdown: str) -> Path:
+    """``actq_results.json`` and ``actq_results.md`` in ``output_dir``; the JSON's path."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "actq_results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "actq_results.md").write_text(markdown)
+    return out / "actq_results.json"
+
+
+def mib(value: int | None) -> str:
+    return "n/a" if value is None else f"{value / 2**20:.1f}"
+
+
+def record_markdown_rows(record: dict) -> str:
+    """The memory and timing rows of a results table (``| name | value |``)."""
+    seconds = record["step_seconds_median"]
+    return (
+        f"| activation MiB (step 0) | {mib(record['activation_bytes_step0'])} |\n"
+        f"| step peak MiB (step {record['step_peak_step']}) | {mib(record['step_peak_bytes'])} |\n"
+        f"| step seconds (median) | {'n/a' if seconds is None else f'{seconds:.3f}'} |\n"
+        f"| steps | {record['steps']} |\n| device | {record['device']} |\n"
+    )

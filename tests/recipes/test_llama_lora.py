@@ -1,0 +1,170 @@
+"""recipes/llama_lora: the Alpaca formatting and label masking, packing, and run.py end to end
+on a tiny LLaMA with a word-level tokenizer and a tiny Alpaca file written here (LoRA patched and
+unpatched, full fine-tuning); QLoRA on CPU is the slow test."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("datasets")
+pytest.importorskip("peft")
+
+RECIPE_DIR = Path(__file__).resolve().parents[2] / "recipes" / "llama_lora"
+
+spec = importlib.util.spec_from_file_location("llama_lora_run", RECIPE_DIR / "run.py")
+run = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = run  # dataclasses look their module up there
+spec.loader.exec_module(run)
+
+WORDS = "add two numbers name a colour red blue green sum of and is the answer what say hello"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A 2-layer LLaMA with random weights and a word-level tokenizer, saved as a model dir."""
+    from tiny_models import tiny_llama
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny_llama")
+    prompt_words = (run.PROMPT_WITH_INPUT + run.PROMPT_WITHOUT_INPUT).split()
+    words = dict.fromkeys(["<unk>", "<s>", "</s>", "<pad>", *WORDS.split(), *prompt_words, "#"])
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    tiny_llama(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    ).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def alpaca_file(tmp_path_factory):
+    records = []
+    for i in range(40):
+        if i % 2:
+            records.append(
+                {
+                    "instruction": "add two numbers",
+                    "input": "two and two",
+                    "output": "the sum is red",
+                }
+            )
+        else:
+            records.append(
+                {"instruction": "name a colour", "input": "", "output": "blue green red"}
+            )
+    path = tmp_path_factory.mktemp("data") / "alpaca.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_prompt_tokens_are_masked_and_the_response_ends_with_eos(tiny_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    example = {"instruction": "add two numbers", "input": "two and two", "output": "the sum"}
+    tokens = run.tokenize_example(tokenizer, example, max_length=512)
+    prompt = tokenizer(run.prompt_of("add two numbers", "two and two"))["input_ids"]
+    assert tokens["input_ids"][: len(prompt)] == prompt
+    assert tokens["labels"][: len(prompt)] == [run.IGNORE_INDEX] * len(prompt)
+    response = tokenizer("the sum", add_special_tokens=False)["input_ids"]
+    assert tokens["labels"][len(prompt) :] == response + [tokenizer.eos_token_id]
+    assert "### Input:" in run.prompt_of("x", "y") and "### Input:" not in run.prompt_of("x", "")
+    short = run.tokenize_example(tokenizer, example, max_length=5)
+    assert len(short["input_ids"]) == len(short["labels"]) == 5
+
+
+def test_packing_concatenates_and_drops_the_remainder():
+    batch = {
+        "input_ids": [[1, 2, 3], [4, 5], [6, 7, 8, 9]],
+        "attention_mask": [[1, 1, 1], [1, 1], [1, 1, 1, 1]],
+        "labels": [[-100, 2, 3], [-100, 5], [-100, -100, 8, 9]],
+    }
+    packed = run.pack(batch, block=4)
+    assert packed["input_ids"] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert packed["labels"] == [[-100, 2, 3, -100], [5, -100, -100, 8]]
+
+
+def _run(tiny_model, alpaca_file, out, *extra):
+    args = [
+        "--model_name_or_path", str(tiny_model),
+        "--data_path", str(alpaca_file),
+        "--output_dir", str(out),
+        "--max_seq_length", "64",
+        "--validation_split_percentage", "20",
+        "--per_device_train_batch_size", "4",
+        "--per_device_eval_batch_size", "8",
+        "--max_steps", "4",
+        "--learning_rate", "1e-2",
+        "--logging_steps", "1",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--seed", "0",
+        "--lora_r", "4",
+        *extra,
+    ]  # fmt: skip
+    return run.main(args)
+
+
+def test_lora_patched_and_unpatched_runs_write_their_results(tiny_model, alpaca_file, tmp_path):
+    baseline = _run(tiny_model, alpaca_file, tmp_path / "base", "--no_actq")
+    patched = _run(
+        tiny_model, alpaca_file, tmp_path / "uniform", "--recipe", "uniform", "--bits", "4"
+    )
+    for result, out in ((baseline, tmp_path / "base"), (patched, tmp_path / "uniform")):
+        on_disk = json.loads((out / "actq_results.json").read_text())
+        assert on_disk["eval_loss"] == result["eval_loss"] and result["eval_loss"] > 0
+        assert (out / "actq_results.md").read_text().startswith(f"# {tiny_model}")
+        assert result["steps"] == 4 and len(result["loss_history"]) == 4
+        assert result["training"]["method"] == "lora" and result["training"]["eval_examples"] == 8
+        assert 0 < result["parameters"]["trainable"] < result["parameters"]["total"]
+        assert result["step_peak_bytes"] > 0 and result["activation_bytes_step0"] > 0
+    assert baseline["recipe"] == "baseline" and patched["recipe"] == "uniform-4"
+    assert patched["actq"]["codec"] == "uniform" and baseline["actq"] is None
+    assert patched["activation_bytes_step0"] < baseline["activation_bytes_step0"]
+    # The same data, split and LoRA initialisation: the first steps' losses agree closely.
+    first = baseline["loss_history"][0][1], patched["loss_history"][0][1]
+    assert abs(first[0] - first[1]) < 1e-3 * abs(first[0])
+
+
+def test_full_fine_tuning_with_packing(tiny_model, alpaca_file, tmp_path):
+    result = _run(
+        tiny_model, alpaca_file, tmp_path, "--no_use_lora", "--packing", "--recipe", "fewbit"
+    )
+    assert result["training"]["method"] == "full" and result["training"]["packing"]
+    assert result["parameters"]["trainable"] == result["parameters"]["total"]
+    assert result["recipe"] == "fewbit-3" and torch.isfinite(torch.tensor(result["eval_loss"]))
+
+
+def test_bad_data_is_reported_clearly(tiny_model, tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"prompt": "x", "completion": "y"}]))
+    with pytest.raises(ValueError, match="need 'instruction' and 'output'"):
+        _run(tiny_model, path, tmp_path / "out")
+
+
+@pytest.mark.slow
+def test_qlora_on_cpu(tiny_model, alpaca_file, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    result = _run(
+        tiny_model, alpaca_file, tmp_path, "--qlora", "--recipe", "uniform", "--bits", "4",
+        "--gradient_checkpointing",
+    )  # fmt: skip
+    assert result["training"]["method"] == "qlora"
+    assert torch.isfinite(torch.tensor(result["eval_loss"]))
+    assert result["activation_bytes_step0"] > 0
