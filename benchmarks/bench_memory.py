@@ -16,6 +16,13 @@ Micro-batch 8 is measured (1 and 2 layers, extrapolated to 32); micro-batches 32
 extrapolated linearly in the batch from measured micro-batches 1 and 2, after checking that this
 line predicts the measured micro-batch 8.
 
+Part 3 (`--only llama`), ALAM Tables 3 and 4 for the LoRA/QLoRA recipe: LLaMA2-7B and LLaMA2-13B
+shapes, each with LoRA in bf16 and with QLoRA (bitsandbytes nf4 base, bf16 compute), sequence
+512, micro-batches 8, 1 and 2 measured (32 and 64 extrapolated from 1 and 2): baseline,
+"uniform" 4 bits, and "alam" at 1 bit with its adaptive plan and spread evenly; activation
+memory and total (model state + activations). Resumable: a configuration already in --output is
+not measured again.
+
 Every figure is the bytes autograd holds (hf_actq.memory, checked against a walk of the autograd
 graph), not nominal bits.
 """
@@ -157,6 +164,91 @@ def alam_part() -> dict:
     return out
 
 
+# ALAM Table 3 (activation GB; LLaMA2-13B at micro-batch 2) and Table 4 (model state and
+# activation GB at micro-batch 8), by model and PEFT mode.
+ALAM_LLM_PAPER = {
+    ("llama2-7b", "lora"): {
+        "state": 13,
+        8: {"baseline": 21.1, "uniform:bits=4": 5.9, "alam:bits=1": 2.0},
+    },
+    ("llama2-13b", "qlora"): {
+        "state": 7,
+        2: {"baseline": 8.2, "alam:bits=1": 0.8},
+        8: {"baseline": 33, "alam:bits=1": 3},
+    },
+}
+LLM_RECIPES = ["uniform:bits=4", "alam:bits=1", "alam:bits=1,adaptive=False"]
+LLM_LABELS = {
+    "baseline": "baseline (bf16)",
+    "uniform:bits=4": '"uniform" 4-bit',
+    "alam:bits=1": '"alam" 1-bit, adaptive',
+    "alam:bits=1,adaptive=False": '"alam" 1-bit, even',
+}
+
+
+def llama_part(done: dict):
+    """Yields the results so far after each newly measured configuration."""
+    out = dict(done)
+    for name in ("llama2-7b", "llama2-13b"):
+        config = preset_config(name)
+        for peft in ("lora", "qlora"):
+            for batch in (8, 1, 2):
+                key = f"{name}/{peft}/mb{batch}"
+                if key in out:
+                    continue
+                start = time.time()
+                report = measure_model(
+                    config, LLM_RECIPES, name=name, batch_size=batch, seq_len=512,
+                    dtype=torch.bfloat16, peft=peft, layers="scaled", gpu_memory_bytes=48 * GIB,
+                )  # fmt: skip
+                out[key] = {"report": report.to_dict(), "seconds": time.time() - start}
+                print(f"{key}: {time.time() - start:.0f} s", flush=True)
+                yield out
+    yield out
+
+
+def print_llama(out: dict) -> None:
+    for name in ("llama2-7b", "llama2-13b"):
+        for peft in ("lora", "qlora"):
+            keys = [f"{name}/{peft}/mb{b}" for b in (8, 1, 2)]
+            if any(k not in out for k in keys):
+                continue
+            rows8, rows1, rows2 = (out[k]["report"]["rows"] for k in keys)
+            paper = ALAM_LLM_PAPER.get((name, peft), {})
+            print(
+                f"\n**{name}, {'LoRA' if peft == 'lora' else 'QLoRA'}** (r 8 on q/v, bf16 compute, "
+                f"sequence 512): activation / total GiB; model state "
+                f"{rows8[0]['model_state_bytes'] / GIB:.1f} GiB"
+                + (f" (ALAM: {paper['state']} GB)" if paper else "")
+                + "\n"
+            )
+            print(
+                "| recipe | mb 8 | compression | mb 2 | mb 32 (extrap.) | mb 64 (extrap.) "
+                "| ALAM, activation GB |"
+            )
+            print("|---|---|---:|---|---|---|---|")
+            for row, one, two in zip(rows8, rows1, rows2):
+                state = row["model_state_bytes"]
+                per_sample = two["activation_bytes"] - one["activation_bytes"]
+                fixed = 2 * one["activation_bytes"] - two["activation_bytes"]
+                cells = [
+                    f"{act / GIB:.2f} / {(act + state) / GIB:.1f}"
+                    for act in (
+                        row["activation_bytes"], two["activation_bytes"],
+                        fixed + 32 * per_sample, fixed + 64 * per_sample,
+                    )
+                ]  # fmt: skip
+                cited = "; ".join(
+                    f"mb {mb}: {paper[mb][row['recipe']]}"
+                    for mb in (8, 2)
+                    if mb in paper and row["recipe"] in paper[mb]
+                )
+                print(
+                    f"| {LLM_LABELS[row['recipe']]} | {cells[0]} | {row['compression']:.1f}x | "
+                    f"{cells[1]} | {cells[2]} | {cells[3]} | {cited or '-'} |"
+                )
+
+
 def print_alam(out: dict) -> None:
     measured = {mb: out[f"mb{mb}"]["report"]["rows"] for mb in (1, 2, 8)}
     states = [r["model_state_bytes"] for r in measured[8]]
@@ -207,7 +299,7 @@ def print_alam(out: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("fewbit", "alam"))
+    parser.add_argument("--only", choices=("fewbit", "alam", "llama"))
     parser.add_argument("--output", default=None, help="JSON file for the raw reports")
     args = parser.parse_args()
     results = {}
@@ -219,11 +311,25 @@ def main() -> None:
     if args.only in (None, "alam"):
         results["alam"] = alam_part()
         print_alam(results["alam"])
-    if args.output:
-        if os.path.exists(args.output):
+    if args.only == "llama":  # long: saved after every configuration, resumable
+        previous = {}
+        if args.output and os.path.exists(args.output):
             with open(args.output) as file:
+                previous = json.load(file).get("llama", {})
+        for partial in llama_part(previous):
+            results["llama"] = partial
+            _save(args.output, results)
+        results["llama"] = results.get("llama", previous)
+        print_llama(results["llama"])
+    _save(args.output, results)
+
+
+def _save(output: str | None, results: dict) -> None:
+    if output:
+        if os.path.exists(output):
+            with open(output) as file:
                 results = {**json.load(file), **results}
-        with open(args.output, "w") as file:
+        with open(output, "w") as file:
             json.dump(results, file, indent=1, default=str)
 
 

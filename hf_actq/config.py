@@ -68,6 +68,14 @@ class ActQConfig:
     dropout_mode: Literal["seed", "mask"] = field(
         default="seed", metadata=_help("Keep dropout masks as an RNG seed or 1 bit per element.")
     )
+    fused_loss: bool = field(
+        default=True,
+        metadata=_help(
+            "Registered causal LMs: the head and loss as a chunked linear + cross-entropy while "
+            "training with labels (no [tokens, vocab] logits kept; exact up to rounding); the "
+            "output's logits are then None unless the call passes return_logits=True."
+        ),
+    )
     skip_modules: list[str] = field(
         default_factory=list, metadata=_help("Regexes on module paths to leave unpatched.")
     )

@@ -38,10 +38,17 @@ from hf_actq.ops.state import OpState
 _OUTPUT_SAVING = ("tanh", "sigmoid")
 
 
-def patch_layers(model: nn.Module, config: ActQConfig, handle) -> None:
+def patch_layers(
+    model: nn.Module, config: ActQConfig, handle, exclude: dict[nn.Module, str] | None = None
+) -> None:
+    """Patch every known module type; ``exclude`` maps modules to leave alone to the reason
+    (``handle.skipped`` shows it)."""
     cache = PackCache()
     codec = config.make_codec()
-    claimed: set[int] = set()
+    claimed: set[int] = {id(m) for m in exclude or ()}
+    for path, module in model.named_modules():
+        if exclude and module in exclude:
+            handle.skipped[path] = exclude[module]
 
     def bind(module, op_forward, path, kinds, describe, codecs=None, activation=None, **fields):
         """Bind with a state whose codec slots (``kinds``: slot -> kind, codec slots and the

@@ -1,13 +1,16 @@
 """What the recipes (``recipes/glue``, ``recipes/llama_lora``) record of a training run, in one
 place: the ``--no_actq``/``--peak_step`` arguments, a callback that times every step and
 measures one step's peak memory, and the part of the results file every recipe shares
-(activation and peak memory, step time, adaptive calibrations, config, versions)."""
+(activation and peak memory, step time, adaptive calibrations, config, versions), and what the
+recipes' sweeps share (a lock per run, the checkout's commit, the README's results section)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -190,3 +193,45 @@ def record_markdown_rows(record: dict) -> str:
         f"| step seconds (median) | {'n/a' if seconds is None else f'{seconds:.3f}'} |\n"
         f"| steps | {record['steps']} |\n| device | {record['device']} |\n"
     )
+
+
+# Sweeps ----------------------------------------------------------------------------------------
+def take_lock(path: Path) -> bool:
+    """Take ``path`` as a lock unless a live process holds it (several sweeps may share a grid)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        try:
+            os.kill(int(path.read_text() or 0), 0)
+            return False
+        except (ProcessLookupError, ValueError):
+            path.unlink(missing_ok=True)  # its process died: take it over
+            return take_lock(path)
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def checkout_commit(repo: Path) -> str | None:
+    """The checkout's commit (``+`` when it has uncommitted changes), for provenance."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=repo, capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+    except OSError:
+        return None
+    return (head + ("+" if dirty else "")) or None
+
+
+def replace_marked_section(readme: Path, text: str, name: str = "results") -> None:
+    """Replace what lies between ``<!-- {name}:start -->`` and ``<!-- {name}:end -->``."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    content = readme.read_text()
+    if start not in content or end not in content:
+        return
+    head, rest = content.split(start, 1)
+    readme.write_text(f"{head}{start}\n{text}{end}{rest.split(end, 1)[1]}")

@@ -15,6 +15,7 @@ from torch import nn
 
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.attention import patch_attention
+from hf_actq.integrations.causal_lm import patch_causal_lm_loss
 from hf_actq.integrations.layers import patch_layers
 
 
@@ -30,10 +31,14 @@ class ModelLayout:
     attention: str | None
     exact_attention_when: tuple[tuple[str, str], ...] = ()
     note: str = ""
+    # The causal-LM head's forward is the stock pattern (base model, lm_head, optional final
+    # soft-capping, loss_function), so the fused linear + cross-entropy replaces it exactly.
+    causal_lm_loss: bool = False
 
 
 _EAGER = ModelLayout("eager")
-_SDPA = ModelLayout("sdpa")
+_EAGER_DECODER = ModelLayout("eager", causal_lm_loss=True)
+_SDPA = ModelLayout("sdpa", causal_lm_loss=True)
 
 MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "bert": _EAGER,
@@ -42,9 +47,11 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "electra": _EAGER,
     "distilbert": _EAGER,
     "gpt2": ModelLayout(
-        "eager", (("reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn path"),)
+        "eager",
+        (("reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn path"),),
+        causal_lm_loss=True,
     ),
-    "gpt_neox": _EAGER,
+    "gpt_neox": _EAGER_DECODER,
     "llama": _SDPA,
     "mistral": _SDPA,
     "qwen2": _SDPA,
@@ -52,7 +59,9 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "phi3": _SDPA,
     "gemma": _SDPA,  # its (1 + w) RMSNorm fails the LLaMA-formula check and stays exact
     "gemma2": ModelLayout(
-        "sdpa", (("attn_logit_softcapping", "logit soft-capping needs eager attention"),)
+        "sdpa",
+        (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
+        causal_lm_loss=True,
     ),
     "deberta-v2": ModelLayout(
         None, note="disentangled attention does not go through AttentionInterface (kept exact)"
@@ -65,8 +74,14 @@ GENERIC = ModelLayout(None)
 def apply_generic(
     model: nn.Module, config: ActQConfig, handle, layout: ModelLayout = GENERIC
 ) -> None:
-    """Patch every known module type in ``model``, and attention as ``layout`` says."""
-    patch_layers(model, config, handle)
+    """Patch every known module type in ``model``, attention as ``layout`` says, and a
+    registered causal LM's head and loss (``config.fused_loss``)."""
+    exclude = None
+    if layout.causal_lm_loss and config.fused_loss and patch_causal_lm_loss(model, handle):
+        # The fused loss reads the head's weight itself; the head runs only where the stock
+        # forward does (eval, no labels, return_logits), and then exactly.
+        exclude = {model.get_output_embeddings(): "the fused linear + cross-entropy computes it"}
+    patch_layers(model, config, handle, exclude)
     patch_attention(model, config, handle, layout)
 
 

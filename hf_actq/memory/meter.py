@@ -19,7 +19,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-OP_KINDS = ("linear", "attention", "mlp", "norm", "activation", "dropout", "embedding", "other")
+OP_KINDS = (
+    "linear", "attention", "mlp", "norm", "activation", "dropout", "embedding", "lm_loss", "other",
+)  # fmt: skip
 
 
 class SavedTensorMeter:
@@ -139,10 +141,13 @@ def op_kind(path: str, module: nn.Module) -> str:
 
     Attention and gated MLPs compute inside the block module itself, so a tensor saved there
     (e.g. attention probabilities, or the fused gated-MLP's packed input) counts as "attention"
-    or "mlp"; tensors saved by a block's child Linear count as "linear".
+    or "mlp"; tensors saved by a block's child Linear count as "linear". A causal LM's own
+    tensors (the log-probabilities of the stock loss, the fused loss's gradient) are "lm_loss".
     """
     name = type(module).__name__
     leaf = path.rsplit(".", 1)[-1].lower()
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return "lm_loss"  # what a causal LM saves itself: its loss over the vocabulary
     if isinstance(module, nn.Linear) or name in ("Conv1D", "Linear4bit", "Linear8bitLt"):
         return "linear"
     if isinstance(module, nn.Embedding):

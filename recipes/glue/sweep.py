@@ -26,6 +26,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hf_actq.integrations.recipe_stats import checkout_commit, replace_marked_section, take_lock
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
@@ -104,28 +106,12 @@ def result_path(results: Path, task: str, recipe: str, seed: int) -> Path:
     return results / task / f"{recipe}_seed{seed}.json"
 
 
-def _lock(path: Path) -> bool:
-    """Take ``path`` as a lock unless a live process holds it."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        try:
-            os.kill(int(path.read_text() or 0), 0)
-            return False
-        except (ProcessLookupError, ValueError):
-            path.unlink(missing_ok=True)  # its process died: take it over
-            return _lock(path)
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    return True
-
-
 def run_one(task, recipe, seed, args, extra) -> bool:
     target = result_path(Path(args.results), task, recipe, seed)
     workdir = Path(args.runs) / task / f"{recipe}_seed{seed}"
     workdir.mkdir(parents=True, exist_ok=True)
     lock = workdir / "lock"
-    if target.exists() or not _lock(lock):
+    if target.exists() or not take_lock(lock):
         return False
     try:
         command = [*shlex.split(args.launcher), str(HERE / "run.py")]
@@ -141,27 +127,12 @@ def run_one(task, recipe, seed, args, extra) -> bool:
         result = json.loads((workdir / "actq_results.json").read_text())
         result["sweep_recipe"] = recipe
         result["command"] = shlex.join(command)
-        result["commit"] = _commit()
+        result["commit"] = checkout_commit(REPO)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(result, indent=1) + "\n")
         return True
     finally:
         lock.unlink(missing_ok=True)
-
-
-def _commit() -> str | None:
-    """The checkout's commit (``+`` when it has uncommitted changes), for provenance."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
-    except OSError:
-        return None
-    return (head + ("+" if dirty else "")) or None
 
 
 # Rendering -------------------------------------------------------------------------------------
@@ -289,16 +260,6 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def write_readme_section(readme: Path, table: str) -> None:
-    """Replace what lies between the README's results markers with ``table``."""
-    start, end = "<!-- results:start -->", "<!-- results:end -->"
-    text = readme.read_text()
-    if start not in text or end not in text:
-        return
-    head, rest = text.split(start, 1)
-    readme.write_text(f"{head}{start}\n{table}{end}{rest.split(end, 1)[1]}")
-
-
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -337,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     (results / "table.md").write_text(table)
     plot(found, results / "plot.png")
     if results.resolve() == (HERE / "results").resolve():  # the committed results
-        write_readme_section(HERE / "README.md", table)
+        replace_marked_section(HERE / "README.md", table)
     print(table)
 
 

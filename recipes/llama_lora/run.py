@@ -97,6 +97,13 @@ class ModelArguments:
             "for every linear layer but the output head."
         },
     )
+    save_model: bool = field(
+        default=False,
+        metadata={
+            "help": "Save the trained model (adapters under LoRA) and the tokenizer to "
+            "<output_dir>/model at the end."
+        },
+    )
     qlora: bool = field(
         default=False,
         metadata={
@@ -117,6 +124,13 @@ class DataArguments:
     packing: bool = field(
         default=False,
         metadata={"help": "Concatenate examples into blocks of max_seq_length tokens."},
+    )
+    train_on_prompt: bool = field(
+        default=False,
+        metadata={
+            "help": "Count the prompt tokens in the loss too (language-model training "
+            "on the whole example); by default only the response counts."
+        },
     )
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "Share of the examples held out for the eval loss."}
@@ -155,14 +169,17 @@ def prompt_of(instruction: str, input_text: str | None) -> str:
     return PROMPT_WITHOUT_INPUT.format(instruction=instruction)
 
 
-def tokenize_example(tokenizer, example: dict, max_length: int) -> dict:
-    """Prompt + response + EOS, with the prompt's labels masked; truncated to ``max_length``."""
+def tokenize_example(
+    tokenizer, example: dict, max_length: int, train_on_prompt: bool = False
+) -> dict:
+    """Prompt + response + EOS, with the prompt's labels masked unless ``train_on_prompt``;
+    truncated to ``max_length``."""
     prompt = tokenizer(prompt_of(example["instruction"], example["input"]))["input_ids"]
     response = tokenizer(example["output"], add_special_tokens=False)["input_ids"]
     if tokenizer.eos_token_id is not None:
         response = response + [tokenizer.eos_token_id]
     ids = (prompt + response)[:max_length]
-    labels = ([IGNORE_INDEX] * len(prompt) + response)[:max_length]
+    labels = ((prompt if train_on_prompt else [IGNORE_INDEX] * len(prompt)) + response)[:max_length]
     return {"input_ids": ids, "attention_mask": [1] * len(ids), "labels": labels}
 
 
@@ -190,7 +207,9 @@ def build_datasets(data: DataArguments, tokenizer, training_args):
     with training_args.main_process_first(desc="tokenizing"):
         train, dev = (
             part.map(
-                lambda example: tokenize_example(tokenizer, example, data.max_seq_length),
+                lambda example: tokenize_example(
+                    tokenizer, example, data.max_seq_length, data.train_on_prompt
+                ),
                 remove_columns=columns,
             )
             for part in (train, dev)
@@ -288,6 +307,8 @@ def main(args: list[str] | None = None) -> dict | None:
     train_result = trainer.train()
     train_seconds = time.perf_counter() - began
     metrics = trainer.evaluate()
+    if model_args.save_model:
+        trainer.save_model(str(Path(training_args.output_dir) / "model"))
     if not trainer.is_world_process_zero():
         return None
 

@@ -125,6 +125,7 @@ def test_callback_patches_a_peft_model_and_trains_as_well_as_unpatched(tmp_path)
     patched = train([callback])
     assert any(".lora_A." in path for path in callback.handle.patched)
     assert len(callback.memory_history) == 12
-    assert patched[0] == unpatched[0]
+    # The same first loss, up to the fused loss's rounding (chunked head matmul).
+    assert patched[0] == pytest.approx(unpatched[0], rel=1e-6)
     drop = unpatched[0] - unpatched[-1]
     assert drop > 0.15 and abs(patched[-1] - unpatched[-1]) < 0.1 * drop

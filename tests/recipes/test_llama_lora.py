@@ -87,6 +87,8 @@ def test_prompt_tokens_are_masked_and_the_response_ends_with_eos(tiny_model):
     assert "### Input:" in run.prompt_of("x", "y") and "### Input:" not in run.prompt_of("x", "")
     short = run.tokenize_example(tokenizer, example, max_length=5)
     assert len(short["input_ids"]) == len(short["labels"]) == 5
+    whole = run.tokenize_example(tokenizer, example, max_length=512, train_on_prompt=True)
+    assert whole["labels"] == whole["input_ids"] == tokens["input_ids"]
 
 
 def test_packing_concatenates_and_drops_the_remainder():
@@ -142,13 +144,22 @@ def test_lora_patched_and_unpatched_runs_write_their_results(tiny_model, alpaca_
     assert abs(first[0] - first[1]) < 1e-3 * abs(first[0])
 
 
-def test_full_fine_tuning_with_packing(tiny_model, alpaca_file, tmp_path):
+def test_full_fine_tuning_with_packing_saves_a_model_that_loads(tiny_model, alpaca_file, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     result = _run(
-        tiny_model, alpaca_file, tmp_path, "--no_use_lora", "--packing", "--recipe", "fewbit"
-    )
+        tiny_model, alpaca_file, tmp_path, "--no_use_lora", "--packing", "--recipe", "fewbit",
+        "--train_on_prompt", "--save_model",
+    )  # fmt: skip
     assert result["training"]["method"] == "full" and result["training"]["packing"]
     assert result["parameters"]["trainable"] == result["parameters"]["total"]
     assert result["recipe"] == "fewbit-3" and torch.isfinite(torch.tensor(result["eval_loss"]))
+    # The saved model is the trained one, unpatched: it loads and differs from the start.
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model)
+    weight = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(trained.state_dict()[weight], start.state_dict()[weight])
+    assert not any("actq" in type(m).__name__.lower() for m in trained.modules())
 
 
 def test_bad_data_is_reported_clearly(tiny_model, tmp_path):
@@ -168,3 +179,41 @@ def test_qlora_on_cpu(tiny_model, alpaca_file, tmp_path):
     assert result["training"]["method"] == "qlora"
     assert torch.isfinite(torch.tensor(result["eval_loss"]))
     assert result["activation_bytes_step0"] > 0
+
+
+ALPACA = Path(__file__).resolve().parents[3] / "shared" / "alpaca" / "alpaca_5000.json"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ALPACA.exists(), reason=f"needs the Alpaca data at {ALPACA}")
+def test_convergence_driver_end_to_end_and_its_checkpoint_check(tmp_path, capsys):
+    """``convergence.py --quick``: tokenizer and model built, pretrained, fine-tuned, rendered;
+    a rerun of pretraining reproduces the recorded checkpoint, and a mismatch stops the run."""
+    spec = importlib.util.spec_from_file_location("convergence", RECIPE_DIR / "convergence.py")
+    convergence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convergence)
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    args = ["--quick", "--data", str(ALPACA), "--results", str(results), "--runs", str(runs)]
+    args += ["--modes", "lora", "--recipes", "baseline", "uniform-4", "--seeds", "0"]
+    convergence.main(args)
+    for recipe in ("baseline", "uniform-4"):
+        record = json.loads((results / "lora" / f"{recipe}_seed0.json").read_text())
+        assert record["steps"] == 2 and len(record["eval_history"]) >= 2
+        assert (
+            record["checkpoint_sha256"]
+            == json.loads((results / "pretrain.json").read_text())["checkpoint_sha256"]
+        )
+    table = (results / "table.md").read_text()
+    assert "| uniform-4 | 1 |" in table and (results / "curves.png").stat().st_size > 0
+    # Pretraining again from scratch gives the same weights, so the grid may go on.
+    import shutil
+
+    shutil.rmtree(runs / "pretrain")
+    convergence.main(args)
+    # A different checkpoint than the recorded one is refused.
+    shutil.rmtree(runs / "pretrain")
+    record = json.loads((results / "pretrain.json").read_text())
+    record["checkpoint_sha256"] = "0" * 64
+    (results / "pretrain.json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="differs from the committed one"):
+        convergence.main(args)

@@ -1,0 +1,104 @@
+"""A registered causal LM's head and loss as one chunked linear + cross-entropy
+(:mod:`hf_actq.ops.linear_cross_entropy`), bound onto the model instance's ``forward``.
+
+The stock forward of every registered decoder is: base model, hidden states of the kept
+positions, ``lm_head``, optional final soft-capping, ``self.loss_function``. While training
+with labels (grad enabled, ``model.training``), the bound forward runs the base model with the
+same arguments and computes the loss from the hidden states directly, so no [tokens, vocab]
+tensor is kept or materialised; the output's ``logits`` is None then. Everywhere else (eval,
+``no_grad``, no labels: generation, Trainer's label smoothing, which calls the model without
+labels) and for heads it cannot read exactly (a head that is not a plain ``nn.Linear``, such as a
+LoRA-adapted or 4-bit head; a head with an accelerate hook, which may move or load its weight;
+a custom ``loss_type``), the stock forward runs unchanged. Plain torch hooks on the head do not
+run while the fused loss is in use, since the head module itself is not called. Set
+``ActQConfig(fused_loss=False)``, or pass ``return_logits=True`` to a call, where a training loop
+needs the logits.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from hf_actq.integrations.patching import bind_forward
+from hf_actq.ops.linear_cross_entropy import causal_lm_loss
+from hf_actq.ops.state import OpState, state_of
+
+DESCRIPTION = "lm_loss chunked linear + cross-entropy (exact; no logits kept)"
+
+
+def fused_causal_lm_forward(self, *args, **kwargs):
+    """The causal LM's forward with the head and loss fused; see the module docstring."""
+    state = state_of(self)
+    head = self.get_output_embeddings()
+    fused = (
+        not kwargs.pop("return_logits", False)
+        and self.training
+        and torch.is_grad_enabled()
+        and type(head) is nn.Linear  # a patched nn.Linear keeps its class
+        # accelerate's hooks may move or load the head's weight in its forward: run it.
+        and not hasattr(head, "_hf_hook")
+        and getattr(self, "loss_type", None) in (None, "ForCausalLM")
+    )
+    if not fused:
+        return state.plain(*args, **kwargs)
+    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    extra = arguments.pop(_var_keyword(type(self).forward), None) or {}
+    labels = arguments.pop("labels", None)
+    shift_labels = extra.pop("shift_labels", None)
+    if labels is None and shift_labels is None:
+        return state.plain(*args, **kwargs)
+    if not (
+        isinstance(logits_to_keep := arguments.pop("logits_to_keep", 0), int)
+        and logits_to_keep == 0
+    ):
+        return state.plain(*args, **kwargs)  # training computes every position's loss
+    return_dict = arguments.pop("return_dict", None)
+    num_items_in_batch = extra.get("num_items_in_batch")
+    outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
+    loss = causal_lm_loss(
+        outputs[0],
+        head.weight,
+        labels,
+        head.bias,
+        shift_labels=shift_labels,
+        softcap=getattr(self.config, "final_logit_softcapping", None),
+        num_items_in_batch=num_items_in_batch,
+    )
+    output = CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=getattr(outputs, "past_key_values", None),
+        hidden_states=getattr(outputs, "hidden_states", None),
+        attentions=getattr(outputs, "attentions", None),
+    )
+    return output.to_tuple() if return_dict is False else output
+
+
+def _var_keyword(function) -> str | None:
+    for parameter in inspect.signature(function).parameters.values():
+        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+            return parameter.name
+    return None
+
+
+def patch_causal_lm_loss(model: nn.Module, handle) -> bool:
+    """Bind the fused head and loss onto ``model`` when it is a causal LM (``...ForCausalLM``,
+    ``...LMHeadModel``; not multi-task heads such as GPT-2's double heads) with a linear head."""
+    if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+        return False
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or not hasattr(model, model.base_model_prefix or "-"):
+        return False
+    # The stock forward's signature stays visible (Trainer picks the dataset columns to keep
+    # from it, and would drop ``input_ids`` for a bare ``*args, **kwargs``).
+    forward = functools.wraps(type(model).forward)(
+        lambda self, *args, **kwargs: fused_causal_lm_forward(self, *args, **kwargs)
+    )
+    return bind_forward(model, forward, OpState(path=""), "", lambda: DESCRIPTION, handle)

@@ -1,0 +1,199 @@
+"""Linear + cross-entropy over chunks of tokens: a causal LM's head and loss without a
+[tokens, vocab] tensor kept for backward or alive at once.
+
+The stock head computes the logits (model dtype), upcasts them to fp32 and takes the
+cross-entropy, and autograd keeps the fp32 log-probabilities (and the logits) until backward: at
+LLaMA2-7B shapes, 8 x 512 tokens x 32,000 words, 0.49 GiB of fp32 that no codec touches, and the
+bf16 logits plus their fp32 copy at the peak. Here the forward walks the tokens a chunk at a
+time. With a frozen head (LoRA, QLoRA) it also forms, while each chunk's logits are at hand, the
+gradient with respect to the hidden states, and backward only scales it (as Liger-Kernel's fused
+linear cross-entropy does); with a trained head (full fine-tuning, tied embeddings) it keeps the
+hidden states and each token's target and validity, and backward recomputes the logits chunk by
+chunk (one extra head matmul) rather than hold a weight-sized gradient from the forward on.
+Either way what is kept is one [tokens, hidden] tensor in the model dtype, the size of the
+hidden states the stock head keeps anyway, plus a few bytes per token.
+
+The arithmetic follows transformers' ``ForCausalLMLoss``: logits in the model dtype, optional
+soft-capping ``cap * tanh(logits / cap)`` in the model dtype (Gemma 2), fp32 log-softmax, the
+mean over tokens whose label is not ``ignore_index`` or the sum over ``num_items_in_batch``
+(gradient accumulation). Equal to it up to floating-point rounding (chunked matmuls, the
+gradient formed in fp32 before the cast). No Triton kernel: the work is in the matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+IGNORE_INDEX = -100
+
+
+def chunk_tokens_for(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk so that one chunk's [chunk, vocab] logits hold about as many elements as
+    the [tokens, hidden] hidden states (Liger-Kernel's rule): the transient stays within the
+    size of what the stock head keeps, and the matmuls stay large. At least 1."""
+    return max(1, min(tokens, -(-tokens * hidden // vocab)))
+
+
+def _chunk_loss_and_grad(h, weight, bias, target, keep, softcap, smoothing, scale, want_grad):
+    """One chunk: the sum of its tokens' losses (fp32) and, with ``want_grad``, d(loss)/d(logits)
+    times ``scale`` in the model dtype (softmax minus the smoothed one-hot, 0 where ignored)."""
+    logits = F.linear(h, weight, bias)
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    del logits
+    safe_target = torch.where(keep, target, 0)
+    nll = -log_probs.gather(1, safe_target[:, None]).squeeze(1)
+    if smoothing:
+        nll = (1 - smoothing) * nll - smoothing * log_probs.mean(dim=-1)
+    total = torch.where(keep, nll, 0).sum()
+    if not want_grad:
+        return total, None
+    grad = log_probs.exp_()
+    del log_probs
+    grad.scatter_add_(1, safe_target[:, None], torch.full_like(grad[:, :1], smoothing - 1))
+    if smoothing:
+        grad -= smoothing / weight.shape[0]
+    grad *= keep[:, None] * scale
+    if capped is not None:
+        grad *= 1 - capped.float().square()
+    return total, grad.to(h.dtype)
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Scalar loss of ``hidden @ weight.T (+ bias)`` against ``targets``; see the module.
+
+    A frozen head (LoRA, QLoRA): the hidden states' gradient is formed in the forward and kept
+    ([tokens, hidden]); backward scales it. A trained head: the forward keeps the hidden states
+    and each token's log-sum-exp, and backward recomputes the logits chunk by chunk for both
+    gradients, so no weight-sized gradient is held from the forward on."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, targets, ignore_index, smoothing, softcap, num_items_in_batch,
+        chunk_tokens,
+    ):  # fmt: skip
+        valid = targets != ignore_index
+        if num_items_in_batch is None:
+            normalizer = valid.sum().to(torch.float32)
+        else:
+            normalizer = torch.as_tensor(num_items_in_batch, dtype=torch.float32)
+            normalizer = normalizer.to(hidden.device)
+        scale = 1.0 / normalizer  # applied in fp32, before the gradients are cast
+        ctx.recompute = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        grad_now = ctx.needs_input_grad[0] and not ctx.recompute
+        grad_hidden = torch.empty_like(hidden) if grad_now else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        chunk = chunk_tokens or chunk_tokens_for(hidden.shape[0], hidden.shape[1], weight.shape[0])
+        ctx.settings = (softcap, smoothing, chunk)
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            loss, grad = _chunk_loss_and_grad(
+                hidden[part], weight, bias, targets[part], valid[part], softcap, smoothing,
+                scale, grad_now,
+            )  # fmt: skip
+            total += loss
+            if grad_now:
+                grad_hidden[part] = grad @ weight
+        if ctx.recompute:
+            ctx.save_for_backward(hidden, weight, bias, targets, valid, scale)
+        else:
+            ctx.save_for_backward(grad_hidden)
+        return total / normalizer
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        if not ctx.recompute:
+            (grad_hidden,) = ctx.saved_tensors
+            grad_hidden = (
+                None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
+            )
+            return grad_hidden, None, None, None, None, None, None, None, None
+        hidden, weight, bias, targets, valid, scale = ctx.saved_tensors
+        softcap, smoothing, chunk = ctx.settings
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_bias = bias is not None and ctx.needs_input_grad[2]
+        fp32 = dict(dtype=torch.float32, device=weight.device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, **fp32) if need_weight else None
+        grad_bias = torch.zeros(weight.shape[0], **fp32) if need_bias else None
+        scale = scale * grad_loss.float()
+        for start in range(0, hidden.shape[0], chunk):
+            part = slice(start, start + chunk)
+            h = hidden[part]
+            _, grad = _chunk_loss_and_grad(
+                h, weight, bias, targets[part], valid[part], softcap, smoothing, scale, True
+            )
+            if need_hidden:
+                grad_hidden[part] = grad @ weight
+            if need_weight:  # accumulated in fp32 across chunks
+                if h.dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), h)
+                else:
+                    grad_weight.add_(grad.t() @ h)
+            if need_bias:
+                grad_bias += grad.float().sum(0)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(linear(hidden, weight, bias).float(), targets)`` over any leading shape
+    of ``hidden`` (``[..., hidden]``, ``targets`` ``[...]``), computed chunk by chunk; the mean
+    over non-ignored targets, or their sum over ``num_items_in_batch`` when given."""
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} must agree "
+            "in every dimension but the last"
+        )
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden size {hidden.shape[-1]} does not match the head's weight "
+            f"{tuple(weight.shape)} ([vocab, hidden])"
+        )
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return LinearCrossEntropyFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), ignore_index,
+        float(label_smoothing), softcap, num_items_in_batch, chunk_tokens,
+    )  # fmt: skip
+
+
+def causal_lm_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    *,
+    shift_labels: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    softcap: float | None = None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` from the hidden states ``[batch, seq, hidden]``: the
+    labels shifted left by one (or ``shift_labels`` as given), the last position ignored."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return linear_cross_entropy(
+        hidden, weight, shift_labels.to(hidden.device), bias, ignore_index=ignore_index,
+        softcap=softcap, num_items_in_batch=num_items_in_batch,
+    )  # fmt: skip

@@ -1,0 +1,95 @@
+"""The fused linear + cross-entropy bound onto every registered causal LM: the same loss and
+gradients as the stock head and loss, no [tokens, vocab] tensor kept, logits where asked for,
+and the stock forward back after revert."""
+
+import pytest
+import torch
+from test_apply import ENCODERS, SMALL, _model
+
+import hf_actq
+from hf_actq import ActQConfig, SavedTensorMeter
+
+DECODERS = sorted(set(SMALL) - set(ENCODERS))
+# Everything off but the fused loss: its own effect, compared with the stock model.
+LOSS_ONLY = dict(
+    activations=False, linear=False, norm=False, gated_mlp=False, attention=False, dropout=False
+)
+
+
+def _loss_and_grads(model, batch, **kwargs):
+    model.zero_grad()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with SavedTensorMeter(exclude=params, model=model) as meter:
+        out = model(**batch, **kwargs)
+    out.loss.backward()
+    return out, [p.grad.clone() for p in params], meter
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_fused_loss_matches_the_stock_loss_and_keeps_no_vocab_sized_tensor(model_type):
+    overrides = {"final_logit_softcapping": 5.0} if model_type == "gemma2" else {}
+    model = _model(model_type)
+    for name, value in overrides.items():
+        setattr(model.config, name, value)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12))
+    labels = ids.clone()
+    labels[:, :4] = -100  # a masked prompt
+    batch = dict(input_ids=ids, labels=labels)
+    stock, stock_grads, stock_meter = _loss_and_grads(model, batch, num_items_in_batch=17)
+    handle = hf_actq.apply(model, ActQConfig(**LOSS_ONLY))
+    assert handle.patched[""].startswith("lm_loss")
+    fused, grads, meter = _loss_and_grads(model, batch, num_items_in_batch=17)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, stock.loss, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, stock_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    # The stock loss keeps fp32 log-probabilities over the vocabulary; the fused one the
+    # [tokens, hidden] gradient (plus the tied or trained head's weight gradient).
+    vocab_bytes = ids.numel() * model.config.vocab_size * 4
+    assert stock_meter.by_kind().get("lm_loss", 0) >= vocab_bytes
+    head = model.get_output_embeddings().weight
+    assert meter.by_kind().get("lm_loss", 0) <= ids.numel() * head.shape[1] * 4 + head.numel() * 4
+    assert meter.nbytes < stock_meter.nbytes
+    # Logits where the caller needs them: eval, no_grad, or return_logits=True.
+    assert model(**batch, return_logits=True).logits.shape == (2, 12, model.config.vocab_size)
+    with torch.no_grad():
+        assert model(**batch).logits is not None
+    model.eval()
+    assert model(**batch).logits is not None
+    model.train()
+    handle.revert()
+    reverted, reverted_grads, _ = _loss_and_grads(model, batch, num_items_in_batch=17)
+    assert torch.equal(reverted.loss, stock.loss) and reverted.logits is not None
+    for got, want in zip(reverted_grads, stock_grads):
+        assert torch.equal(got, want)
+
+
+def test_fused_loss_switch_and_positional_input_ids():
+    model = _model("llama")
+    ids = torch.randint(3, 100, (2, 12))
+    expected = model(ids, labels=ids).loss
+    handle = hf_actq.apply(model, ActQConfig(fused_loss=False))
+    assert "" not in handle.patched and model(ids, labels=ids).logits is not None
+    handle.revert()
+    handle = hf_actq.apply(model, ActQConfig(**LOSS_ONLY))
+    out = model(ids, labels=ids)  # input_ids given positionally, as many loops do
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
+    assert model(ids, labels=ids, return_dict=False)[0].shape == ()
+    handle.revert()
+
+
+def test_lora_model_with_a_frozen_head_trains_with_the_fused_loss():
+    peft = pytest.importorskip("peft")
+    model = _model("llama")
+    ids = torch.randint(3, 100, (2, 12))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    stock, stock_grads, _ = _loss_and_grads(model, dict(input_ids=ids, labels=ids))
+    handle = hf_actq.apply(model, ActQConfig(**LOSS_ONLY))
+    fused, grads, _ = _loss_and_grads(model, dict(input_ids=ids, labels=ids))
+    assert fused.logits is None and handle.patched[""].startswith("lm_loss")
+    torch.testing.assert_close(fused.loss, stock.loss, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, stock_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+    handle.revert()

@@ -1,0 +1,141 @@
+"""The chunked linear + cross-entropy against ``F.linear`` + ``F.cross_entropy`` (the arithmetic
+of transformers' ForCausalLMLoss), what it keeps for backward, and its largest transient."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_actq.memory import PeakMemory, SavedTensorMeter
+from hf_actq.ops.linear_cross_entropy import (
+    causal_lm_loss,
+    chunk_tokens_for,
+    linear_cross_entropy,
+)
+
+VOCAB, HIDDEN = 50, 16
+
+
+def _stock(hidden, weight, bias, labels, softcap=None, num_items=None, smoothing=0.0):
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
+    shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=-100,
+        reduction="sum" if num_items else "mean", label_smoothing=smoothing,
+    )  # fmt: skip
+    return loss / num_items if num_items else loss
+
+
+def _inputs(dtype, bias=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(3, 20, HIDDEN, generator=generator).to(dtype).requires_grad_()
+    weight = (0.3 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(dtype).requires_grad_()
+    b = torch.randn(VOCAB, generator=generator).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, VOCAB, (3, 20), generator=generator)
+    labels[0, :5] = -100  # a masked prompt
+    return hidden, weight, b, labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("num_items", [None, 37])
+@pytest.mark.parametrize("bias", [True, False])
+def test_loss_and_gradients_match_the_stock_loss(dtype, softcap, num_items, bias):
+    hidden, weight, b, labels = _inputs(dtype, bias)
+    params = [t for t in (hidden, weight, b) if t is not None]
+    expected = _stock(hidden, weight, b, labels, softcap, num_items)
+    expected_grads = torch.autograd.grad(3 * expected, params)
+    loss = causal_lm_loss(hidden, weight, labels, b, softcap=softcap, num_items_in_batch=num_items)
+    grads = torch.autograd.grad(3 * loss, params)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    # fp32: rounding only; bf16: the stock path rounds its fp32 gradient to bf16 before the
+    # scale, this one after, so they differ by about one bf16 ulp.
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(grads, expected_grads):
+        assert got.dtype == want.dtype
+        error = (got.float() - want.float()).norm() / want.float().norm()
+        assert error < tolerance, error
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 60, None])
+def test_every_chunking_and_label_smoothing_agree(chunk):
+    hidden, weight, _, labels = _inputs(torch.float32, bias=False)
+    flat_hidden, flat_labels = hidden.reshape(-1, HIDDEN), labels.reshape(-1)
+    expected = F.cross_entropy(flat_hidden @ weight.t(), flat_labels, label_smoothing=0.1)
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    loss = linear_cross_entropy(
+        flat_hidden, weight, flat_labels, label_smoothing=0.1, chunk_tokens=chunk
+    )
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_head_keeps_only_the_hidden_gradient_and_no_vocab_sized_tensor():
+    tokens, hidden_size, vocab = 512, 32, 4096
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size) * 0.1  # frozen, as under LoRA
+    targets = torch.randint(0, vocab, (tokens,))
+    with SavedTensorMeter(exclude=[weight]) as stock_meter:
+        stock = F.cross_entropy(F.linear(hidden, weight).float(), targets)
+    with SavedTensorMeter(exclude=[weight]) as meter, PeakMemory() as peak:
+        loss = linear_cross_entropy(hidden, weight, targets)
+    # Kept: the [tokens, hidden] gradient alone (stock: the log-probabilities, tokens x vocab).
+    assert meter.nbytes == hidden.numel() * 4
+    assert stock_meter.nbytes >= tokens * vocab * 4
+    # The largest transient is a chunk of logits, about the size of the hidden states.
+    chunk = chunk_tokens_for(tokens, hidden_size, vocab)
+    assert peak.largest_bytes <= chunk * vocab * 4 <= 2 * hidden.numel() * 4
+    loss.backward()
+    expected = torch.autograd.grad(stock, hidden)[0]
+    torch.testing.assert_close(hidden.grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_every_target_ignored_gives_nan_like_the_stock_loss():
+    hidden, weight, _, labels = _inputs(torch.float32, bias=False)
+    labels[:] = -100
+    assert torch.isnan(_stock(hidden, weight, None, labels))
+    assert torch.isnan(causal_lm_loss(hidden, weight, labels))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(targets=torch.zeros(4, dtype=torch.long)), "must agree in every dimension"),
+        (dict(weight=torch.randn(VOCAB, HIDDEN + 1)), "does not match the head's weight"),
+        (dict(label_smoothing=1.5), "label_smoothing must be in"),
+        (dict(chunk_tokens=0), "chunk_tokens must be >= 1"),
+    ],
+)
+def test_bad_input_is_reported_clearly(kwargs, match):
+    arguments = dict(
+        hidden=torch.randn(5, HIDDEN),
+        weight=torch.randn(VOCAB, HIDDEN),
+        targets=torch.zeros(5, dtype=torch.long),
+    )
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(**arguments)
+
+
+def test_a_trained_head_keeps_the_hidden_states_and_recomputes_in_backward():
+    tokens, hidden_size, vocab = 256, 32, 4096
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size) * 0.1).requires_grad_()
+    bias = torch.zeros(vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,))
+    with SavedTensorMeter(exclude=[weight, bias]) as meter:
+        loss = linear_cross_entropy(hidden, weight, targets, bias)
+    # The hidden states (the input itself), the targets and their validity: no weight-sized
+    # gradient held from the forward on, and nothing vocabulary-sized.
+    assert meter.nbytes <= hidden.numel() * 4 + tokens * (8 + 1) + 4
+    grads = torch.autograd.grad(2 * loss, (hidden, weight, bias))
+    expected = torch.autograd.grad(
+        2 * F.cross_entropy(F.linear(hidden, weight, bias), targets), (hidden, weight, bias)
+    )
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
