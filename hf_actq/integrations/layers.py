@@ -33,9 +33,10 @@ from hf_actq.ops.norm import (
 )
 from hf_actq.ops.state import OpState
 
-# torch's tanh and sigmoid keep their *output*, which the next layer usually keeps anyway (BERT's
-# pooler): a few-bit copy would add bytes rather than save them.
-_OUTPUT_SAVING = ("tanh", "sigmoid")
+# torch's ReLU, tanh and sigmoid keep their *output*. Where the next op keeps that output too
+# (an uncompressed linear, or the product of a gated MLP left stock), a few-bit copy would add
+# bytes rather than save them; where the next linear keeps a compressed copy, it saves them.
+_OUTPUT_SAVING = ("relu", "tanh", "sigmoid")
 
 
 def patch_layers(
@@ -46,6 +47,7 @@ def patch_layers(
     cache = PackCache()
     codec = config.make_codec()
     claimed: set[int] = {id(m) for m in exclude or ()}
+    stock_products: set[int] = set()  # act_fn of gated MLPs whose product runs stock
     for path, module in model.named_modules():
         if exclude and module in exclude:
             handle.skipped[path] = exclude[module]
@@ -74,6 +76,8 @@ def patch_layers(
             handle.skipped[path] = "skip_modules"
             continue
         gated = _gated_activation(module)
+        if gated is not None and not config.gated_mlp:
+            stock_products.add(id(module.act_fn))  # the product keeps act(gate) itself
         if gated is not None and config.gated_mlp:
             fused = plain_projections(module)
             how = "operands" if fused else "product (projections patched as their own modules)"
@@ -117,8 +121,11 @@ def patch_layers(
             continue
         found = activation_of(module) if config.activations else None
         if found is not None:
-            if found[0] in _OUTPUT_SAVING:
-                handle.skipped[path] = f"{found[0]} keeps its output, which the next layer keeps"
+            if found[0] in _OUTPUT_SAVING and (not config.linear or id(module) in stock_products):
+                handle.skipped[path] = (
+                    f"{found[0]} keeps its output, which the next op keeps exactly too "
+                    "(a few-bit copy would add bytes)"
+                )
                 continue
             kinds = {"act": "activation"}
             describe = _describer("activation {act}")

@@ -98,10 +98,11 @@ NO_DROPOUT = {
 }
 
 
-def _model(model_type, dropout=False):
+def _model(model_type, dropout=False, **overrides):
     kwargs = dict(SMALL[model_type], vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if not dropout:
         kwargs.update(NO_DROPOUT)
+    kwargs.update(overrides)
     config = AutoConfig.for_model(model_type, **kwargs)
     if model_type == "distilbert":
         config.dropout = config.attention_dropout = 0.0 if not dropout else 0.1
@@ -149,6 +150,35 @@ def test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts(model_type):
     assert torch.equal(reverted_logits, logits) and reverted_bytes == nbytes
     for a, b in zip(reverted_grads, grads):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+# Models whose activation keeps its output (ReLU): gated (LLaMA), plain MLP (GPT-2, BERT).
+RELU_MODELS = {
+    "llama-relu": ("llama", {"hidden_act": "relu"}),
+    "gpt2-relu": ("gpt2", {"activation_function": "relu"}),
+    "bert-relu": ("bert", {"hidden_act": "relu"}),
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "overrides"),
+    [("fewbit", {}), ("uniform", {"bits": 4}), ("alam", {"bits": 1, "adaptive": False})],
+)
+@pytest.mark.parametrize("name", sorted(SMALL) + sorted(RELU_MODELS))
+def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overrides):
+    model_type, model_overrides = RELU_MODELS.get(name, (name, {}))
+    model = _model(model_type, **model_overrides)
+    batch = _batch(model_type)
+    _, _, nbytes = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe, **overrides))
+    _, _, patched_bytes = _step(model, batch)
+    assert patched_bytes <= nbytes, handle.patched
+    if name in ("llama-relu", "gpt2-relu", "bert-relu"):
+        relu = [path for path, why in handle.skipped.items() if why.startswith("relu keeps")]
+        # Under "fewbit" the next linear keeps the ReLU's output exactly: left alone, with the
+        # reason; under compressed linears a 1-bit code replaces the kept output.
+        assert bool(relu) == (recipe == "fewbit")
+    handle.revert()
 
 
 def _cosine(a, b) -> float:
