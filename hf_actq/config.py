@@ -68,6 +68,14 @@ class ActQConfig:
     dropout_mode: Literal["seed", "mask"] = field(
         default="seed", metadata=_help("Keep dropout masks as an RNG seed or 1 bit per element.")
     )
+    share_norm_outputs: bool = field(
+        default=True,
+        metadata=_help(
+            "Exact norms (norm=False) keep their output, which the next linear keeps anyway, "
+            "instead of their input, and rebuild the normalized input from it in backward "
+            "(exact up to the output's rounding)."
+        ),
+    )
     fused_loss: bool = field(
         default=True,
         metadata=_help(

@@ -33,9 +33,12 @@ from hf_actq.ops.norm import (
 )
 from hf_actq.ops.state import OpState
 
-# torch's ReLU, tanh and sigmoid keep their *output*. Where the next op keeps that output too
-# (an uncompressed linear, or the product of a gated MLP left stock), a few-bit copy would add
-# bytes rather than save them; where the next linear keeps a compressed copy, it saves them.
+# torch's ReLU, tanh and sigmoid keep their *output*. ReLU's 1-bit code is exact, so it replaces
+# that output wherever nothing else keeps it: where the next linear keeps a compressed copy, but
+# not where the next op keeps the output itself (an uncompressed linear, the product of a gated
+# MLP left stock), since there a code would add bytes. tanh and sigmoid stay exact: their few-bit
+# derivatives are approximate, and where they appear (BERT's pooler, gates) the next layer
+# usually keeps the output anyway.
 _OUTPUT_SAVING = ("relu", "tanh", "sigmoid")
 
 
@@ -48,6 +51,13 @@ def patch_layers(
     codec = config.make_codec()
     claimed: set[int] = {id(m) for m in exclude or ()}
     stock_products: set[int] = set()  # act_fn of gated MLPs whose product runs stock
+    # Norms: compressed (``norm``), or exact ones that keep their output (memory sharing).
+    norms = config.norm or config.share_norm_outputs
+    if config.norm:
+        norm_slots, norm_fields = ({"input": "norm"}, _describer("norm {input}")), {}
+    else:
+        describe = _describer("norm (exact; keeps its output, shared with the next layer)")
+        norm_slots, norm_fields = ({}, describe), {"norm_from_output": True}
     for path, module in model.named_modules():
         if exclude and module in exclude:
             handle.skipped[path] = exclude[module]
@@ -121,7 +131,8 @@ def patch_layers(
             continue
         found = activation_of(module) if config.activations else None
         if found is not None:
-            if found[0] in _OUTPUT_SAVING and (not config.linear or id(module) in stock_products):
+            shared = not config.linear or id(module) in stock_products or found[0] != "relu"
+            if found[0] in _OUTPUT_SAVING and shared:
                 handle.skipped[path] = (
                     f"{found[0]} keeps its output, which the next op keeps exactly too "
                     "(a few-bit copy would add bytes)"
@@ -136,21 +147,12 @@ def patch_layers(
         elif config.linear and _is_conv1d(module):
             describe = _describer("linear (Conv1D) {input}")
             bind(module, CompressedConv1D.forward, path, {"input": "linear"}, describe)
-        elif type(module) is nn.LayerNorm and config.norm and len(module.normalized_shape) == 1:
-            describe = _describer("norm {input}")
-            bind(module, CompressedLayerNorm.forward, path, {"input": "norm"}, describe)
-        elif config.norm and type(module).__name__.endswith("RMSNorm"):
+        elif type(module) is nn.LayerNorm and norms and len(module.normalized_shape) == 1:
+            bind(module, CompressedLayerNorm.forward, path, *norm_slots, **norm_fields)
+        elif norms and type(module).__name__.endswith("RMSNorm"):
             if computes_llama_rms_norm(module):
-                describe = _describer("norm {input}")
-                kinds = {"input": "norm"}
-                bind(
-                    module,
-                    CompressedRMSNorm.forward,
-                    path,
-                    kinds,
-                    describe,
-                    eps=rms_norm_eps(module),
-                )
+                eps = rms_norm_eps(module)
+                bind(module, CompressedRMSNorm.forward, path, *norm_slots, eps=eps, **norm_fields)
             else:
                 handle.skipped[path] = "RMSNorm with a different formula (kept exact)"
         elif type(module) is nn.Dropout and config.dropout:

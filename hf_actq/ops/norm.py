@@ -1,7 +1,13 @@
-"""LayerNorm and RMSNorm that keep a compressed normalized input plus per-row fp32 statistics.
+"""LayerNorm and RMSNorm that keep a compressed normalized input plus per-row fp32 statistics,
+or, as exact memory-sharing norms, their output.
 
 Backward needs ``x_hat = (x - mean) * rstd`` and ``rstd``: the ops keep ``x_hat`` compressed (it
-has unit scale per row, which suits any codec) and ``rstd`` in fp32, one value per row. The
+has unit scale per row, which suits any codec) and ``rstd`` in fp32, one value per row. With
+``norm_from_output`` (exact recipes; LowMemoryBP's memory-sharing norms) they keep the output
+``y`` instead, which the next linear layers keep anyway (the same storage, so no bytes of its
+own), and rebuild ``x_hat = (y - bias) / weight`` in backward: the input's copy is freed. That is
+exact up to the rounding of ``y`` to the model dtype (fp32: about 1e-7 relative; bf16: one bf16
+ulp of ``x_hat``). A weight with an exact zero cannot be divided by: then ``x_hat`` is kept. The
 forward output is the unpatched module's, bit for bit. Neither direction makes a full-size fp32
 copy of a half-precision input: forward works a chunk of rows at a time, and backward runs fused
 Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere.
@@ -10,6 +16,7 @@ Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 from torch import nn
@@ -45,6 +52,62 @@ def _layer_norm_statistics(x, eps):
     return mean, rstd
 
 
+# id(weight) -> (a weak reference to it, its version, whether it has no zero): checked once per
+# weight update, so a GPU pays one sync per norm per optimizer step, not one per forward.
+_NONZERO_CHECKED: dict[int, tuple[weakref.ref, int, bool]] = {}
+
+
+def _divisible(weight: torch.Tensor | None) -> bool:
+    if weight is None:
+        return True
+    cached = _NONZERO_CHECKED.get(id(weight))
+    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
+        key = id(weight)
+        reference = weakref.ref(weight, lambda _: _NONZERO_CHECKED.pop(key, None))
+        cached = (reference, weight._version, bool((weight != 0).all()))
+        _NONZERO_CHECKED[key] = cached
+    return cached[2]
+
+
+def _x_hat_from_output(y, weight, bias):
+    """``(y - bias) / weight`` in ``y``'s dtype, computed in fp32 a chunk of rows at a time."""
+    width = y.shape[-1]
+    rows_y = y.reshape(-1, width)
+    x_hat = torch.empty(rows_y.shape, dtype=y.dtype, device=y.device)
+    for rows in row_chunks(rows_y.shape[0], width):
+        value = rows_y[rows].float()
+        if bias is not None:
+            value = value - bias.float()
+        x_hat[rows] = value if weight is None else value / weight.float()
+    return x_hat.view(y.shape)
+
+
+def _keep(ctx, state, x_hat_of, y, weight, bias, rstd):
+    """Save what backward needs: ``y`` (memory sharing), else ``x_hat`` packed by the slot's
+    codec, or exact when the norm has no codec (an exact norm whose weight has a zero)."""
+    ctx.from_output = state.norm_from_output and _divisible(weight)
+    if ctx.from_output:
+        ctx.save_for_backward(rstd, weight, bias, y)
+        return
+    codec = state.codecs.get("input")
+    if codec is None:
+        ctx.header = None
+        ctx.save_for_backward(rstd, weight, bias, x_hat_of())
+        return
+    packed = state.pack(x_hat_of(), "input")
+    ctx.header = packed.with_tensors(())
+    ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
+
+
+def _saved_x_hat(ctx):
+    rstd, weight, bias, *buffers = ctx.saved_tensors
+    if ctx.from_output:
+        return rstd, weight, _x_hat_from_output(buffers[0], weight, bias)
+    if ctx.header is None:
+        return rstd, weight, buffers[0]
+    return rstd, weight, ctx.header.with_tensors(buffers).unpack()
+
+
 class CompressedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, state):
@@ -53,17 +116,14 @@ class CompressedLayerNormFunction(torch.autograd.Function):
         if rstd.dtype != torch.float32:
             # Some backends return half-precision statistics; backward wants fp32 ones.
             mean, rstd = _layer_norm_statistics(x, eps)
-        packed = state.pack(_layer_norm_input(x, mean, rstd), "input")
-        ctx.header = packed.with_tensors(())
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
-        ctx.save_for_backward(rstd, weight, *packed.tensors)
+        _keep(ctx, state, lambda: _layer_norm_input(x, mean, rstd), y, weight, bias, rstd)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        rstd, weight, *buffers = ctx.saved_tensors
-        x_hat = ctx.header.with_tensors(buffers).unpack()
+        rstd, weight, x_hat = _saved_x_hat(ctx)
         grad_x, grad_w, grad_b = norm_backward(grad_y, x_hat, rstd, weight, centered=True)
         grad_w = grad_w.to(weight.dtype) if ctx.has_weight else None
         grad_b = grad_b.to(grad_y.dtype) if ctx.has_bias else None
@@ -87,16 +147,13 @@ class CompressedRMSNormFunction(torch.autograd.Function):
             normed[rows] = hidden * rstd[rows]
         normed = normed.view(x.shape)
         y = weight * normed
-        packed = state.pack(normed, "input")
-        ctx.header = packed.with_tensors(())
-        ctx.save_for_backward(rstd, weight, *packed.tensors)
+        _keep(ctx, state, lambda: normed, y, weight, None, rstd)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        rstd, weight, *buffers = ctx.saved_tensors
-        x_hat = ctx.header.with_tensors(buffers).unpack()
+        rstd, weight, x_hat = _saved_x_hat(ctx)
         grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, weight, centered=False)
         return grad_x, grad_w.to(weight.dtype), None, None
 
@@ -137,26 +194,31 @@ def computes_llama_rms_norm(module: nn.Module) -> bool:
 
 
 class CompressedLayerNorm(nn.LayerNorm):
-    """An ``nn.LayerNorm`` over the last dimension sharing the parameters of ``norm``."""
+    """An ``nn.LayerNorm`` over the last dimension sharing the parameters of ``norm``;
+    ``share_output=True`` keeps the output instead of the packed input (see the module)."""
 
-    def __init__(self, norm: nn.LayerNorm, codec: Codec | None = None, cache=None) -> None:
+    def __init__(
+        self, norm: nn.LayerNorm, codec: Codec | None = None, cache=None, share_output=False
+    ) -> None:
         if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
             raise ValueError("CompressedLayerNorm wraps an nn.LayerNorm over the last dimension")
         nn.Module.__init__(self)
         self.normalized_shape, self.eps = norm.normalized_shape, norm.eps
         self.elementwise_affine = norm.elementwise_affine
         self.weight, self.bias = norm.weight, norm.bias
-        set_state(self, default_state(nn.LayerNorm.forward.__get__(self), codec, cache, SLOTS))
+        state = default_state(nn.LayerNorm.forward.__get__(self), codec, cache, SLOTS)
+        state.norm_from_output = share_output
+        set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
         if not wants_backward(x, self.weight, self.bias):
-            keep_rng_stream(self, state.codecs["input"])
+            keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
         return CompressedLayerNormFunction.apply(x, self.weight, self.bias, self.eps, state)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, codec={state_of(self).codecs['input']!r}"
+        return f"{super().extra_repr()}, codec={state_of(self).codecs.get('input')!r}"
 
 
 class CompressedRMSNorm(nn.Module):
@@ -165,7 +227,9 @@ class CompressedRMSNorm(nn.Module):
     bit for bit when built). Gemma's ``(1 + weight)`` computed in fp32 is a different function.
     """
 
-    def __init__(self, norm: nn.Module, codec: Codec | None = None, cache=None) -> None:
+    def __init__(
+        self, norm: nn.Module, codec: Codec | None = None, cache=None, share_output=False
+    ) -> None:
         if rms_norm_eps(norm) is None or not isinstance(
             getattr(norm, "weight", None), torch.Tensor
         ):
@@ -181,18 +245,19 @@ class CompressedRMSNorm(nn.Module):
         super().__init__()
         self.weight = norm.weight
         state = default_state(norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm))
+        state.norm_from_output = share_output
         set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
         if not wants_backward(x, self.weight):
-            keep_rng_stream(self, state.codecs["input"])
+            keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
         return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state)
 
     def extra_repr(self) -> str:
         state = state_of(self)
-        return f"eps={state.eps}, codec={state.codecs['input']!r}"
+        return f"eps={state.eps}, codec={state.codecs.get('input')!r}"
 
 
 __all__ = [

@@ -135,8 +135,16 @@ class DataArguments:
     validation_split_percentage: float = field(
         default=5.0, metadata={"help": "Share of the examples held out for the eval loss."}
     )
+    skip_train_samples: int = field(
+        default=0,
+        metadata={
+            "help": "Leave out the first this many (shuffled) training examples, e.g. those a "
+            "model was pretrained on."
+        },
+    )
     max_train_samples: int | None = field(
-        default=None, metadata={"help": "Train on the first this many (shuffled) examples."}
+        default=None,
+        metadata={"help": "Train on the first this many (shuffled) examples after the skipped."},
     )
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate on the first this many held-out examples."}
@@ -199,6 +207,13 @@ def build_datasets(data: DataArguments, tokenizer, training_args):
     held_out = max(1, int(len(records) * data.validation_split_percentage / 100))
     split = records.train_test_split(test_size=held_out, shuffle=False)
     train, dev = split["train"], split["test"]
+    if data.skip_train_samples:
+        if data.skip_train_samples >= len(train):
+            raise ValueError(
+                f"--skip_train_samples {data.skip_train_samples} leaves no training examples "
+                f"(the split has {len(train)})"
+            )
+        train = train.select(range(data.skip_train_samples, len(train)))
     if data.max_train_samples is not None:
         train = train.select(range(min(data.max_train_samples, len(train))))
     if data.max_eval_samples is not None:

@@ -181,6 +181,24 @@ def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overr
     handle.revert()
 
 
+@pytest.mark.parametrize("model_type", ["llama", "bert", "gpt2"])
+def test_exact_norms_share_their_output_with_the_next_layer(model_type):
+    """Under "fewbit" the norms stay exact but keep their output (which the next linear keeps)
+    instead of their input: fewer bytes, the same forward, the same gradients up to rounding."""
+    model, batch = _model(model_type), _batch(model_type)
+    results = {}
+    for share in (False, True):
+        handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", share_norm_outputs=share))
+        results[share] = _step(model, batch)
+        handle.revert()
+    (forward, grads, nbytes), (shared_forward, shared_grads, shared_bytes) = results.values()
+    assert torch.equal(shared_forward, forward)
+    assert shared_bytes < 0.85 * nbytes
+    for got, want in zip(shared_grads, grads):
+        if want is not None and want.norm() > 1e-6:  # not the (zero) key-bias gradients
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def _cosine(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
 

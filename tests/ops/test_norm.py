@@ -117,3 +117,64 @@ def test_invalid_wrapping():
         CompressedLayerNorm(nn.LayerNorm((4, 4)))
     with pytest.raises(ValueError, match="needs a module with weight and variance_epsilon"):
         CompressedRMSNorm(nn.Linear(2, 2))
+
+
+def _norm_of(kind, width, dtype):
+    if kind == "layer":
+        norm = nn.LayerNorm(width).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.5, 0.5)
+        return norm
+    norm = LlamaRMSNorm(width).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    return norm
+
+
+def _next_layer_grads(module, x, *params):
+    y = module(x)
+    # What the next layer does with it: a linear that keeps its input (y itself).
+    head = torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)
+    loss = (y * head).sum() + (y.float() ** 2).sum()
+    return y, torch.autograd.grad(loss, (x, *params))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_memory_sharing_norms_keep_their_output_and_rebuild_the_input(kind, dtype):
+    norm = _norm_of(kind, 64, dtype)
+    params = [p for p in norm.parameters()]
+    x = (3 * torch.randn(4, 8, 64) + 1).to(dtype).requires_grad_()
+    stock_y, stock_grads = _next_layer_grads(norm, x, *params)
+    cls = CompressedLayerNorm if kind == "layer" else CompressedRMSNorm
+    shared = cls(norm, codec=None, share_output=True)
+    with SavedTensorMeter(exclude=params) as meter:
+        y = shared(x)
+    # The output itself (which the next layer keeps: no bytes of its own) and fp32 rstd per row.
+    rows = x.numel() // 64
+    assert meter.nbytes == y.numel() * y.element_size() + rows * 4
+    y, grads = _next_layer_grads(shared, x, *params)
+    assert torch.equal(y, stock_y)
+    # fp32: rounding only; bf16: x_hat is rebuilt from the bf16 output (about one bf16 ulp).
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for got, want in zip(grads, stock_grads):
+        error = (got.float() - want.float()).norm() / want.float().norm()
+        assert error < tolerance, error
+
+
+def test_memory_sharing_norm_with_a_zero_weight_keeps_the_input_exactly():
+    norm = _norm_of("rms", 32, torch.float32)
+    x = torch.randn(6, 32, requires_grad=True)
+    shared = CompressedRMSNorm(norm, codec=ExactCodec(), share_output=True)
+    with torch.no_grad():
+        norm.weight[3] = 0.0  # y / w is undefined there; the check sees the new version
+    stock_y, stock_grads = _next_layer_grads(norm, x, norm.weight)
+    with SavedTensorMeter(exclude=[norm.weight]) as meter:
+        shared(x)
+    # x_hat packed by the (exact) codec and rstd, as without memory sharing.
+    assert meter.nbytes == x.numel() * 4 + 6 * 4
+    y, grads = _next_layer_grads(shared, x, norm.weight)
+    assert torch.equal(y, stock_y)
+    for got, want in zip(grads, stock_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
