@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=DEFAULT_RECIPES,
         help='recipes compared with the baseline, with optional overrides: "fewbit:bits=2" '
-        f'"uniform:bits=4" "alam:bits=0.5". Default: {" ".join(DEFAULT_RECIPES)}',
+        f'"uniform:bits=4" "alam:bits=0.5". Default: {" ".join(DEFAULT_RECIPES)}. For a causal '
+        'LM the report adds "chunked-loss" (the stock model but for the chunked linear + '
+        "cross-entropy) when a recipe uses it.",
     )
     parser.add_argument(
         "--gpu-memory",

@@ -330,12 +330,19 @@ def _fmt(nbytes: float) -> str:
 # Measuring -------------------------------------------------------------------------------------
 
 
+CHUNKED_LOSS = "chunked-loss"  # the stock model but for the causal-LM loss
+
+
 def parse_recipe(spec: str) -> tuple[str, ActQConfig | None]:
-    """ "baseline", "fewbit", "uniform:bits=4", "alam:bits=0.5,dropout_mode=mask" -> config."""
+    """ "baseline", "chunked-loss", "fewbit", "uniform:bits=4", "alam:bits=0.5,dropout_mode=mask"
+    -> config."""
     name, _, overrides = spec.partition(":")
-    if name == "baseline":
+    if name in ("baseline", CHUNKED_LOSS):
         if overrides:
-            raise ValueError("the baseline recipe takes no overrides")
+            raise ValueError(f"the {name} recipe takes no overrides")
+        if name == CHUNKED_LOSS:
+            off = ("activations", "linear", "norm", "gated_mlp", "attention", "dropout")
+            return spec, ActQConfig(**dict.fromkeys(off, False), share_norm_outputs=False)
         return spec, None
     values = {}
     for item in filter(None, overrides.split(",")):
@@ -409,6 +416,14 @@ def measure_model(
         )
     parsed = [("baseline", None)]
     parsed += [item for item in map(parse_recipe, recipes) if item[1] is not None]
+    labels = [label for label, _ in parsed]
+    if (
+        task == "causal-lm"
+        and CHUNKED_LOSS not in labels
+        and any(c is not None and c.fused_loss for _, c in parsed)
+    ):
+        # The stock model with only the chunked loss, so each part's gain is visible.
+        parsed.insert(1, parse_recipe(CHUNKED_LOSS))
     device = torch.device(device)
     num_layers = config.num_hidden_layers
     if layers == "auto":

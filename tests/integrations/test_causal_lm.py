@@ -93,3 +93,23 @@ def test_lora_model_with_a_frozen_head_trains_with_the_fused_loss():
     for got, want in zip(grads, stock_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
     handle.revert()
+
+
+def test_the_vocabulary_sized_tensor_is_gone_from_the_step_peak():
+    from hf_actq.memory import PeakMemory
+
+    model = _model("llama", vocab_size=4096)
+    ids = torch.randint(3, 4096, (4, 64))
+    logits_bytes = ids.numel() * 4096 * 4  # one fp32 [tokens, vocab] tensor
+
+    def largest(model):
+        with PeakMemory() as peak:
+            model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad()
+        return peak.largest_bytes
+
+    assert largest(model) >= logits_bytes
+    handle = hf_actq.apply(model, ActQConfig(**LOSS_ONLY))
+    # Its largest allocation is now a chunk of logits or a weight-sized gradient.
+    assert largest(model) < logits_bytes / 4
+    handle.revert()
