@@ -74,7 +74,8 @@ def run(bits: int = 3, steps: int = 40, batch_size: int = 16, seq_len: int = 128
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     fewbit = copy.deepcopy(baseline)
-    handle = apply(fewbit, ActQConfig.from_recipe("fewbit", bits=bits))
+    # Few-bit GELU alone (no memory-sharing norms), so the saving is the derivative's alone.
+    handle = apply(fewbit, ActQConfig.from_recipe("fewbit", bits=bits, share_norm_outputs=False))
     patched = [path for path, what in handle.patched.items() if what.startswith("activation")]
 
     ids, labels = next(synthetic_batches(1, batch_size, seq_len, seed=123))

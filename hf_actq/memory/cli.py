@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from hf_actq.memory.report import measure_model
+    from hf_actq.memory.report import CHUNKED_LOSS, default_task, measure_model, parse_recipe
 
     config, preset = load_config(args.model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
@@ -139,16 +139,23 @@ def main(argv=None) -> int:
             steps_started.append(what)
             bar.set_postfix_str(what)
 
+    recipes = list(args.recipe)
+    task = args.task or (preset.task if preset else None) or default_task(config)
     try:
+        configs = [parse_recipe(spec)[1] for spec in recipes]
+        fused = any(c is not None and c.fused_loss for c in configs)
+        if task == "causal-lm" and fused and CHUNKED_LOSS not in recipes:
+            # The stock model with only the chunked loss, so each part's gain is visible.
+            recipes.insert(0, CHUNKED_LOSS)
         report = measure_model(
             config,
-            args.recipe,
+            recipes,
             name=args.model,
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             dtype=dtype,
             peft=args.peft,
-            task=args.task or (preset.task if preset else None),
+            task=task,
             layers=args.layers,
             gpu_memory_bytes=args.gpu_memory,
             device=device,

@@ -416,14 +416,6 @@ def measure_model(
         )
     parsed = [("baseline", None)]
     parsed += [item for item in map(parse_recipe, recipes) if item[1] is not None]
-    labels = [label for label, _ in parsed]
-    if (
-        task == "causal-lm"
-        and CHUNKED_LOSS not in labels
-        and any(c is not None and c.fused_loss for _, c in parsed)
-    ):
-        # The stock model with only the chunked loss, so each part's gain is visible.
-        parsed.insert(1, parse_recipe(CHUNKED_LOSS))
     device = torch.device(device)
     num_layers = config.num_hidden_layers
     if layers == "auto":

@@ -252,7 +252,8 @@ def render(results: Path) -> str:
         p = json.loads(pretrain.read_text())
         lines.append(
             f"Pretraining: {p['steps']} steps ({p['training']['train_examples']} packed blocks "
-            f"of 256 tokens, {p['training']['num_train_epochs']:g} epochs), final held-out loss {p['eval_loss']:.3f} (perplexity "
+            f"of 256 tokens, {p['training']['num_train_epochs']:g} epoch(s)), final held-out loss "
+            f"on every token {p['eval_loss']:.3f} (perplexity "
             f"{p['eval_perplexity']:.1f}), {p['train_seconds'] / 60:.0f} min on {p['device']}.\n"
         )
     for mode in MODES:
