@@ -46,10 +46,10 @@ def fused_causal_lm_forward(self, *args, **kwargs):
     )
     if not fused:
         return state.plain(*args, **kwargs)
-    bound = inspect.signature(type(self).forward).bind(self, *args, **kwargs)
-    arguments = dict(bound.arguments)
+    signature, var_keyword = _forward_signature(type(self))
+    arguments = dict(signature.bind(self, *args, **kwargs).arguments)
     arguments.pop("self")
-    extra = arguments.pop(_var_keyword(type(self).forward), None) or {}
+    extra = arguments.pop(var_keyword, None) or {}
     labels = arguments.pop("labels", None)
     shift_labels = extra.pop("shift_labels", None)
     if labels is None and shift_labels is None:
@@ -81,11 +81,13 @@ def fused_causal_lm_forward(self, *args, **kwargs):
     return output.to_tuple() if return_dict is False else output
 
 
-def _var_keyword(function) -> str | None:
-    for parameter in inspect.signature(function).parameters.values():
-        if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-            return parameter.name
-    return None
+@functools.cache
+def _forward_signature(cls) -> tuple[inspect.Signature, str | None]:
+    """The class's stock forward signature and its ``**kwargs`` name, once per class (not on
+    every training step)."""
+    signature = inspect.signature(cls.forward)
+    kinds = {p.kind: p.name for p in signature.parameters.values()}
+    return signature, kinds.get(inspect.Parameter.VAR_KEYWORD)
 
 
 def patch_causal_lm_loss(model: nn.Module, handle) -> bool:

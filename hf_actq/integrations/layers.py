@@ -58,9 +58,6 @@ def patch_layers(
     else:
         describe = _describer("norm (exact; keeps its output, shared with the next layer)")
         norm_slots, norm_fields = ({}, describe), {"norm_from_output": True}
-    for path, module in model.named_modules():
-        if exclude and module in exclude:
-            handle.skipped[path] = exclude[module]
 
     def bind(module, op_forward, path, kinds, describe, codecs=None, activation=None, **fields):
         """Bind with a state whose codec slots (``kinds``: slot -> kind, codec slots and the
@@ -79,6 +76,8 @@ def patch_layers(
         return False
 
     for path, module in model.named_modules():
+        if exclude and module in exclude:
+            handle.skipped[path] = exclude[module]
         if id(module) in claimed:
             continue
         if config.skips(path):
