@@ -14,7 +14,41 @@ import pytest
 pytest.importorskip("triton")
 
 
-def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
+def _compile(tmp_path, *extra) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run
+    out = tmp_path / "aot.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_actq.kernels.aot", "--cc", "80", "90", "--json", str(out)]
+        + list(extra),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {r["cc"] for r in results} == {80, 90}
+    assert all(r["cubin_bytes"] > 0 for r in results)
+    return results
+
+
+def test_every_kernel_compiles_for_sm80_and_sm90_with_each_of_its_argument_types(tmp_path):
+    """The default run: every kernel at every float type and index width it takes (the full
+    constexpr grid, about 5 minutes on 2 cores, is the slow test below)."""
+    from hf_actq.kernels.aot import representatives, variants
+
+    chosen = representatives(variants())
+    assert {v.kernel for v in chosen} == {v.kernel for v in variants()}
+    results = _compile(tmp_path, "--representative")
+    assert sorted(r["variant"] for r in results) == sorted(2 * [v.label for v in chosen])
+    labels = {r["variant"] for r in results}
+    for dtype in ("fp32", "fp16", "bf16"):
+        assert any("fewbit_backward_kernel" in label and dtype in label for label in labels)
+    assert any("i64" in label for label in labels)
+
+
+def test_the_variants_are_every_launchable_kernel_configuration():
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit import ACTIVATIONS
@@ -51,20 +85,12 @@ def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
     assert {v.kernel for v in variants()} == defined
     assert len(defined) == 13
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run
-    out = tmp_path / "aot.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_actq.kernels.aot", "--cc", "80", "90", "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
-    assert len(results) == 2 * expected
-    assert {r["cc"] for r in results} == {80, 90}
-    assert all(r["cubin_bytes"] > 0 for r in results)
+
+@pytest.mark.slow
+def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
+    from hf_actq.kernels.aot import variants
+
+    results = _compile(tmp_path)
+    assert len(results) == 2 * len(variants())
     labels = {r["variant"] for r in results}
     assert any("fewbit_backward_kernel" in label and "bf16" in label for label in labels)
