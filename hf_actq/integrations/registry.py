@@ -63,6 +63,13 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
         (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
         causal_lm_loss=True,
     ),
+    # Vision and multimodal encoders and BART (self- and cross-attention) call their attention
+    # through AttentionInterface like BERT does.
+    "vit": _EAGER,
+    "clip": _EAGER,
+    "clip_text_model": _EAGER,
+    "clip_vision_model": _EAGER,
+    "bart": _EAGER,
     "deberta-v2": ModelLayout(
         None, note="disentangled attention does not go through AttentionInterface (kept exact)"
     ),

@@ -1,0 +1,150 @@
+"""Model types beyond text encoders and decoders: ViT, CLIP (both towers) and BART (self- and
+cross-attention, source and target of different lengths), built from tiny configs. Their
+attention goes through transformers' ``AttentionInterface``, so the registry lists them as data
+(``MODEL_LAYOUTS``)."""
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForImageClassification,
+    AutoModelForSeq2SeqLM,
+    CLIPConfig,
+    CLIPModel,
+)
+
+import hf_actq
+from hf_actq import ActQConfig, SavedTensorMeter
+
+TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def _vit():
+    config = AutoConfig.for_model(
+        "vit",
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **TOWER,
+    )
+    batch = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))
+    return AutoModelForImageClassification.from_config(config), batch
+
+
+def _clip():
+    config = CLIPConfig(
+        text_config=dict(vocab_size=100, bos_token_id=1, eos_token_id=2, **TOWER),
+        vision_config=dict(image_size=32, patch_size=8, **TOWER),
+        projection_dim=16,
+    )
+    batch = dict(
+        input_ids=torch.randint(3, 100, (3, 10)),
+        pixel_values=torch.randn(3, 3, 32, 32),
+        return_loss=True,
+    )
+    return CLIPModel(config), batch
+
+
+def _bart():
+    config = AutoConfig.for_model(
+        "bart",
+        vocab_size=100,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    source = torch.randint(3, 100, (2, 14))
+    mask = torch.ones_like(source)
+    mask[1, 10:] = 0  # a padded source: the cross-attention mask matters
+    batch = dict(input_ids=source, attention_mask=mask, labels=torch.randint(3, 100, (2, 9)))
+    return AutoModelForSeq2SeqLM.from_config(config), batch
+
+
+BUILDERS = {"vit": _vit, "clip": _clip, "bart": _bart}
+
+
+def _build(name):
+    torch.manual_seed(0)
+    model, batch = BUILDERS[name]()
+    return model.train(), batch
+
+
+def _step(model, batch):
+    model.zero_grad()
+    params = list(model.parameters())
+    with SavedTensorMeter(exclude=params) as meter:
+        out = model(**batch)
+    out.loss.backward()
+    grads = [p.grad.clone() for p in params if p.grad is not None]
+    return out.loss.detach(), grads, meter.nbytes
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_registered_with_attention_compressed(name):
+    model, _ = _build(name)
+    assert model.config.model_type in hf_actq.MODEL_TYPE_TO_APPLY_FN
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    kinds = set(handle.slots.values())
+    assert {"attention", "linear", "norm", "activation"} <= kinds
+    assert "attention" not in handle.skipped
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_fewbit_keeps_the_loss_bit_identical_with_fewer_bytes_and_reverts(name):
+    model, batch = _build(name)
+    loss, grads, nbytes = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    patched_loss, _, patched_bytes = _step(model, batch)
+    assert torch.equal(patched_loss, loss)
+    assert patched_bytes < nbytes
+    handle.revert()
+    reverted_loss, reverted_grads, reverted_bytes = _step(model, batch)
+    assert torch.equal(reverted_loss, loss) and reverted_bytes == nbytes
+    assert all(torch.equal(a, b) for a, b in zip(reverted_grads, grads))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_uniform_8_bits_keeps_every_gradient_close_with_fewer_bytes(name):
+    model, batch = _build(name)
+    _, grads, nbytes = _step(model, batch)
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    torch.manual_seed(0)
+    _, patched, patched_bytes = _step(model, batch)
+    assert patched_bytes < nbytes / 2
+    scale = max(g.norm() for g in grads)
+    for exact, got in zip(grads, patched):
+        if exact.norm() > 1e-4 * scale:  # not the (zero) key-bias gradients
+            cosine = torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), dim=0)
+            assert cosine > 0.98
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_training_under_uniform_4_bits_tracks_the_unpatched_loss(name):
+    losses = {}
+    for patched in (False, True):
+        model, batch = _build(name)
+        if patched:
+            hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        torch.manual_seed(1)
+        history = []
+        for _ in range(12):
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            history.append(loss.item())
+        losses[patched] = history
+    exact, compressed = losses[False], losses[True]
+    assert exact[-1] < 0.8 * exact[0]  # the run learns (memorises the batch)
+    drop = exact[0] - exact[-1]
+    assert abs(compressed[-1] - exact[-1]) < 0.1 * drop, (exact, compressed)
