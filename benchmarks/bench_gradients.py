@@ -19,6 +19,11 @@ average, the even spread of ``alam:bits=b,adaptive=False`` beside adaptive plans
 on 8 of the examples with the even spread's counted bytes as their budget (so all keep the same
 bytes): one planned by ALAM's GradNormVar, one by the sketched gradient variance (the default);
 over 4 rounding draws each (``--device cuda`` where there is a GPU).
+
+    python benchmarks/bench_gradients.py --minilm-groups [--output ...]
+
+breaks the MiniLM comparison down by parameter group over 6 real MRPC batches (each cell:
+cosine / length ratio / compression noise over minibatch noise; ``measure_minilm_groups``).
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -195,12 +202,88 @@ def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
     return rows
 
 
+GROUP_RECIPES = {
+    "uniform-4": lambda: ActQConfig.from_recipe("uniform", bits=4),
+    "uniform-2": lambda: ActQConfig.from_recipe("uniform", bits=2),
+    "alam-2": lambda: ActQConfig.from_recipe("alam", bits=2),
+    "alam-1": lambda: ActQConfig.from_recipe("alam", bits=1),
+    "alam-1-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
+    # The backward chain at 4 bits, linear inputs at rotated 1 bit (bench_glue's definition).
+    "alam-chain-safe": lambda: __import__("bench_glue").RECIPES["alam-chain-safe"](),
+}
+
+
+def _parameter_group(name: str) -> str:
+    """``bert.encoder.layer.3.attention.self.query.weight`` -> ``attention.self.query.weight``:
+    the same parameter of every layer is one group."""
+    return re.sub(r"^(bert\.)?(encoder\.layer\.\d+\.)?", "", name)
+
+
+def measure_minilm_groups(glue_dir: str, batches: int = 6, device: str = "cpu") -> dict:
+    """Per parameter group (one parameter across the six layers), on ``batches`` real MRPC
+    batches of 32 (eval mode): the mean cosine of one compressed draw with the exact gradient,
+    its mean length over the exact one (above 1: noise; below 1 with a low cosine: a shrunken,
+    biased gradient), and the compression error's energy over the minibatch noise's (the spread
+    of the exact gradients across the batches): at 1 the compression doubles the gradient's
+    noise, as halving the batch would. Adaptive plans are calibrated on 8 examples of the first
+    batch, as ``ActQCallback`` does."""
+    import bench_glue
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
+    pairs = bench_glue.read_split(Path(glue_dir), "mrpc", "train")
+    stream = bench_glue.batches(tokenizer, pairs, 32, shuffle_seed=0)
+    data = [{k: v.to(device) for k, v in next(stream).items()} for _ in range(batches)]
+
+    def model():
+        torch.manual_seed(0)
+        path = bench_glue.minilm_path()
+        net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+        return net.to(device).eval()
+
+    def gradients(net, batch, seed):
+        net.zero_grad()
+        torch.manual_seed(seed)
+        net(**batch).loss.backward()
+        groups: dict[str, list] = {}
+        for name, p in net.named_parameters():
+            groups.setdefault(_parameter_group(name), []).append(p.grad.flatten())
+        return {k: torch.cat(v).double() for k, v in groups.items()}
+
+    exact = [gradients(model(), b, 0) for b in data]
+    mean = {k: sum(e[k] for e in exact) / batches for k in exact[0]}
+    minibatch = {k: sum(float((e[k] - mean[k]).pow(2).sum()) for e in exact) for k in mean}
+    rows: dict[str, dict] = {k: {} for k in mean}
+    for recipe, make in GROUP_RECIPES.items():
+        net = model()
+        config = make()
+        handle = hf_actq.apply(net, config)
+        if config.adaptive:
+            handle.set_plan(handle.calibrate({k: v[:8] for k, v in data[0].items()}))
+        draws = [gradients(net, b, 100 + i) for i, b in enumerate(data)]
+        for k in mean:
+            pairs_ = list(zip(draws, exact))
+            noise = sum(float((d[k] - e[k]).pow(2).sum()) for d, e in pairs_)
+            rows[k][recipe] = {
+                "cosine": sum(_cosine(d[k], e[k]) for d, e in pairs_) / batches,
+                "length": sum(float(d[k].norm() / e[k].norm()) for d, e in pairs_) / batches,
+                "noise over minibatch noise": noise / max(minibatch[k], 1e-300),
+            }
+        del net, handle
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=16)
     parser.add_argument("--minilm", action="store_true", help="the pretrained MiniLM comparison")
     parser.add_argument(
         "--minilm-bias", action="store_true", help="MiniLM, one slot kind at a time: bias check"
+    )
+    parser.add_argument(
+        "--minilm-groups",
+        action="store_true",
+        help="MiniLM, per parameter group: cosine, length and noise against minibatch noise",
     )
     parser.add_argument(
         "--glue-dir",
@@ -211,6 +294,20 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
+    if args.minilm_groups:
+        rows = measure_minilm_groups(args.glue_dir, device=args.device)
+        print("| parameter group | " + " | ".join(GROUP_RECIPES) + " |")
+        print("|---|" + "---|" * len(GROUP_RECIPES))
+        for group, row in rows.items():
+            cells = " | ".join(
+                "{cosine:.2f} / {length:.2f} / {noise over minibatch noise:.2g}".format_map(row[r])
+                for r in GROUP_RECIPES
+            )
+            print(f"| {group} | {cells} |")
+        if args.output:
+            with open(args.output, "w") as file:
+                json.dump(rows, file, indent=1)
+        return
     if args.minilm_bias or args.minilm:
         if args.minilm_bias:
             rows = measure_minilm_bias(args.glue_dir, device=args.device)

@@ -90,12 +90,19 @@ def _step(model, batch):
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_registered_with_attention_compressed(name):
-    model, _ = _build(name)
+    model, batch = _build(name)
     assert model.config.model_type in hf_actq.MODEL_TYPE_TO_APPLY_FN
-    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
-    kinds = set(handle.slots.values())
-    assert {"attention", "linear", "norm", "activation"} <= kinds
-    assert "attention" not in handle.skipped
+    nbytes = {}
+    for attention in (False, True):
+        config = ActQConfig.from_recipe("uniform", bits=4, attention=attention)
+        handle = hf_actq.apply(model, config)
+        nbytes[attention] = _step(model, batch)[2]
+        kinds = set(handle.slots.values())
+        assert {"linear", "norm", "activation"} <= kinds
+        assert ("attention" in kinds) == attention and "attention" not in handle.skipped
+        handle.revert()
+    # The attention slots are filled: the model's attention runs through the compressed op.
+    assert nbytes[True] < 0.9 * nbytes[False]
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
