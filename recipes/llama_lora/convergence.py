@@ -230,13 +230,17 @@ def _mean_std(values: list[float]) -> str:
     return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f} ± {statistics.stdev(values):.3f}"
 
 
-def _ratio(runs: list[dict], baseline: dict[int, dict], key: str) -> str:
+def _ratio(runs: list[dict], baseline: dict[int, dict], key: str, inverse: bool = False) -> str:
+    """The mean over seeds of run / baseline at the same seed (baseline / run with
+    ``inverse``: a compression ratio, averaged before rounding)."""
     ratios = [
-        r[key] / baseline[r["seed"]][key]
+        (baseline[r["seed"]][key] / r[key]) if inverse else (r[key] / baseline[r["seed"]][key])
         for r in runs
         if r["seed"] in baseline and r.get(key) and baseline[r["seed"]].get(key)
     ]
-    return f"{statistics.fmean(ratios):.2f}x" if ratios else ""
+    if not ratios:
+        return ""
+    return f"{statistics.fmean(ratios):.1f}x" if inverse else f"{statistics.fmean(ratios):.2f}x"
 
 
 def _last_train_loss(record: dict) -> float:
@@ -275,9 +279,7 @@ def render(results: Path) -> str:
                 continue
             losses = [r["eval_loss"] for r in rows]
             delta = statistics.fmean(losses) - statistics.fmean(base_loss) if base_loss else None
-            compression = _ratio(rows, baseline, "activation_bytes_step0")
-            if compression:
-                compression = f"{1 / float(compression[:-1]):.1f}x"
+            compression = _ratio(rows, baseline, "activation_bytes_step0", inverse=True)
             lines.append(
                 f"| {recipe} | {len(rows)} | {_mean_std(losses)} | "
                 f"{'' if delta is None else f'{delta:+.3f}'} | "
