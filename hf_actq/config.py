@@ -115,6 +115,16 @@ class ActQConfig:
             "ALAM's GradNormVar)."
         ),
     )
+    chain_bits: float | None = field(
+        default=None,
+        metadata=_help(
+            "Least precision (1-8) an adaptive plan gives the tensors on the backward's chain "
+            "(norm inputs; attention's q, k, v and probabilities; a gated MLP's gate and up): "
+            "their rounding noise is multiplied again by every layer below, where a linear "
+            "layer's input noise ends in its weight gradient. Those slots then get uniform "
+            "stochastic rounding at this many bits or more; None: no floor (ALAM's allocation)."
+        ),
+    )
     calibration_examples: int = field(
         default=8, metadata=_help("Examples of the batch the adaptive pass measures.")
     )
@@ -176,6 +186,14 @@ class ActQConfig:
         if self.sensitivity not in ("gradvar", "gradnormvar"):
             raise ValueError(
                 f"sensitivity must be 'gradvar' or 'gradnormvar', got {self.sensitivity!r}"
+            )
+        if self.chain_bits is not None and (
+            isinstance(self.chain_bits, bool)
+            or not isinstance(self.chain_bits, (int, float))
+            or not 1 <= self.chain_bits <= 8
+        ):
+            raise ValueError(
+                f"chain_bits must be None or a number of bits in 1..8, got {self.chain_bits!r}"
             )
         if isinstance(self.calibration_examples, bool) or not (
             isinstance(self.calibration_examples, int) and self.calibration_examples >= 1

@@ -129,9 +129,18 @@ def _sample(x: torch.Tensor) -> torch.Tensor:
 
 
 def codec_candidates(handle, slot: str) -> tuple[dict, ...]:
-    """The settings the allocator may give codec slot ``slot``."""
+    """The settings the allocator may give codec slot ``slot``. With ``config.chain_bits`` the
+    slots on the backward's chain (everything but linear-layer inputs) get only uniform
+    stochastic rounding at that many bits or more: below it, averaging biases their gradients
+    and rounding noise compounds through the layers below (docs/reference.md, "Per parameter
+    group")."""
     linear_input = handle.slots.get(slot) in ("linear", "mlp") and slot.endswith(":input")
-    return LINEAR_INPUT_CANDIDATES if linear_input else CODEC_CANDIDATES
+    if linear_input:
+        return LINEAR_INPUT_CANDIDATES
+    floor = handle.config.chain_bits
+    if floor is None:
+        return CODEC_CANDIDATES
+    return tuple(c for c in UNIFORM_CANDIDATES if c["bits"] >= floor)
 
 
 def _seed_variance(x, codec) -> float:

@@ -6,7 +6,13 @@ from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import ActQConfig
-from hf_actq.adaptive.calibrate import SKETCH_SIZE, _sketch, list_slots
+from hf_actq.adaptive.calibrate import (
+    LINEAR_INPUT_CANDIDATES,
+    SKETCH_SIZE,
+    _sketch,
+    codec_candidates,
+    list_slots,
+)
 
 
 def _batch(seed=1, rows=4):
@@ -99,6 +105,35 @@ def test_below_one_bit_linear_inputs_get_rotated_sampling_and_the_rest_averaging
     assert "aq" in codecs[False] and "rotated" not in codecs[False]
 
 
+def test_chain_bits_floors_the_backward_chain_and_leaves_linear_inputs_free():
+    """With chain_bits=4 the norm inputs, attention operands and gated-MLP operands get uniform
+    rounding at 4 bits or more; linear inputs keep every candidate, sub-bit included; the plan
+    still fits its budget in counted bytes. (The tiny LLaMA is mostly chain: at 4 bits on
+    average there is room for the floor.)"""
+    _, handle = _patched(4, chain_bits=4)
+    plan = handle.calibrate(_batch())
+    assert plan.info["budget_met"]
+    chain = []
+    for slot, setting in plan.slots.items():
+        if handle.slots[slot] == "activation":
+            continue
+        if handle.slots[slot] in ("linear", "mlp") and slot.endswith(":input"):
+            assert codec_candidates(handle, slot) == LINEAR_INPUT_CANDIDATES
+        else:
+            chain.append(setting)
+    assert chain and all(s["codec"] == "uniform" and s["bits"] >= 4 for s in chain)
+    kept = sum(i.nbytes for i in list_slots(handle, _batch()).values() if i.shared_with is None)
+    assert kept == plan.info["bytes"] <= plan.info["budget_bytes"]
+    # Without the floor the same budget puts some of the chain below 4 bits.
+    _, free = _patched(4)
+    unfloored = free.calibrate(_batch())
+    assert any(
+        s.get("codec") != "uniform" or s["bits"] < 4
+        for slot, s in unfloored.slots.items()
+        if free.slots[slot] in ("norm", "attention")
+    )
+
+
 def test_calibration_leaves_rng_optimizer_and_accumulated_gradients_untouched():
     model, handle = _patched()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -127,6 +162,8 @@ def test_adaptive_config_warns_until_calibrated_and_validates_its_options(caplog
         ActQConfig(sensitivity="fisher")
     with pytest.raises(ValueError, match="recalibrate_at must be in"):
         ActQConfig(recalibrate_at=1.5)
+    with pytest.raises(ValueError, match="chain_bits must be None or a number of bits in 1..8"):
+        ActQConfig(chain_bits=0.5)
 
 
 def test_calibration_needs_a_loss():
