@@ -17,7 +17,10 @@ unit of the same seed-to-seed variance measured on the slot's own tensor, and a 
 prediction is the sensitivity times its measured relative error on that tensor (from the first
 pass), so average quantization and stochastic rounding share one scale. Below 1 bit linear-layer
 inputs get rotated sampling instead of average quantization (``codec_candidates``): averaging
-them biases the weight gradient in a way no seed changes, which this pass cannot see. Few-bit
+them biases the weight gradient in a way no seed changes, which this pass cannot see. With
+``chain_bits`` the other codec slots (norm inputs, attention and gated-MLP operands, whose noise
+compounds through the layers below: another thing a slot-at-a-time pass cannot see) get only
+uniform rounding at that precision or more. Few-bit
 slots are deterministic: their effect is the squared gradient change when the slot's table
 switches between two bit widths, scaled by the tables' measured derivative errors on the slot's
 own inputs.
