@@ -102,23 +102,25 @@ def minilm_batch(glue_dir: str, rows: int = 32, device: str = "cpu"):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
-    """Adaptive against even at the same counted bytes, on the pretrained MiniLM."""
+def minilm_model(device: str = "cpu"):
+    """The pretrained MiniLM with a fresh 2-label head (seeded), in eval mode: no dropout, so
+    gradients differ by compression alone (the ops compress whenever autograd records them;
+    dropout masks drawn after rounding seeds would differ)."""
     import bench_glue
     from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    path = bench_glue.minilm_path()
+    net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    return net.to(device).eval()
+
+
+def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
+    """Adaptive against even at the same counted bytes, on the pretrained MiniLM."""
 
     from hf_actq.adaptive.calibrate import calibrate
 
     batch = minilm_batch(glue_dir, device=device)
-
-    def model():
-        torch.manual_seed(0)
-        net = AutoModelForSequenceClassification.from_pretrained(
-            bench_glue.minilm_path(), num_labels=2
-        )
-        # Eval mode: no dropout, so the gradients differ by compression alone (the ops compress
-        # whenever autograd records them; dropout masks drawn after rounding seeds would differ).
-        return net.to(device).eval()
 
     def gradient(net, seed):
         net.zero_grad()
@@ -126,12 +128,12 @@ def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
         net(**batch).loss.backward()
         return _flat([p.grad for p in net.parameters()])
 
-    exact = [gradient(model(), 0)] * draws  # deterministic without dropout
+    exact = [gradient(minilm_model(device), 0)] * draws  # deterministic without dropout
     rows = {}
     for bits in (0.5, 1, 2):
         row = {}
         for sensitivity in ("even", "gradnormvar", "gradvar"):
-            net = model()
+            net = minilm_model(device)
             config = ActQConfig.from_recipe("alam", bits=bits, adaptive=False)
             handle = hf_actq.apply(net, config)
             if sensitivity != "even":
@@ -154,17 +156,9 @@ def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
     mode): the whole-model gradient cosine of one draw and of the mean of 4 draws, and the mean
     gradient's length over the exact one. Averaging alone (AQ with 8-bit means) shows its bias
     (cosine == length ratio: a projection); the 1-bit rows compare codecs at the same bytes."""
-    import bench_glue
-    from transformers import AutoModelForSequenceClassification
 
     batch = minilm_batch(glue_dir, device=device)
     kinds = dict(activations=False, linear=False, norm=False, attention=False, dropout=False)
-
-    def model():
-        torch.manual_seed(0)
-        path = bench_glue.minilm_path()
-        net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-        return net.to(device).eval()
 
     def gradient(net, seed):
         net.zero_grad()
@@ -186,10 +180,10 @@ def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
         "linear", bits=1, slots={linear_inputs: {"codec": "rotated", "bits": 1}}
     )
     cases["uniform 1 bit, linear inputs"] = only("linear", codec="uniform", bits=1)
-    exact = gradient(model(), 0)
+    exact = gradient(minilm_model(device), 0)
     rows = {}
     for name, config in cases.items():
-        net = model()
+        net = minilm_model(device)
         hf_actq.apply(net, config)
         draws = torch.stack([gradient(net, seed) for seed in range(1, 5)])
         mean = draws.mean(0)
@@ -228,18 +222,12 @@ def measure_minilm_groups(glue_dir: str, batches: int = 6, device: str = "cpu") 
     noise, as halving the batch would. Adaptive plans are calibrated on 8 examples of the first
     batch, as ``ActQCallback`` does."""
     import bench_glue
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
     pairs = bench_glue.read_split(Path(glue_dir), "mrpc", "train")
     stream = bench_glue.batches(tokenizer, pairs, 32, shuffle_seed=0)
     data = [{k: v.to(device) for k, v in next(stream).items()} for _ in range(batches)]
-
-    def model():
-        torch.manual_seed(0)
-        path = bench_glue.minilm_path()
-        net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-        return net.to(device).eval()
 
     def gradients(net, batch, seed):
         net.zero_grad()
@@ -250,12 +238,12 @@ def measure_minilm_groups(glue_dir: str, batches: int = 6, device: str = "cpu") 
             groups.setdefault(_parameter_group(name), []).append(p.grad.flatten())
         return {k: torch.cat(v).double() for k, v in groups.items()}
 
-    exact = [gradients(model(), b, 0) for b in data]
+    exact = [gradients(minilm_model(device), b, 0) for b in data]
     mean = {k: sum(e[k] for e in exact) / batches for k in exact[0]}
     minibatch = {k: sum(float((e[k] - mean[k]).pow(2).sum()) for e in exact) for k in mean}
     rows: dict[str, dict] = {k: {} for k in mean}
     for recipe, make in GROUP_RECIPES.items():
-        net = model()
+        net = minilm_model(device)
         config = make()
         handle = hf_actq.apply(net, config)
         if config.adaptive:
