@@ -25,6 +25,7 @@ from hf_actq.codecs.packed import (
     Packed,
     check_floating,
     draw_seed,
+    numel_of,
     validate_int,
 )
 from hf_actq.kernels import aq_dequantize, aq_quantize
@@ -50,6 +51,7 @@ class AverageQuantCodec(Codec):
         validate_int("bits", self.bits, range(1, 9))
         validate_int("group_size", self.group_size, GROUP_SIZES)
         validate_int("block_size", self.block_size, BLOCK_SIZES)
+        super().__post_init__()
 
     # Sizes -----------------------------------------------------------------------------------
     def _num_means(self, shape) -> int:
@@ -57,13 +59,17 @@ class AverageQuantCodec(Codec):
         if not shape:
             return 1
         last = shape[-1]
-        rows = torch.Size(shape[:-1]).numel()
-        return rows * -(-last // self.group_size)
+        return numel_of(shape[:-1]) * -(-last // self.group_size)
 
-    def nbytes(self, shape) -> int:
+    def buffers(self, shape):
         means = self._num_means(shape)
         blocks = -(-means // self.block_size)
-        return packed_nbytes(means, self.bits) + blocks * 2 * 4
+        # Codes, then a min and a scale per block.
+        return (
+            (packed_nbytes(means, self.bits), torch.uint8),
+            (blocks, torch.float32),
+            (blocks, torch.float32),
+        )
 
     # Pack / unpack ---------------------------------------------------------------------------
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import Codec, Packed
+from hf_actq.codecs.packed import Codec, Packed, numel_of
 from hf_actq.kernels import mask_pack, mask_unpack
 from hf_actq.kernels.reference import packed_nbytes
 
@@ -20,8 +20,8 @@ class MaskCodec(Codec):
 
     name = "mask"
 
-    def nbytes(self, shape) -> int:
-        return packed_nbytes(torch.Size(shape).numel(), 1)
+    def buffers(self, shape):
+        return ((packed_nbytes(numel_of(shape), 1), torch.uint8),)
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         return Packed(self, x.shape, x.dtype, (mask_pack(x),))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -39,6 +41,10 @@ class Packed:
         return replace(self, tensors=tuple(tensors))
 
     def unpack(self) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.codec.name != "exact":
+            from hf_actq.codecs.library import compiled_unpack
+
+            return compiled_unpack(self)
         return self.codec.unpack(self)
 
 
@@ -48,6 +54,14 @@ class Codec:
     name = "codec"
     # Codecs that round stochastically take a seed drawn from torch's RNG (draw_seed).
     uses_rng = False
+    # Buffers kept on the CPU whatever the input's device (a seed that backward reads).
+    cpu_buffers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        # The codec as a string, the form the custom operators torch.compile traces take
+        # (codecs/library.py); computed once here, where no trace is running.
+        params = {f.name: getattr(self, f.name) for f in fields(self)}
+        object.__setattr__(self, "op_key", f"{self.name}:{json.dumps(params, sort_keys=True)}")
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         raise NotImplementedError
@@ -55,14 +69,24 @@ class Codec:
     def unpack(self, packed: Packed) -> torch.Tensor:
         raise NotImplementedError
 
-    def nbytes(self, shape: tuple[int, ...]) -> int:
-        """Exact bytes :meth:`pack` keeps for a tensor of ``shape`` (known before packing)."""
+    def buffers(self, shape) -> tuple[tuple[int, torch.dtype], ...]:
+        """``(numel, dtype)`` of each 1-D buffer :meth:`pack` keeps for a tensor of ``shape``,
+        in order: sizes depend on the shape alone."""
         raise NotImplementedError
+
+    def nbytes(self, shape) -> int:
+        """Exact bytes :meth:`pack` keeps for a tensor of ``shape`` (known before packing)."""
+        return sum(numel * dtype.itemsize for numel, dtype in self.buffers(shape))
 
     def bits_per_element(self, shape: tuple[int, ...]) -> float:
         """Effective bits per element, metadata included."""
         numel = torch.Size(shape).numel()
         return 8 * self.nbytes(shape) / max(numel, 1)
+
+
+def numel_of(shape) -> int:
+    """Elements of ``shape`` (symbolic sizes stay symbolic, as a torch.compile trace needs)."""
+    return math.prod(shape)
 
 
 def check_floating(x: torch.Tensor, codec: Codec) -> None:
@@ -100,7 +124,13 @@ def draw_seed() -> int:
     data-parallel launchers seed every rank identically, and ranks that draw the same rounding
     noise would not average it away when their gradients are reduced.
     """
-    seed = int(torch.randint(0, _SEED_MODULUS, (1,), device="cpu").item())
+    return int(draw_seed_tensor().item())
+
+
+def draw_seed_tensor() -> torch.Tensor:
+    """:func:`draw_seed`'s seed as a one-element int64 CPU tensor: the form a torch.compile
+    trace draws, where reading the value (``.item()``) would break the graph."""
+    seed = torch.randint(0, _SEED_MODULUS, (1,), device="cpu")
     rank = process_rank()
     return seed if rank == 0 else (seed + rank * _RANK_STRIDE) % _SEED_MODULUS
 

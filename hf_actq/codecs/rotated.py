@@ -38,6 +38,7 @@ from hf_actq.codecs.packed import (
     Packed,
     check_floating,
     draw_seed,
+    numel_of,
     validate_int,
 )
 from hf_actq.kernels import aq_dequantize, aq_quantize
@@ -74,19 +75,27 @@ class RotatedSampleCodec(Codec):
     # Signs always come from a seed, so the codec draws one per pack even without rounding.
     uses_rng = True
 
+    cpu_buffers = (3,)
+
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
         validate_int("group_size", self.group_size, GROUP_SIZES)
         validate_int("block_size", self.block_size, BLOCK_SIZES)
+        super().__post_init__()
 
     def _rows(self, shape) -> int:
-        return -(-int(torch.Size(tuple(shape)).numel()) // ROTATION)
+        return -(-numel_of(shape) // ROTATION)
 
-    def nbytes(self, shape) -> int:
+    def buffers(self, shape):
         kept = self._rows(shape) * (ROTATION // self.group_size)
         blocks = -(-kept // self.block_size)
-        # Codes, a min and a scale per block, and the 8-byte seed of the signs.
-        return packed_nbytes(kept, self.bits) + blocks * 2 * 4 + 8
+        # Codes, a min and a scale per block, and the seed of the signs (on the CPU).
+        return (
+            (packed_nbytes(kept, self.bits), torch.uint8),
+            (blocks, torch.float32),
+            (blocks, torch.float32),
+            (1, torch.int64),
+        )
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)

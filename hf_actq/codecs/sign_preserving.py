@@ -13,7 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import BLOCK_SIZES, Codec, Packed, check_floating, validate_int
+from hf_actq.codecs.packed import (
+    BLOCK_SIZES,
+    Codec,
+    Packed,
+    check_floating,
+    numel_of,
+    validate_int,
+)
 from hf_actq.kernels import blpa_dequantize, blpa_quantize
 from hf_actq.kernels.reference import packed_nbytes
 
@@ -28,10 +35,14 @@ class SignPreservingCodec(Codec):
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
         validate_int("block_size", self.block_size, BLOCK_SIZES)
+        super().__post_init__()
 
-    def nbytes(self, shape) -> int:
-        n = torch.Size(shape).numel()
-        return packed_nbytes(n, self.bits) + -(-n // self.block_size) * 4
+    def buffers(self, shape):
+        n = numel_of(shape)
+        return (
+            (packed_nbytes(n, self.bits), torch.uint8),
+            (-(-n // self.block_size), torch.float32),
+        )
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import Codec, Packed, check_floating, draw_seed, validate_int
+from hf_actq.codecs.packed import (
+    Codec,
+    Packed,
+    check_floating,
+    draw_seed,
+    numel_of,
+    validate_int,
+)
 from hf_actq.kernels import smaq_dequantize, smaq_quantize
 from hf_actq.kernels.reference import packed_nbytes
 
@@ -43,16 +50,22 @@ class SmaQCodec(Codec):
         validate_int("block_size", self.block_size, BLOCK_SIZES)
         if isinstance(self.capacity, bool) or not 0.0 <= self.capacity <= 1.0:
             raise ValueError(f"capacity must be a fraction in [0, 1], got {self.capacity!r}")
+        super().__post_init__()
 
     @property
     def slots(self) -> int:
         """Extension slots per block, a multiple of 4 so that each block's slots fill bytes."""
         return min(self.block_size, -(-round(self.capacity * self.block_size) // 4) * 4)
 
-    def nbytes(self, shape) -> int:
-        n = torch.Size(shape).numel()
+    def buffers(self, shape):
+        n = numel_of(shape)
         blocks = -(-n // self.block_size)
-        return packed_nbytes(n, 6) + blocks * self.slots // 4 + 8  # + fp32 mean and std
+        # 6-bit main codes, 2-bit extension slots, fp32 mean and std.
+        return (
+            (packed_nbytes(n, 6), torch.uint8),
+            (blocks * self.slots // 4, torch.uint8),
+            (2, torch.float32),
+        )
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)

@@ -71,6 +71,12 @@ def uses_triton(tensor: torch.Tensor, dtypes=_TRITON_DTYPES) -> bool:
 
 
 def fewbit_forward(x, activation, borders, bits, params=(), output=True):
+    if not output:  # codes only: the op torch.compile traces as one node
+        return (None, *torch.ops.hf_actq.fewbit_codes(x, activation, borders, bits, list(params)))
+    return _fewbit_forward(x, activation, borders, bits, params, output)
+
+
+def _fewbit_forward(x, activation, borders, bits, params, output):
     if uses_triton(x):
         from hf_actq.kernels.fewbit import fewbit_forward_triton
 
@@ -78,12 +84,40 @@ def fewbit_forward(x, activation, borders, bits, params=(), output=True):
     return fewbit_forward_reference(x, activation, borders, bits, params, output)
 
 
-def fewbit_backward(grad_y, packed, levels, nan_flag, bits):
+@torch.library.custom_op("hf_actq::fewbit_codes", mutates_args=())
+def _fewbit_codes(
+    x: torch.Tensor, activation: str, borders: torch.Tensor, bits: int, params: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _, packed, nan_flag = _fewbit_forward(x, activation, borders, bits, tuple(params), False)
+    return packed, nan_flag
+
+
+@_fewbit_codes.register_fake
+def _(x, activation, borders, bits, params):
+    return (
+        x.new_empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8),
+        x.new_empty(1, dtype=torch.int32),
+    )
+
+
+@torch.library.custom_op("hf_actq::fewbit_backward", mutates_args=())
+def fewbit_backward(
+    grad_y: torch.Tensor,
+    packed: torch.Tensor,
+    levels: torch.Tensor,
+    nan_flag: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
     if uses_triton(grad_y):
         from hf_actq.kernels.fewbit import fewbit_backward_triton
 
         return fewbit_backward_triton(grad_y, packed, levels, nan_flag, bits)
     return fewbit_backward_reference(grad_y, packed, levels, nan_flag, bits)
+
+
+@fewbit_backward.register_fake
+def _(grad_y, packed, levels, nan_flag, bits):
+    return torch.empty_like(grad_y, memory_format=torch.contiguous_format)
 
 
 def aq_quantize(source, group, bits, block, stochastic, seed=0):

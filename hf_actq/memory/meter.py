@@ -211,6 +211,10 @@ class ActivationMonitor:
         self.armed = False
 
     def _start(self, module, args) -> None:
+        # A compiled forward traces these hooks, where saved-tensor hooks cannot run: it is
+        # not metered (benchmarks/bench_compile.py reads a compiled graph's saved bytes).
+        if torch.compiler.is_compiling():
+            return
         if self.armed and self._meter is None and module.training and torch.is_grad_enabled():
             # FSDP2 parameters are DTensors: their local shards are what the step holds.
             params = [getattr(p, "_local_tensor", p) for p in module.parameters()]

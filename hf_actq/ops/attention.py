@@ -146,6 +146,14 @@ def compressed_eager_attention(
     state = _state(module, codecs, cache)
     training = module is not None and module.training
     p = dropout if module is None or training else 0.0
+    if p > 0.0 and torch.compiler.is_compiling():
+        # A trace cannot read the dropout seed this op keeps: the plain form, whose saved
+        # tensors the compiler chooses.
+        scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        dropped = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p, training=True)
+        return torch.matmul(dropped, value).transpose(1, 2).contiguous(), dropped
     if wants_backward(query, key, value):
         out, weights = CompressedAttentionFunction.apply(
             query,
@@ -221,10 +229,13 @@ class CompressedSDPAFunction(torch.autograd.Function):
             count = 1 + len(ctx.rng_devices)
             saved, rng_states = saved[:-count], saved[-count:]
         mask = saved.pop() if ctx.has_mask else None
-        q, k, v = (
-            ctx.slots[n].restore(saved).to(grad_out.dtype).detach().requires_grad_()
-            for n in ("q", "k", "v")
-        )
+        q, k, v = (ctx.slots[n].restore(saved).to(grad_out.dtype).detach() for n in ("q", "k", "v"))
+        if torch.compiler.is_compiling():  # never with dropout (see compressed_sdpa_attention)
+            # torch.func.vjp, which a trace follows and autograd.grad it does not; eager keeps
+            # autograd.grad, which works under saved-tensor hooks (save_on_cpu) and vjp does not.
+            _, vjp = torch.func.vjp(lambda q, k, v: ctx.run_sdpa(q, k, v, mask), q, k, v)
+            return (*vjp(grad_out), None, None, None, None)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
         replay = ctx.rng_devices is not None
         with torch.random.fork_rng(devices=ctx.rng_devices or [], enabled=replay):
             if replay:  # the forward's dropout mask, drawn again
@@ -274,6 +285,8 @@ def compressed_sdpa_attention(
         kwargs.get("position_bias") is not None
         or kwargs.get("cache") is not None
         or query.shape[2] != key.shape[2]
+        # A trace cannot capture and restore the RNG state for the dropout replay.
+        or (dropout > 0.0 and torch.compiler.is_compiling())
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs

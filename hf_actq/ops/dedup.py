@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import Codec, Packed, draw_seed
+from hf_actq.codecs.packed import Codec, Packed, draw_seed, draw_seed_tensor
 from hf_actq.ops.slots import observer, seed_override
 
 
@@ -57,6 +57,8 @@ class PackCache:
         A stochastic codec's seed is drawn whether or not the result is reused, so the RNG stream
         (and with it checkpoint replay) does not depend on what the cache holds.
         """
+        if torch.compiler.is_compiling():
+            return _traced_pack(x, codec)
         seed = None
         if codec.uses_rng:
             seed = seed_override(slot)
@@ -103,3 +105,14 @@ class PackCache:
 
 
 DEFAULT_CACHE = PackCache()
+
+
+def _traced_pack(x: torch.Tensor, codec: Codec) -> Packed:
+    """:meth:`PackCache.pack` in a torch.compile trace: one traced op (``hf_actq::pack``) per
+    consumer, with no reuse. Each autograd Function is traced as a subgraph of its own, which
+    cannot use a tensor another one made, so consumers of a shared input (q/k/v, gate/up) each
+    keep a copy, and stochastic ones round with seeds of their own."""
+    from hf_actq.codecs.library import compiled_pack
+
+    seed = draw_seed_tensor() if codec.uses_rng else None
+    return codec.pack(x) if codec.name == "exact" else compiled_pack(x, codec, seed)

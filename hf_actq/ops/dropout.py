@@ -71,7 +71,9 @@ class CompressedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self.p == 1.0:
+        if self.p == 1.0 or torch.compiler.is_compiling():
+            # Under torch.compile the seed cannot be read in the trace: stock dropout, whose
+            # mask the compiler keeps (or regenerates, on CUDA) as it chooses.
             return state_of(self).plain(x)
         if not wants_backward(x):
             # What the Function would compute, from the same single seed draw.

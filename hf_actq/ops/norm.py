@@ -85,7 +85,10 @@ def _x_hat_from_output(y, weight, bias):
 def _keep(ctx, state, x_hat_of, y, weight, bias, rstd):
     """Save what backward needs: ``y`` (memory sharing), else ``x_hat`` packed by the slot's
     codec, or exact when the norm has no codec (an exact norm whose weight has a zero)."""
-    ctx.from_output = state.norm_from_output and _divisible(weight)
+    # Under torch.compile the zero check (data-dependent) cannot be traced: x_hat is kept.
+    ctx.from_output = (
+        state.norm_from_output and not torch.compiler.is_compiling() and _divisible(weight)
+    )
     if ctx.from_output:
         ctx.save_for_backward(rstd, weight, bias, y)
         return

@@ -15,7 +15,7 @@ slot's seed and nothing else).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -43,7 +43,8 @@ _SEEDS: ContextVar[Callable[[str], int] | None] = ContextVar("hf_actq_slot_seeds
 def observe(observer: SlotObserver) -> Iterator[SlotObserver]:
     token = _OBSERVER.set(observer)
     try:
-        yield observer
+        with _eager():
+            yield observer
     finally:
         _OBSERVER.reset(token)
 
@@ -53,19 +54,29 @@ def slot_seeds(seed_for: Callable[[str], int]) -> Iterator[None]:
     """Stochastic rounding takes ``seed_for(slot id)`` instead of a draw from torch's RNG."""
     token = _SEEDS.set(seed_for)
     try:
-        yield
+        with _eager():
+            yield
     finally:
         _SEEDS.reset(token)
 
 
+def _eager():
+    """Compiled modules run eagerly inside: hooks are read while a forward runs, which a
+    compiled graph cannot do (and these passes are measurements, not training steps)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return nullcontext() if set_stance is None else set_stance("force_eager")
+
+
+# Under torch.compile no hook is active (the context managers above force eager execution),
+# and dynamo cannot trace ContextVar.get: the traced forward takes the plain path.
 def observer() -> SlotObserver | None:
-    return _OBSERVER.get()
+    return None if torch.compiler.is_compiling() else _OBSERVER.get()
 
 
 def per_slot_seeds() -> bool:
-    return _SEEDS.get() is not None
+    return not torch.compiler.is_compiling() and _SEEDS.get() is not None
 
 
 def seed_override(slot: str | None) -> int | None:
-    seed_for = _SEEDS.get()
+    seed_for = None if torch.compiler.is_compiling() else _SEEDS.get()
     return None if seed_for is None or slot is None else seed_for(slot)

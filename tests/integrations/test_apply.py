@@ -565,7 +565,7 @@ def test_apply_does_not_touch_the_global_rng():
 
 
 @pytest.mark.slow
-def test_torch_compile_runs_with_graph_breaks():
+def test_torch_compile_with_inductor_gives_the_eager_loss():
     model = _model("llama")
     batch = _batch("llama")
     hf_actq.apply(model, bits=4)

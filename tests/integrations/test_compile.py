@@ -1,0 +1,127 @@
+"""Patched models under torch.compile: no graph break in hf_actq's ops, gradients equal to the
+eager patched run, and a compiled Trainer run with the callback.
+
+The backend is "aot_eager": AOTAutograd's forward/backward split with eager kernels. Inductor
+(code generation, and a partitioner that recomputes more) is measured by
+benchmarks/bench_compile.py and the slow test in test_apply.py (minutes on two CPU cores).
+"""
+
+import copy
+
+import pytest
+import torch
+from tiny_models import tiny_bert, tiny_llama
+from transformers import Trainer
+
+import hf_actq
+from hf_actq import ActQCallback, ActQConfig
+from hf_actq.ops import dedup
+
+RECIPES = {
+    "fewbit": ActQConfig.from_recipe("fewbit"),
+    "uniform": ActQConfig.from_recipe("uniform", bits=4),
+    "alam": ActQConfig.from_recipe("alam", adaptive=False),
+    "blpa": ActQConfig.from_recipe("uniform", codec="blpa"),
+}
+
+
+def _llama():
+    model = tiny_llama(attn_implementation="sdpa")
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _bert(dropout=0.0):
+    # Dropout under compile is stock dropout (see the last tests), with masks of its own.
+    model = tiny_bert(
+        attn_implementation="sdpa",
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": torch.tensor([0, 1])}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+def test_patched_forward_compiles_into_one_graph(build, recipe):
+    model, batch = build()
+    hf_actq.apply(model, RECIPES[recipe])
+    explained = torch._dynamo.explain(lambda: model(**batch).loss)()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1
+
+
+def _gradients(base, batch, config, compiled):
+    model = copy.deepcopy(base)
+    hf_actq.apply(model, config)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    torch.manual_seed(2)
+    loss = run(**batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+def test_compiled_gradients_equal_the_eager_patched_gradients(build, recipe, monkeypatch):
+    # A trace packs a shared input (q/k/v, gate/up) once per consumer, each with its own seed;
+    # eager reuses the first consumer's codes. With reuse off the two draw the same seeds in
+    # the same order, so stochastic rounding is compared exactly too.
+    monkeypatch.setattr(dedup._Entry, "reuse", lambda self, x, codec: None)
+    torch._dynamo.reset()
+    base, batch = build()
+    eager_loss, eager = _gradients(base, batch, RECIPES[recipe], compiled=False)
+    compiled_loss, compiled = _gradients(base, batch, RECIPES[recipe], compiled=True)
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    assert eager.keys() == compiled.keys()
+    for name, grad in eager.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_compiled_gradients_differ_from_eager_only_by_the_shared_inputs_seeds():
+    # With reuse on (the default), a stochastic recipe's compiled gradient is another draw of
+    # the same estimate: as close to the exact gradient as eager's.
+    torch._dynamo.reset()
+    base, batch = _llama()
+    exact = copy.deepcopy(base)
+    exact(**batch).loss.backward()
+    flat = torch.cat([p.grad.flatten() for p in exact.parameters()])
+    cosines = {}
+    for compiled in (False, True):
+        _, grads = _gradients(base, batch, RECIPES["uniform"], compiled)
+        approx = torch.cat([g.flatten() for g in grads.values()])
+        cosines[compiled] = torch.nn.functional.cosine_similarity(flat, approx, 0).item()
+    assert cosines[False] > 0.9 and cosines[True] > 0.9
+    assert abs(cosines[True] - cosines[False]) < 0.05
+
+
+def test_dropout_under_compile_runs_the_stock_ops_without_a_break():
+    model, batch = _bert(dropout=0.1)
+    hf_actq.apply(model, RECIPES["uniform"])
+    explained = torch._dynamo.explain(lambda: model(**batch).loss)()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(**batch).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_compiled_trainer_with_the_callback_trains(tmp_path):
+    from test_trainer import Toy, _args, _losses
+
+    torch._dynamo.reset()
+    callback = ActQCallback(bits=4)
+    args = _args(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
+    args.max_steps, args.learning_rate = 12, 1e-2
+    trainer = Trainer(
+        model=tiny_llama(attn_implementation="sdpa"),
+        args=args,
+        train_dataset=Toy(True, n=8),
+        callbacks=[callback],
+    )
+    trainer.train()
+    losses = _losses(trainer)
+    assert callback.handle is not None and callback.handle.patched
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
