@@ -6,10 +6,11 @@ allocator's caching and the Python heap, so :class:`PeakMemory` runs the region 
 PyTorch profiler with ``profile_memory=True``, which records every allocation and free that goes
 through PyTorch's CPU allocator; the running sum of those events, in time order, gives the bytes
 live above the starting point at every instant, and its maximum is the peak. Only tensors are
-counted (which is what a GPU would hold), never interpreter or library overhead. The profiler
-cannot size the free of a tensor allocated before it started, so such frees are left out and the
-CPU figures are upper bounds for regions that free older tensors; measure from a settled state
-(e.g. gradients set to None before the step, as the memory report does).
+counted (which is what a GPU would hold), never interpreter or library overhead. Frees of tensors
+allocated before the region are left out (a free counts only when its address was allocated
+inside the region), so the CPU figures are upper bounds for regions that free older tensors;
+measure from a settled state (e.g. gradients set to None before the step, as the memory report
+does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import os
 import sys
 
 import torch
-from torch._C._autograd import DeviceType
 
 
 class PeakMemory:
@@ -56,23 +56,35 @@ class PeakMemory:
             return
         with _native_stderr_silenced():
             self._profiler.__exit__(*exc)
-        # The raw events hold one "[memory]" record per allocation (+bytes) and free (-bytes);
-        # the aggregated event list folds them into the enclosing op and loses their order.
-        live = peak = 0
-        events = sorted(_cpu_memory_events(self._profiler))
-        for _, nbytes in events:
+        live = peak = largest = 0
+        allocated_here: dict[int, int] = {}  # address -> bytes, for blocks allocated in the region
+        for _, address, nbytes in sorted(_cpu_allocation_events(self._profiler)):
+            if nbytes > 0:
+                allocated_here[address] = nbytes
+                largest = max(largest, nbytes)
+            else:
+                # torch's CPU allocator sizes a free from a table it fills only while a profiler
+                # runs and does not clear when a block outlives the profiler, so a free of an older
+                # block can carry another block's size; only frees of blocks we saw allocated count.
+                nbytes = -allocated_here.pop(address, 0)
             live += nbytes
             peak = max(peak, live)
-        self.peak_bytes, self.end_bytes = peak, live
-        self.largest_bytes = max((nbytes for _, nbytes in events), default=0)
+        self.peak_bytes, self.end_bytes, self.largest_bytes = peak, live, largest
         self._profiler = None
 
 
-def _cpu_memory_events(profiler) -> list[tuple[int, int]]:
-    events = []
-    for event in profiler.profiler.kineto_results.events():
-        if event.name() == "[memory]" and event.device_type() == DeviceType.CPU:
-            events.append((event.start_ns(), event.nbytes()))
+def _cpu_allocation_events(profiler) -> list[tuple[int, int, int]]:
+    """(time, address, +bytes allocated or -bytes freed) for every CPU allocator event, in any
+    order; the aggregated event list would fold them into their ops and lose their order."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            fields = node.extra_fields
+            events.append((node.start_time_ns, fields.ptr, fields.alloc_size))
     return events
 
 
