@@ -4,8 +4,8 @@ scale, repeat over the group). Twins: ``aq_quantize_reference`` / ``aq_dequantiz
 
 Stochastic rounding uses Triton's Philox stream keyed by the codec's seed (drawn from torch's
 RNG), so ``torch.manual_seed`` and checkpointing's RNG replay reproduce codes; the noise differs
-from the twin's ``torch.rand``, so the two agree in distribution, and bit for bit when
-deterministic.
+from the twin's counter hash (``kernels/compiled.py:uniform_noise``), so the two agree in
+distribution, and bit for bit when deterministic.
 """
 
 from __future__ import annotations

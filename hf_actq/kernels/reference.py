@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hf_actq.fewbit.activations import get_activation
+from hf_actq.kernels.compiled import mix_seed, run, uniform_noise, use_compiled
 
 if sys.byteorder != "little":
     raise ImportError(
@@ -58,10 +59,24 @@ def fewbit_forward_reference(
     n = x.numel()
     packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
     flat = x.reshape(-1)
-    cuts = borders.tolist()
+    cuts = tuple(borders.tolist())
+    if use_compiled(flat):
+        # Comparisons and packing fused by the compiler: a few passes instead of a dozen.
+        nan_seen = torch.zeros(1, dtype=torch.bool, device=x.device)
+        key = (x.dtype, cuts, spec.code_mode, bits)
+        for start in range(0, n, _COMPILED_CHUNK):
+            part = flat[start : start + _COMPILED_CHUNK]
+            m = part.numel()
+            if m % 8:
+                part = torch.cat([part, part.new_zeros(8 - m % 8)])
+            nan_seen |= torch.isnan(part.max())
+            codes = run(True, _fewbit_codes, key, part, cuts, spec.code_mode)
+            codes[m:] = 0  # as the eager path packs the tail
+            _pack_uint8_codes_into(codes, bits, packed, start, True)
+        return y, packed, nan_seen.to(torch.int32)
     lut = None
     if spec.code_mode in ("table", "symmetric"):
-        lut = code_lookup_table(tuple(cuts), spec.code_mode == "symmetric", x.dtype, x.device)
+        lut = code_lookup_table(cuts, spec.code_mode == "symmetric", x.dtype, x.device)
     nan_seen = torch.zeros(1, dtype=torch.bool, device=x.device)
     # Codes are kept as fp32 so that packing is a GEMV with no conversion pass.
     codes = torch.zeros(min(n, CHUNK) + 8, dtype=torch.float32, device=x.device)
@@ -93,6 +108,25 @@ def fewbit_forward_reference(
             _pack_into(codes[:padded], bits, tail)
             packed[byte_start : byte_start + nbytes] = tail[:nbytes]
     return y, packed, nan_seen.to(torch.int32)
+
+
+def _fewbit_codes(part, cuts: tuple, code_mode: str):
+    """uint8 codes of ``part``: the comparisons that :func:`code_lookup_table` tabulates (on the
+    top 16 bits of the fp32 value for "table" and "symmetric", on the fp32 value otherwise),
+    written out for the compiler. Counted in fp32: inductor's uint8 additions do not vectorize.
+    """
+    v = part.float()
+    if code_mode in ("table", "symmetric"):
+        v = (v.view(torch.int32) & -65536).view(torch.float32)
+        if code_mode == "symmetric":
+            v = v.abs()
+    codes = torch.where(v > cuts[0], 1.0, 0.0)
+    if code_mode == "interval":
+        codes = torch.where(v < cuts[1], codes, 0.0)
+    elif code_mode in ("table", "symmetric"):
+        for cut in cuts[1:]:
+            codes = codes + torch.where(v > cut, 1.0, 0.0)
+    return codes.to(torch.uint8)
 
 
 @functools.lru_cache(maxsize=64)
@@ -172,8 +206,8 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
     data = torch.zeros(groups * bits, dtype=torch.uint8, device=packed.device)
     data[: packed.numel()] = packed
     if bits in (1, 2, 3, 4, 8):
-        table, index_of = _expanded_lookup(torch.arange(2**bits, device=packed.device), bits)
-        return table.to(torch.uint8).index_select(0, index_of(data)).view(-1)[:numel]
+        table, index_of = _code_table(bits, packed.device)
+        return table.index_select(0, index_of(data)).view(-1)[:numel]
     words = torch.zeros(groups, 8, dtype=torch.uint8, device=packed.device)
     words[:, :bits] = data.view(groups, bits)
     words = words.view(torch.int64).view(-1, 1)
@@ -207,29 +241,39 @@ def _expanded_lookup(lut: torch.Tensor, bits: int):
     Decoding byte by byte (or 12 bits at a time for 3-bit codes, which straddle bytes) turns
     unpacking and the level lookup into one row gather.
     """
-    device = lut.device
+    codes, index_of = _code_table(bits, lut.device)
+    return lut[codes.long()], index_of
+
+
+@functools.lru_cache(maxsize=32)
+def _code_table(bits: int, device: torch.device):
+    """The uint8 codes each packed index holds (one byte, or 12 bits for 3-bit codes), cached:
+    this runs on every unpack (uint8 so that the cache stays at 16 KiB)."""
     if bits in (1, 2, 4, 8):
         per_byte = 8 // bits
         index = torch.arange(256, device=device)
         shifts = torch.arange(per_byte, device=device) * bits
-        codes = (index[:, None] >> shifts) & (2**bits - 1)
-        return lut[codes], lambda chunk: chunk.to(torch.int32)
+        return ((index[:, None] >> shifts) & (2**bits - 1)).to(torch.uint8), _byte_index
     if bits == 3:
         index = torch.arange(4096, device=device)
         shifts = torch.arange(4, device=device) * 3
-        codes = (index[:, None] >> shifts) & 7
-
-        def index_of(chunk):
-            b = chunk.view(-1, 3).to(torch.int32)
-            word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-            return torch.stack([word & 0xFFF, word >> 12], dim=1).view(-1)
-
-        return lut[codes], index_of
+        return ((index[:, None] >> shifts) & 7).to(torch.uint8), _twelve_bit_index
     raise ValueError(f"bits must be one of 1, 2, 3, 4, 8 for unpacking, got {bits}")
 
 
+def _byte_index(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk.to(torch.int32)
+
+
+def _twelve_bit_index(chunk: torch.Tensor) -> torch.Tensor:
+    b = chunk.view(-1, 3).to(torch.int32)
+    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    return torch.stack([word & 0xFFF, word >> 12], dim=1).view(-1)
+
+
 # Average quantization (codecs/average.py) --------------------------------------------------------
-_CODEC_CHUNK = 1 << 16  # means per chunk; a multiple of every allowed block size
+_CODEC_CHUNK = 1 << 16  # means per eager chunk; a multiple of every allowed block size
+_COMPILED_CHUNK = 1 << 22  # means per compiled chunk: bounds the uint8 codes between the passes
 
 
 def aq_quantize_reference(
@@ -237,40 +281,60 @@ def aq_quantize_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize the means of consecutive ``group``-element runs of flat ``source``.
 
-    Returns packed ``bits``-bit codes and per-block fp32 minimums and scales. Means are rounded to
-    ``source``'s dtype (as the Triton kernel does) before quantization; stochastic rounding adds
-    ``torch.rand`` noise from a generator seeded with ``seed``, deterministic rounding is
-    ``floor(q + 0.5)``.
+    Returns packed ``bits``-bit codes and per-block fp32 minimums and scales. Means are fp32 sums
+    in order, divided by ``group`` and rounded to ``source``'s dtype (as the Triton kernel does)
+    before quantization; stochastic rounding adds :func:`uniform_noise` of each mean's index keyed
+    by ``seed``, deterministic rounding is ``floor(q + 0.5)``. Codes past the last mean are zero.
     """
-    generator = None
-    if stochastic:
-        generator = torch.Generator(device=source.device)
-        generator.manual_seed(seed)
-    means = source if group == 1 else source.view(-1, group).mean(1, dtype=torch.float32)
-    means = means.to(source.dtype)
-    m = means.numel()
+    m = source.numel() // group
     blocks = -(-m // block)
-    mins = torch.empty(blocks, dtype=torch.float32, device=source.device)
-    scales = torch.empty(blocks, dtype=torch.float32, device=source.device)
-    packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=source.device)
-    top = float(2**bits - 1)
-    for start in range(0, m, _CODEC_CHUNK):
-        stop = min(m, start + _CODEC_CHUNK)
-        chunk = means[start:stop].float()
-        rows = -(-chunk.numel() // block)
-        lo = _padded(chunk, rows * block, math.inf).view(rows, block).amin(dim=1)
-        hi = _padded(chunk, rows * block, -math.inf).view(rows, block).amax(dim=1)
-        # hi / top - lo / top rather than (hi - lo) / top, which overflows for huge ranges.
-        scale = hi / top - lo / top
-        b0 = start // block
-        mins[b0 : b0 + rows], scales[b0 : b0 + rows] = lo, scale
-        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-        rows_view = _padded(chunk, rows * block, 0.0).view(rows, block)
-        q = (rows_view * inv[:, None] - (lo * inv)[:, None]).view(-1)[: stop - start]
-        noise = torch.rand(q.shape, device=q.device, generator=generator) if stochastic else 0.5
-        q.add_(noise).floor_()
-        _pack_chunk_into(q.clamp_(0.0, top), bits, packed, start)
+    device = source.device
+    mins = torch.empty(blocks, dtype=torch.float32, device=device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=device)
+    packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=device)
+    compiled = use_compiled(source)
+    noise_key = torch.tensor(mix_seed(seed if stochastic else 0), dtype=torch.int32)
+    key = (source.dtype, group, bits, stochastic)
+    step = _COMPILED_CHUNK if compiled else _CODEC_CHUNK
+    for start in range(0, m, step):
+        count = min(step, m - start)
+        rows = -(-count // block)
+        chunk = source[start * group : (start + count) * group]
+        if count < rows * block:  # the last block is partial: repeat the last mean's run
+            repeat = chunk[-group:].repeat(rows * block - count)
+            chunk = torch.cat([chunk, repeat])
+        offset = torch.tensor(_as_int32(start), dtype=torch.int32)
+        rows_view = chunk.view(rows, block, group)
+        codes, lo, scale = run(
+            compiled, _aq_codes, key, rows_view, bits, noise_key, offset, group, stochastic
+        )
+        codes = codes.view(-1)
+        codes[count:] = 0
+        mins[start // block : start // block + rows] = lo
+        scales[start // block : start // block + rows] = scale
+        _pack_uint8_codes_into(codes, bits, packed, start, compiled)
     return packed, mins, scales
+
+
+def _aq_codes(rows, bits: int, noise_key, offset, group: int, stochastic: bool):
+    """Codes (uint8 [R, block]) and fp32 minimum and scale per row of ``rows`` [R, block, group].
+    One pass when compiled; the Triton kernel's arithmetic, step for step."""
+    total = rows[..., 0].float()
+    for k in range(1, group):  # in order, as the Triton kernel sums
+        total = total + rows[..., k].float()
+    means = (total / group).to(rows.dtype).float()
+    top = float(2**bits - 1)
+    lo, hi = means.amin(dim=1), means.amax(dim=1)
+    # hi / top - lo / top rather than (hi - lo) / top, which overflows for huge ranges.
+    scale = hi / top - lo / top
+    inv = torch.where(scale > 0, 1.0 / scale, 0.0)
+    q = means * inv[:, None] - (lo * inv)[:, None]
+    if stochastic:
+        index = torch.arange(q.numel(), dtype=torch.int32, device=q.device).view(q.shape)
+        q = q + uniform_noise(index + offset, noise_key)
+    else:
+        q = q + 0.5
+    return q.floor().clamp(0.0, top).to(torch.uint8), lo, scale
 
 
 def aq_dequantize_reference(
@@ -290,24 +354,60 @@ def aq_dequantize_reference(
         return torch.empty(shape, dtype=dtype, device=data.device)
     last = shape[-1] if len(shape) else 1
     per_row = -(-last // group)
-    means = _dequantize_blocks(data, (n // last) * per_row, bits, block, mins, scales, dtype)
+    m = (n // last) * per_row
+    means = torch.empty(m, dtype=dtype, device=data.device)
+    compiled = use_compiled(means)
+    step = _COMPILED_CHUNK if compiled else _CODEC_CHUNK
+    for start in range(0, m, step):
+        count = min(step, m - start)
+        rows = -(-count // block)
+        b0, byte_start = start // block, start * bits // 8
+        chunk = data[byte_start : byte_start + packed_nbytes(count, bits)]
+        codes = torch.zeros(rows * block, dtype=torch.uint8, device=data.device)
+        codes[:count] = unpack_codes(chunk, count, bits)
+        lo, scale = mins[b0 : b0 + rows], scales[b0 : b0 + rows]
+        values = run(compiled, _aq_values, (dtype,), codes.view(rows, block), lo, scale, dtype)
+        means[start : start + count] = values.view(-1)[:count]
     if group == 1:
         return means.view(shape)
-    return means.view(-1, per_row).repeat_interleave(group, dim=1)[:, :last].reshape(shape)
+    rows = n // last
+    repeated = means.view(rows, per_row, 1).expand(rows, per_row, group)
+    return repeated.reshape(rows, per_row * group)[:, :last].reshape(shape)
 
 
-def _dequantize_blocks(data, m, bits, block, offsets, scales, dtype):
-    """``offsets[b] + code * scales[b]`` for the ``m`` codes, block ``b`` = index // block."""
-    codes = unpack_codes(data, m, bits)
-    out = torch.empty(m, dtype=dtype, device=data.device)
-    for start in range(0, m, _CODEC_CHUNK):
-        stop = min(m, start + _CODEC_CHUNK)
-        rows = -(-(stop - start) // block)
-        b0 = start // block
-        c = _padded(codes[start:stop].float(), rows * block, 0.0).view(rows, block)
-        values = c * scales[b0 : b0 + rows, None] + offsets[b0 : b0 + rows, None]
-        out[start:stop] = values.view(-1)[: stop - start].to(dtype)
-    return out
+def _aq_values(codes, lo, scale, dtype: torch.dtype):
+    """``lo[r] + code * scale[r]`` in fp32, rounded to ``dtype``, for uint8 ``codes`` [R, block]."""
+    return (codes.float() * scale[:, None] + lo[:, None]).to(dtype)
+
+
+def _packed_words(codes, bits: int):
+    """Words of ``codes`` (uint8, a multiple of 8) holding code ``j`` of each 8 at bit ``j*bits``:
+    int32 up to 3 bits, int64 above (sign bits wrap, the bytes are what count)."""
+    c = codes.view(-1, 8).to(torch.int32 if bits <= 3 else torch.int64)
+    word = c[:, 0]
+    for j in range(1, 8):
+        word = word | (c[:, j] << (bits * j))
+    return word
+
+
+def _pack_uint8_codes_into(codes, bits, packed, start, compiled) -> None:
+    """Pack uint8 ``codes`` (a multiple of 8) of elements ``start...`` (a multiple of 8) into
+    ``packed``, which ends at the last real code's byte."""
+    words = run(compiled, _packed_words, (bits,), codes, bits)
+    low_bytes = words.view(torch.uint8).view(words.numel(), -1)[:, :bits]
+    byte_start = start * bits // 8
+    whole_groups = min(words.numel(), (packed.numel() - byte_start) // bits)
+    # Straight into place (no full-size copy in between); a partial last group byte by byte.
+    end = byte_start + whole_groups * bits
+    packed[byte_start:end].view(whole_groups, bits).copy_(low_bytes[:whole_groups])
+    if whole_groups < words.numel():
+        packed[end:] = low_bytes[whole_groups].reshape(-1)[: packed.numel() - end]
+
+
+def _as_int32(value: int) -> int:
+    """``value`` modulo 2**32 as a signed int32 (noise counters wrap)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def _pack_chunk_into(codes: torch.Tensor, bits: int, packed: torch.Tensor, start: int) -> None:

@@ -89,7 +89,9 @@ def test_gradient_variance_values_linear_inputs_more_than_norm_variance():
         linear = [v for s, v in values.items() if handle.slots[s] == "linear"]
         other = [v for s, v in values.items() if handle.slots[s] != "linear"]
         ratios[sensitivity] = (sum(linear) / len(linear)) / (sum(other) / len(other))
-    assert ratios["gradvar"] > 2 * ratios["gradnormvar"]
+    # One draw of the rounding noise (the seeds come from the slot ids): 2.17x with torch.rand's
+    # noise, 1.48x with the counter hash the CPU twins draw since; the direction is the claim.
+    assert ratios["gradvar"] > 1.25 * ratios["gradnormvar"]
 
 
 def test_below_one_bit_linear_inputs_get_rotated_sampling_and_the_rest_averaging():

@@ -231,11 +231,13 @@ def _gradient_cosines(model_type, config, batch=None):
 GRADIENT_BOUNDS = [
     ("fewbit", {}, 0.98, 0.4, 0.85),
     ("uniform", {"bits": 8}, 0.99, 0.7, 0.97),
-    ("uniform", {"bits": 4}, 0.97, 0.3, 0.93),
+    # Electra's whole-model cosine over 8 rounding draws: 0.959-0.984 at 4 bits, 0.51-0.76 for
+    # "alam" 2-bit (with torch.rand's noise and with the CPU twins' counter hash alike).
+    ("uniform", {"bits": 4}, 0.94, 0.3, 0.93),
     # 3 bits. Electra's whole-model cosine varies from 0.87 to 0.94 over rounding draws, with
     # attention kept either as SDPA operands (recomputed in backward) or as eager probabilities.
     ("uniform", {}, 0.86, None, 0.65),
-    ("alam", {"bits": 2, "adaptive": False}, 0.55, None, 0.25),  # the even spread
+    ("alam", {"bits": 2, "adaptive": False}, 0.45, None, 0.25),  # the even spread
 ]
 
 
