@@ -56,6 +56,9 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     kind = "eager" if layout.attention == "eager" and previous == "eager" else "sdpa"
     name = register_attention() if kind == "eager" else register_sdpa_attention()
     slots = EAGER_SLOTS if kind == "eager" else SDPA_SLOTS
+    # The configs the attention modules read their implementation from: the model's, and copies
+    # of it where a model keeps one per stack (T5's encoder and decoder).
+    configs = {id(model_config): model_config}
     count = 0
     for path, module in model.named_modules():
         if config.skips(path) or not _is_attention(module):
@@ -71,14 +74,19 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         handle.patched[path] = describe()
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
         handle._undo.append(functools.partial(module.__dict__.pop, STATE, None))
+        own_config = getattr(module, "config", None)
+        if own_config is not None and hasattr(own_config, "_attn_implementation"):
+            configs.setdefault(id(own_config), own_config)
         count += 1
-    if count:
-        model_config._attn_implementation = name
-
-        def undo():
-            model_config._attn_implementation = previous
-
-        handle._undo.append(undo)
+    if not count:
+        return
+    for patched_config in configs.values():
+        handle._undo.append(
+            functools.partial(
+                setattr, patched_config, "_attn_implementation", patched_config._attn_implementation
+            )
+        )
+        patched_config._attn_implementation = name
 
 
 def _describe(kind: str, state: OpState) -> str:

@@ -21,8 +21,10 @@ from hf_actq.ops.fewbit_activation import ActivationTable, FewBitActivation
 from hf_actq.ops.gated_mlp import (
     CompressedFusedGatedMLP,
     CompressedGatedMLP,
+    CompressedT5GatedMLP,
     is_fused_gated_mlp,
     plain_projections,
+    t5_gated_activation,
 )
 from hf_actq.ops.linear import CompressedConv1D, CompressedLinear
 from hf_actq.ops.norm import (
@@ -107,6 +109,19 @@ def patch_layers(
                 # hf_actq) run as modules and are patched one by one.
                 claimed.update(id(m) for m in (module.modules() if fused else (module.act_fn,)))
             continue
+        t5_gated = t5_gated_activation(module)
+        if t5_gated is not None and config.gated_mlp:
+            # Only the product is fused; the projections, dropout and wo are patched as their
+            # own modules below.
+            kinds = {"act": "activation", "gate": "mlp", "up": "mlp"}
+            described = _describer("gated_mlp {act}; product {gate}")
+            if bind(
+                module, CompressedT5GatedMLP.forward, path, kinds, described, activation=t5_gated
+            ):
+                claimed.add(id(module.act))
+            continue
+        if t5_gated is not None:
+            stock_products.add(id(module.act))
         fused_act = _fused_gated_activation(module)
         if fused_act is not None and (config.gated_mlp or config.activations):
             # The activation's input is a view of the fused gate/up output, which the product
@@ -148,7 +163,7 @@ def patch_layers(
             bind(module, CompressedConv1D.forward, path, {"input": "linear"}, describe)
         elif type(module) is nn.LayerNorm and norms and len(module.normalized_shape) == 1:
             bind(module, CompressedLayerNorm.forward, path, *norm_slots, **norm_fields)
-        elif norms and type(module).__name__.endswith("RMSNorm"):
+        elif norms and type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
             if computes_llama_rms_norm(module):
                 eps = rms_norm_eps(module)
                 bind(module, CompressedRMSNorm.forward, path, *norm_slots, eps=eps, **norm_fields)

@@ -70,6 +70,10 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "clip_text_model": _EAGER,
     "clip_vision_model": _EAGER,
     "bart": _EAGER,
+    # T5 passes its relative position bias to the attention function, which takes its gradient;
+    # only SDPA is patched (the compressed eager op has no bias input).
+    "t5": ModelLayout("sdpa"),
+    "mt5": ModelLayout("sdpa"),
     "deberta-v2": ModelLayout(
         None, note="disentangled attention does not go through AttentionInterface (kept exact)"
     ),

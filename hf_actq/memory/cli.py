@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="time cap of an adaptive recipe's calibration (default 30; slots left unmeasured "
         "take the median sensitivity of their kind, and the report says how many)",
     )
-    parser.add_argument("--task", choices=("causal-lm", "classification"))
+    parser.add_argument("--task", choices=("causal-lm", "classification", "seq2seq-lm"))
     parser.add_argument("--attn-implementation", help="e.g. eager or sdpa (default: the model's)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--output", help="directory for memory.json, memory.md and memory.png")

@@ -13,7 +13,7 @@ class Preset:
     model_type: str
     config: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
-    task: str = "causal-lm"  # or "classification"
+    task: str = "causal-lm"  # or "classification", "seq2seq-lm"
 
 
 _BERT = dict(vocab_size=30522, max_position_embeddings=512, type_vocab_size=2)
@@ -38,6 +38,15 @@ _LLAMA2 = dict(
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
+)
+
+_FLAN_T5 = dict(
+    vocab_size=32128,
+    feed_forward_proj="gated-gelu",
+    tie_word_embeddings=False,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    eos_token_id=1,
 )
 
 PRESETS: dict[str, Preset] = {
@@ -87,6 +96,17 @@ PRESETS: dict[str, Preset] = {
         ),
         dtype=torch.bfloat16,
     ),
+    # Flan-T5 (T5 v1.1): gated-GELU feed-forward, relative position bias, untied head.
+    "flan-t5-base": Preset(
+        "t5",
+        dict(_FLAN_T5, d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_heads=12),
+        task="seq2seq-lm",
+    ),
+    "flan-t5-large": Preset(
+        "t5",
+        dict(_FLAN_T5, d_model=1024, d_kv=64, d_ff=2816, num_layers=24, num_heads=16),
+        task="seq2seq-lm",
+    ),
     # Small shapes for quick runs and tests.
     "tiny-bert": Preset(
         "bert",
@@ -113,6 +133,13 @@ PRESETS: dict[str, Preset] = {
         ),
     ),
 }
+
+
+PRESETS["tiny-t5"] = Preset(
+    "t5",
+    dict(_FLAN_T5, vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),
+    task="seq2seq-lm",
+)
 
 
 def preset_config(name: str):

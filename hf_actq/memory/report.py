@@ -38,7 +38,7 @@ from hf_actq.memory.meter import OP_KINDS, SavedTensorMeter, _storage_key, graph
 from hf_actq.memory.peak import PeakMemory
 
 PEFT_MODES = ("none", "lora", "qlora")
-TASKS = ("causal-lm", "classification")
+TASKS = ("causal-lm", "classification", "seq2seq-lm")
 _ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "deberta-v2"}
 _FIGURES = (
     "activation_bytes",
@@ -365,6 +365,8 @@ def _parse_value(text: str):
 
 
 def default_task(config) -> str:
+    if getattr(config, "is_encoder_decoder", False):
+        return "seq2seq-lm"
     return "classification" if config.model_type in _ENCODER_TYPES else "causal-lm"
 
 
@@ -420,6 +422,8 @@ def measure_model(
     num_layers = config.num_hidden_layers
     if layers == "auto":
         layers = "all" if _fits(config, task, dtype, device) else "scaled"
+    if _decoder_layers(config) not in (None, num_layers):
+        layers = "all"  # scaling one depth for both stacks would misstate the decoder
     measured_layers = [num_layers] if layers == "all" or num_layers <= 2 else [1, 2]
 
     results = []
@@ -506,15 +510,36 @@ def _available_ram() -> int:
 
 
 def _model_class(task):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    import transformers
 
-    return AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
+    return getattr(
+        transformers,
+        {
+            "causal-lm": "AutoModelForCausalLM",
+            "classification": "AutoModelForSequenceClassification",
+            "seq2seq-lm": "AutoModelForSeq2SeqLM",
+        }[task],
+    )
+
+
+# Where encoder-decoder configs keep their decoder's depth (T5, BART).
+_DECODER_DEPTH = ("num_decoder_layers", "decoder_layers")
+
+
+def _decoder_layers(config) -> int | None:
+    if not getattr(config, "is_encoder_decoder", False):
+        return None
+    return next((getattr(config, n) for n in _DECODER_DEPTH if hasattr(config, n)), None)
 
 
 def build_model(config, num_layers, dtype, peft, task, device, attn_implementation=None):
-    """The architecture with ``num_layers`` layers and random weights (seed 0), PEFT-wrapped."""
+    """The architecture with ``num_layers`` layers (in each stack of an encoder-decoder) and
+    random weights (seed 0), PEFT-wrapped."""
     config = copy.deepcopy(config)
     config.num_hidden_layers = num_layers
+    for name in _DECODER_DEPTH:
+        if getattr(config, "is_encoder_decoder", False) and hasattr(config, name):
+            setattr(config, name, num_layers)
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -535,7 +560,7 @@ def build_model(config, num_layers, dtype, peft, task, device, attn_implementati
         r=8,
         lora_alpha=16,
         lora_dropout=0.05,
-        task_type="CAUSAL_LM" if task == "causal-lm" else "SEQ_CLS",
+        task_type={"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}.get(task, "SEQ_CLS"),
     )
     return peft_lib.get_peft_model(model, lora)
 
@@ -643,6 +668,10 @@ def _inputs(config, task, batch_size, seq_len, device) -> dict:
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if task == "causal-lm":
         inputs["labels"] = ids
+    elif task == "seq2seq-lm":  # a target as long as the source
+        inputs["labels"] = torch.randint(
+            low, config.vocab_size, (batch_size, seq_len), generator=generator, device="cpu"
+        )
     else:
         labels = torch.randint(
             0, config.num_labels, (batch_size,), generator=generator, device="cpu"

@@ -204,20 +204,22 @@ class CompressedSDPAFunction(torch.autograd.Function):
     and backward's transients are one layer's fused attention, not hand-written S x S algebra."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, run_sdpa, dropout, state):
+    def forward(ctx, query, key, value, mask, bias, run_sdpa, dropout, state):
         rng = _capture_rng(query.device) if dropout > 0.0 else None
-        output = run_sdpa(query, key, value, mask)
+        output = run_sdpa(query, key, value, mask, bias)
         saved: list = []
         slots = {}
         for name, tensor in (("q", query), ("k", key), ("v", value)):
             slots[name] = _Slot(state.codecs.get(name))
             slots[name].keep(tensor, saved, state, name)
-        # The mask is the model's (one for all layers); stock SDPA keeps it for backward too.
-        ctx.slots, ctx.has_mask, ctx.run_sdpa = slots, mask is not None, run_sdpa
+        # The mask is the model's (one for all layers), and so is T5's position bias (computed
+        # by the first layer, passed to the others): kept as they are, never per layer, while
+        # stock SDPA keeps the per-layer sum of the two.
+        ctx.slots, ctx.run_sdpa = slots, run_sdpa
+        ctx.has_mask, ctx.has_bias = mask is not None, bias is not None
         ctx.rng_devices = rng[0] if rng is not None else None
-        ctx.save_for_backward(
-            *saved, *([mask] if mask is not None else []), *(rng[1] if rng else [])
-        )
+        extras = [t for t in (mask, bias) if t is not None]
+        ctx.save_for_backward(*saved, *extras, *(rng[1] if rng else []))
         return output
 
     @staticmethod
@@ -228,22 +230,30 @@ class CompressedSDPAFunction(torch.autograd.Function):
         if ctx.rng_devices is not None:
             count = 1 + len(ctx.rng_devices)
             saved, rng_states = saved[:-count], saved[-count:]
+        bias = saved.pop() if ctx.has_bias else None
         mask = saved.pop() if ctx.has_mask else None
         q, k, v = (ctx.slots[n].restore(saved).to(grad_out.dtype).detach() for n in ("q", "k", "v"))
+        bias_grad = ctx.needs_input_grad[4]
+        inputs = (q, k, v, bias.detach()) if bias_grad else (q, k, v)
         if torch.compiler.is_compiling():  # never with dropout (see compressed_sdpa_attention)
             # torch.func.vjp, which a trace follows and autograd.grad it does not; eager keeps
             # autograd.grad, which works under saved-tensor hooks (save_on_cpu) and vjp does not.
-            _, vjp = torch.func.vjp(lambda q, k, v: ctx.run_sdpa(q, k, v, mask), q, k, v)
-            return (*vjp(grad_out), None, None, None, None)
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        replay = ctx.rng_devices is not None
-        with torch.random.fork_rng(devices=ctx.rng_devices or [], enabled=replay):
-            if replay:  # the forward's dropout mask, drawn again
-                _restore_rng(ctx.rng_devices, rng_states)
-            with torch.enable_grad():
-                output = ctx.run_sdpa(q, k, v, mask)
-        grads = torch.autograd.grad(output, (q, k, v), grad_out)
-        return (*grads, None, None, None, None)
+            def attend(q, k, v, differentiable_bias=bias):
+                return ctx.run_sdpa(q, k, v, mask, differentiable_bias)
+
+            _, vjp = torch.func.vjp(attend, *inputs)
+            grads = vjp(grad_out)
+        else:
+            inputs = tuple(t.requires_grad_() for t in inputs)
+            replay = ctx.rng_devices is not None
+            with torch.random.fork_rng(devices=ctx.rng_devices or [], enabled=replay):
+                if replay:  # the forward's dropout mask, drawn again
+                    _restore_rng(ctx.rng_devices, rng_states)
+                with torch.enable_grad():
+                    output = ctx.run_sdpa(*inputs[:3], mask, inputs[3] if bias_grad else bias)
+            grads = torch.autograd.grad(output, inputs, grad_out)
+        grad_bias = grads[3] if bias_grad else None
+        return (*grads[:3], None, grad_bias, None, None, None)
 
 
 def _capture_rng(device: torch.device):
@@ -276,36 +286,47 @@ def compressed_sdpa_attention(
     called for the forward, and again in backward to differentiate it), the saved state is
     compressed q, k, v (see :class:`CompressedSDPAFunction`).
 
-    Configurations this op does not model (position bias, paged cache, a query shorter than
-    the keys) run the plain SDPA path with nothing compressed.
+    T5's additive ``position_bias`` is an input with its own gradient (the relative-position
+    embedding learns through it). A paged cache runs the plain SDPA path with nothing
+    compressed.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (
-        kwargs.get("position_bias") is not None
-        or kwargs.get("cache") is not None
-        or query.shape[2] != key.shape[2]
+        kwargs.get("cache") is not None
         # A trace cannot capture and restore the RNG state for the dropout replay.
         or (dropout > 0.0 and torch.compiler.is_compiling())
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
-    # Backward calls this again: it holds no tensor but the mask it is given.
+    position_bias = kwargs.pop("position_bias", None)
+    # Backward calls this again: it holds no tensor but the mask and bias it is given.
     options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
 
-    def run_sdpa(q, k, v, mask):
+    def run_sdpa(q, k, v, mask, bias):
+        # transformers folds the bias into the mask itself
+        extra = {} if bias is None else {"position_bias": bias}
         return sdpa_attention_forward(
-            module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **options
+            module,
+            q,
+            k,
+            v,
+            mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **options,
+            **extra,
         )[0]
 
     state = _state(module, codecs, cache)
-    if not wants_backward(query, key, value):
-        output = run_sdpa(query, key, value, attention_mask)
+    if not wants_backward(query, key, value, position_bias):
+        output = run_sdpa(query, key, value, attention_mask, position_bias)
         keep_rng_stream(module, *(state.codecs.get(name) for name in SDPA_SLOTS))
         return output, None
     output = CompressedSDPAFunction.apply(
-        query, key, value, attention_mask, run_sdpa, float(dropout), state
+        query, key, value, attention_mask, position_bias, run_sdpa, float(dropout), state
     )
     return output, None
 

@@ -250,6 +250,68 @@ class CompressedFusedGatedMLP(nn.Module):
         return _describe(state_of(self))
 
 
+class CompressedT5GatedMLP(nn.Module):
+    """T5 v1.1's gated feed-forward (``T5DenseGatedActDense`` and its copies in mT5 and others):
+    ``wo(dropout(act(wi_0(x)) * wi_1(x)))``, sharing the submodules of ``mlp``.
+
+    The dropout between the product and ``wo`` keeps a fused op from rebuilding ``wo``'s input,
+    so the projections and the dropout run as their own (patched) modules, in the stock order,
+    and only the product is fused: it keeps the few-bit code of act'(gate) and compressed
+    act(gate) and up, where stock keeps act's input and act(gate) and up exact.
+    """
+
+    def __init__(
+        self,
+        mlp: nn.Module,
+        codec: Codec | None = None,
+        activation_bits: int = 3,
+        cache: PackCache | None = None,
+    ) -> None:
+        found = t5_gated_activation(mlp)
+        if found is None:
+            raise ValueError(
+                "CompressedT5GatedMLP needs wi_0, wi_1, wo, dropout and a supported act; got "
+                f"{type(mlp).__name__}"
+            )
+        super().__init__()
+        self.wi_0, self.wi_1, self.wo = mlp.wi_0, mlp.wi_1, mlp.wo
+        self.act, self.dropout = mlp.act, mlp.dropout
+        activation = ActivationTable(found[0], activation_bits, found[1])
+        set_state(
+            self, default_state(mlp.forward, codec, cache, ("gate", "up"), activation=activation)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = state_of(self)
+        gate, up = self.wi_0(x), self.wi_1(x)
+        if wants_backward(gate, up):
+            hidden = gated_down(state, gate, up, None)
+        else:
+            keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
+            hidden = self.act(gate) * up
+        hidden = self.dropout(hidden)
+        # As T5 does: run wo in its weight's dtype (fp32 wo in a bf16 model), unless quantized.
+        weight = self.wo.weight
+        if (
+            isinstance(weight, torch.Tensor)
+            and hidden.dtype != weight.dtype
+            and weight.dtype != torch.int8
+        ):
+            hidden = hidden.to(weight.dtype)
+        return self.wo(hidden)
+
+    def extra_repr(self) -> str:
+        return _describe(state_of(self))
+
+
+def t5_gated_activation(module: nn.Module):
+    """``(name, params)`` of a T5 v1.1-style gated feed-forward's activation, or None."""
+    names = ("wi_0", "wi_1", "wo", "dropout", "act")
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in names):
+        return None
+    return activation_of(module.act)
+
+
 def _describe(state: OpState) -> str:
     codecs = ", ".join(f"{slot}={codec!r}" for slot, codec in state.codecs.items())
     return f"{codecs}, act={state.activation.describe()}"

@@ -295,7 +295,9 @@ TRACKING = [
 def test_training_tracks_the_unpatched_loss(model_type, recipe, overrides, tolerance):
     unpatched = _loss_curve(model_type, None)
     patched = _loss_curve(model_type, ActQConfig.from_recipe(recipe, **overrides))
-    assert patched[0] == unpatched[0]  # the forward is exact
+    # The forward is exact; the fused linear + cross-entropy sums its token chunks in another
+    # order than one big matmul, which is bit-identical on some CPUs and 1 ulp off on others.
+    assert patched[0] == pytest.approx(unpatched[0], rel=1e-6, abs=0)
     drop = unpatched[0] - unpatched[-1]
     assert drop > 2.0
     assert abs(patched[-1] - unpatched[-1]) < tolerance * drop

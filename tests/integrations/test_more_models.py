@@ -1,6 +1,7 @@
-"""Model types beyond text encoders and decoders: ViT, CLIP (both towers) and BART (self- and
-cross-attention, source and target of different lengths), built from tiny configs. Their
-attention goes through transformers' ``AttentionInterface``, so the registry lists them as data
+"""Model types beyond text encoders and decoders: ViT, CLIP (both towers), BART and T5 (self- and
+cross-attention, source and target of different lengths; T5 v1.1's gated-GELU feed-forward and
+relative position bias, and T5 v1.0's ReLU), built from tiny configs. Their attention goes
+through transformers' ``AttentionInterface``, so the registry lists them as data
 (``MODEL_LAYOUTS``)."""
 
 import pytest
@@ -69,7 +70,33 @@ def _bart():
     return AutoModelForSeq2SeqLM.from_config(config), batch
 
 
-BUILDERS = {"vit": _vit, "clip": _clip, "bart": _bart}
+def _t5(feed_forward_proj):
+    config = AutoConfig.for_model(
+        "t5",
+        vocab_size=100,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj=feed_forward_proj,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    source = torch.randint(3, 100, (2, 14))
+    mask = torch.ones_like(source)
+    mask[1, 10:] = 0
+    batch = dict(input_ids=source, attention_mask=mask, labels=torch.randint(3, 100, (2, 9)))
+    return AutoModelForSeq2SeqLM.from_config(config), batch
+
+
+BUILDERS = {
+    "vit": _vit,
+    "clip": _clip,
+    "bart": _bart,
+    "t5": lambda: _t5("gated-gelu"),
+    "t5-relu": lambda: _t5("relu"),
+}
 
 
 def _build(name):
@@ -155,3 +182,29 @@ def test_training_under_uniform_4_bits_tracks_the_unpatched_loss(name):
     assert exact[-1] < 0.8 * exact[0]  # the run learns (memorises the batch)
     drop = exact[0] - exact[-1]
     assert abs(compressed[-1] - exact[-1]) < 0.1 * drop, (exact, compressed)
+
+
+def test_t5_patches_every_stack_and_its_gated_mlp_and_reverts_each_config():
+    # T5 gives its encoder and decoder copies of the model config; both must run the compressed
+    # attention, and both must get their own implementation back.
+    model, batch = _build("t5")
+    stacks = (model.encoder.config, model.decoder.config)
+    assert len({id(model.config), *map(id, stacks)}) == 3
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    assert all(c._attn_implementation == "hf_actq_sdpa" for c in (model.config, *stacks))
+    ff = model.encoder.block[0].layer[1]
+    assert handle.patched["encoder.block.0.layer.1.DenseReluDense"].startswith("gated_mlp")
+    assert handle.patched["encoder.block.0.layer.1.layer_norm"].startswith("norm")
+    assert "encoder.block.0.layer.1.DenseReluDense.act" not in handle.patched  # the MLP's own
+    assert type(ff.layer_norm).__name__ == "T5LayerNorm"
+    handle.revert()
+    assert all(c._attn_implementation == "sdpa" for c in (model.config, *stacks))
+
+
+def test_t5_set_to_eager_attention_keeps_it_exact_and_says_why():
+    torch.manual_seed(0)
+    model, _ = BUILDERS["t5"]()
+    model.set_attn_implementation("eager")
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    assert "attention" not in set(handle.slots.values())
+    assert "kept exact" in handle.skipped["attention"]

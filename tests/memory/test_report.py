@@ -171,3 +171,23 @@ def test_a_recipe_whose_peak_exceeds_the_baseline_is_flagged():
     fewbit.peak_bytes = int(base.peak_bytes * 1.01)  # as if the recipe had raised the peak
     text = report.to_markdown()
     assert "**above baseline**" in text and "Warning: the step peak of fewbit is above" in text
+
+
+def test_an_encoder_decoder_is_measured_as_seq2seq_and_scales_both_stacks():
+    # T5: the task follows the config, both stacks get the measured depth, and the 1- and
+    # 2-layer extrapolation equals the whole 4-layer model.
+    config = preset_config("tiny-t5")
+    config.num_layers = config.num_decoder_layers = 4
+    kwargs = dict(batch_size=2, seq_len=16)
+    whole = measure_model(config, ["uniform:bits=4"], layers="all", **kwargs)
+    scaled = measure_model(config, ["uniform:bits=4"], layers="scaled", **kwargs)
+    assert whole.task == "seq2seq-lm" and scaled.measured_layers == [1, 2]
+    for row in whole.rows():
+        # The graph walk finds 192 bytes more than the hooks in stock T5 (of 2.5 MB; measured).
+        assert row["activation_bytes"] == pytest.approx(row["independent_count_bytes"], rel=1e-3)
+    base, uniform = (r.measurement for r in whole.results)
+    assert uniform.activation_bytes < base.activation_bytes / 4
+    assert uniform.by_kind["attention"] < base.by_kind["attention"]
+    for a, b in zip(whole.results, scaled.results):
+        for name in ("activation_bytes", "param_bytes", "optimizer_bytes"):
+            assert getattr(a.measurement, name) == getattr(b.measurement, name), name

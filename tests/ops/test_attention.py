@@ -253,3 +253,33 @@ def test_sdpa_path_keeps_no_s_by_s_tensor(dropout):
     # takes SDPA's math path, in backward here as in stock SDPA's forward.
     if dropout == 0.0:
         assert peak.largest_bytes <= s * 512 * 4 < s * s * 4
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+@pytest.mark.parametrize("query_length", [S, 9], ids=["self", "cross"])
+def test_sdpa_path_with_position_bias_matches_stock_with_its_gradient(causal, query_length):
+    # T5 adds a learned relative-position bias [1, heads, q, k] to the scores; the op takes it
+    # as an input and returns its gradient (through transformers' own mask folding), for self-
+    # and cross-attention (a query of another length than the keys).
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_actq.ops.attention import compressed_sdpa_attention
+
+    module = Holder().train()
+    module.is_causal = causal
+    q, k, v, mask = _inputs()
+    q = q[:, :, :query_length].detach().requires_grad_()
+    mask = None if causal else mask
+    bias = torch.randn(1, H, query_length, S, requires_grad=True)
+    grad = torch.randn(B, query_length, H, D)
+    results = []
+    for attention, extra in (
+        (sdpa_attention_forward, {}),
+        (compressed_sdpa_attention, {"codecs": dict.fromkeys("qkv")}),  # kept exact
+    ):
+        out, _ = attention(module, q, k, v, mask, scaling=1.0, position_bias=bias, **extra)
+        results.append((out, _grads(out, (q, k, v, bias), grad)))
+    (out, grads), (ours, our_grads) = results
+    torch.testing.assert_close(ours, out)
+    for a, b in zip(our_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

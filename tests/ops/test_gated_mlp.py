@@ -69,3 +69,31 @@ def test_keeps_no_full_intermediate_tensor():
 def test_rejects_non_gated_modules():
     with pytest.raises(ValueError, match="needs gate_proj, up_proj, down_proj and act_fn"):
         CompressedGatedMLP(torch.nn.Linear(2, 2))
+
+
+def test_t5_gated_mlp_keeps_the_product_compressed_and_its_forward_exact():
+    from transformers import T5Config
+    from transformers.models.t5.modeling_t5 import T5DenseGatedActDense
+
+    from hf_actq.ops.gated_mlp import CompressedT5GatedMLP
+
+    torch.manual_seed(0)
+    config = T5Config(d_model=64, d_ff=176, feed_forward_proj="gated-gelu", dropout_rate=0.0)
+    mlp = T5DenseGatedActDense(config)
+    module = CompressedT5GatedMLP(mlp, uniform(8, stochastic=False), 4, cache=PackCache())
+    x = torch.randn(3, 10, 64, requires_grad=True)
+    params = list(mlp.parameters())
+    with SavedTensorMeter(exclude=params) as stock:
+        want = mlp(x)
+    with SavedTensorMeter(exclude=params) as ours:
+        got = module(x)
+    assert torch.equal(got, want)
+    # The projections and wo run as plain modules here (each keeps its own input exact): only
+    # the product's act input, act(gate) and up ([tokens, d_ff] fp32 each) become codes.
+    inter = 3 * 10 * 176
+    assert stock.nbytes - ours.nbytes > 3 * inter * 4 - 2 * (inter + 3 * 10 * 8) - inter // 2
+    grad = torch.randn(3, 10, 64)
+    for a, b in zip(_grads(module, params, x, grad), _grads(mlp, params, x, grad)):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
+    with pytest.raises(ValueError, match="needs wi_0, wi_1, wo, dropout"):
+        CompressedT5GatedMLP(torch.nn.Linear(2, 2))
