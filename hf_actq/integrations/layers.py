@@ -68,7 +68,7 @@ def patch_layers(
         for slot in kinds:
             slot_id = state.slot_id(slot)
             if slot == "act":
-                state.activation = _activation(activation, config, slot_id)
+                state.activation = slot_activation(activation, config, slot_id)
             else:
                 default = codec if codecs is None else codecs[slot]
                 state.codecs[slot] = slot_codec(config, slot_id, default)
@@ -185,7 +185,7 @@ def slot_codec(config: ActQConfig, slot_id: str, default):
     return ExactCodec() if codec is None else codec
 
 
-def _activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:
+def slot_activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:
     setting = config.setting_for(slot_id) or {}
     bits = setting.get("bits", config.activation_bits)
     try:

@@ -16,6 +16,7 @@ from torch import nn
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.attention import patch_attention
 from hf_actq.integrations.causal_lm import patch_causal_lm_loss
+from hf_actq.integrations.experts import patch_experts
 from hf_actq.integrations.layers import patch_layers
 
 
@@ -58,6 +59,11 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen3": _SDPA,
     "phi3": _SDPA,
     "gemma": _SDPA,  # its (1 + w) RMSNorm fails the LLaMA-formula check and stays exact
+    # Mixture-of-experts decoders: their experts are found by structure (patch_experts).
+    "mixtral": _SDPA,
+    "qwen2_moe": _SDPA,
+    "qwen3_moe": _SDPA,
+    "olmoe": _SDPA,
     "gemma2": ModelLayout(
         "sdpa",
         (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
@@ -87,11 +93,11 @@ def apply_generic(
 ) -> None:
     """Patch every known module type in ``model``, attention as ``layout`` says, and a
     registered causal LM's head and loss (``config.fused_loss``)."""
-    exclude = None
+    exclude = patch_experts(model, config, handle)
     if layout.causal_lm_loss and config.fused_loss and patch_causal_lm_loss(model, handle):
         # The fused loss reads the head's weight itself; the head runs only where the stock
         # forward does (eval, no labels, return_logits), and then exactly.
-        exclude = {model.get_output_embeddings(): "the fused linear + cross-entropy computes it"}
+        exclude[model.get_output_embeddings()] = "the fused linear + cross-entropy computes it"
     patch_layers(model, config, handle, exclude)
     patch_attention(model, config, handle, layout)
 

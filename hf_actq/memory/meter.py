@@ -141,13 +141,14 @@ def op_kind(path: str, module: nn.Module) -> str:
 
     Attention and gated MLPs compute inside the block module itself, so a tensor saved there
     (e.g. attention probabilities, or the fused gated-MLP's packed input) counts as "attention"
-    or "mlp"; tensors saved by a block's child Linear count as "linear". A causal LM's own
-    tensors (the log-probabilities of the stock loss, the fused loss's gradient) are "lm_loss".
+    or "mlp" (MoE experts too); tensors saved by a block's child Linear count as "linear". A
+    (seq2seq) LM's own tensors (the log-probabilities of the stock loss, the fused loss's
+    gradient) are "lm_loss".
     """
     name = type(module).__name__
     leaf = path.rsplit(".", 1)[-1].lower()
-    if name.endswith(("ForCausalLM", "LMHeadModel")):
-        return "lm_loss"  # what a causal LM saves itself: its loss over the vocabulary
+    if name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
+        return "lm_loss"  # what a (seq2seq) LM saves itself: its loss over the vocabulary
     if isinstance(module, nn.Linear) or name in ("Conv1D", "Linear4bit", "Linear8bitLt"):
         return "linear"
     if isinstance(module, nn.Embedding):
@@ -158,7 +159,15 @@ def op_kind(path: str, module: nn.Module) -> str:
         return "norm"
     if "attention" in name.lower() or "attn" in leaf or "attention" in leaf:
         return "attention"
-    if "MLP" in name or leaf in ("mlp", "feed_forward", "ffn"):
+    # Dense MLPs, T5's feed-forward, and MoE blocks, their experts and routers.
+    if "MLP" in name or "DenseActDense" in name or "DenseGatedActDense" in name:
+        return "mlp"
+    if name.endswith(("Experts", "MoeBlock", "Router")) or leaf in (
+        "mlp",
+        "feed_forward",
+        "ffn",
+        "experts",
+    ):
         return "mlp"
     if _is_activation(module):
         return "activation"

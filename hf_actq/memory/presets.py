@@ -96,6 +96,22 @@ PRESETS: dict[str, Preset] = {
         ),
         dtype=torch.bfloat16,
     ),
+    "mixtral-8x7b": Preset(
+        "mixtral",
+        dict(
+            _LLAMA2,
+            max_position_embeddings=32768,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1e6,
+        ),
+        dtype=torch.bfloat16,
+    ),
     # Flan-T5 (T5 v1.1): gated-GELU feed-forward, relative position bias, untied head.
     "flan-t5-base": Preset(
         "t5",
@@ -135,6 +151,20 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+PRESETS["tiny-mixtral"] = Preset(
+    "mixtral",
+    dict(
+        _LLAMA2,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+)
 PRESETS["tiny-t5"] = Preset(
     "t5",
     dict(_FLAN_T5, vocab_size=512, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4),

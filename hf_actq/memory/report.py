@@ -556,10 +556,16 @@ def build_model(config, num_layers, dtype, peft, task, device, attn_implementati
         model = model.to(device)
     # Alpaca-LoRA's defaults (the setting of ALAM's LLaMA runs): r 8, alpha 16, dropout 0.05, and
     # PEFT's default target modules for the architecture.
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    # Named explicitly: PEFT 0.21 leaves the defaults unused for MoE models (no match, an error);
+    # all linear layers for an architecture it has no defaults for.
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(config.model_type)
     lora = peft_lib.LoraConfig(
         r=8,
         lora_alpha=16,
         lora_dropout=0.05,
+        target_modules=list(targets) if targets else "all-linear",
         task_type={"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}.get(task, "SEQ_CLS"),
     )
     return peft_lib.get_peft_model(model, lora)

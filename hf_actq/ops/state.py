@@ -55,6 +55,8 @@ class OpState:
     warned_replaced: bool = False
     # Attention: the implementation to run where nothing is kept for backward (eval, no_grad).
     attention_fallback: str | None = None
+    # MoE experts: the ``ExpertsInterface`` implementation to run where nothing is kept.
+    experts_fallback: str | None = None
     # Norms: keep the output (which the next layer keeps anyway) instead of the input, and
     # rebuild the normalized input from it in backward.
     norm_from_output: bool = False

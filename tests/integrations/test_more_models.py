@@ -1,13 +1,17 @@
-"""Model types beyond text encoders and decoders: ViT, CLIP (both towers), BART and T5 (self- and
-cross-attention, source and target of different lengths; T5 v1.1's gated-GELU feed-forward and
-relative position bias, and T5 v1.0's ReLU), built from tiny configs. Their attention goes
+"""Model types beyond dense text encoders and decoders: mixture-of-experts decoders (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE), ViT, CLIP (both towers), BART and T5 (self- and cross-attention,
+source and target of different lengths; T5 v1.1's gated-GELU feed-forward and relative position
+bias, and T5 v1.0's ReLU), built from tiny configs. Their attention goes
 through transformers' ``AttentionInterface``, so the registry lists them as data
 (``MODEL_LAYOUTS``)."""
+
+import functools
 
 import pytest
 import torch
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoModelForSeq2SeqLM,
     CLIPConfig,
@@ -90,7 +94,34 @@ def _t5(feed_forward_proj):
     return AutoModelForSeq2SeqLM.from_config(config), batch
 
 
+def _moe(model_type):
+    # Four experts, two per token; Qwen2-MoE adds a shared expert (a dense gated MLP).
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    ids = torch.randint(3, 100, (2, 12))
+    return AutoModelForCausalLM.from_config(config), dict(input_ids=ids, labels=ids)
+
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
 BUILDERS = {
+    **{name: functools.partial(_moe, name) for name in MOE},
     "vit": _vit,
     "clip": _clip,
     "bart": _bart,
@@ -136,7 +167,9 @@ def test_registered_with_attention_compressed(name):
 def test_fewbit_keeps_the_loss_bit_identical_with_fewer_bytes_and_reverts(name):
     model, batch = _build(name)
     loss, grads, nbytes = _step(model, batch)
-    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    # Without the decoders' fused linear + cross-entropy, whose chunked sums some CPUs round
+    # 1 ulp differently (its own tests bound it).
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", fused_loss=False))
     patched_loss, _, patched_bytes = _step(model, batch)
     assert torch.equal(patched_loss, loss)
     assert patched_bytes < nbytes
@@ -208,3 +241,46 @@ def test_t5_set_to_eager_attention_keeps_it_exact_and_says_why():
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
     assert "attention" not in set(handle.slots.values())
     assert "kept exact" in handle.skipped["attention"]
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_experts_run_the_compressed_op_and_revert(name):
+    model, batch = _build(name)
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    assert experts and all(e.config._experts_implementation == "grouped_mm" for e in experts)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    assert all(e.config._experts_implementation == "hf_actq_experts" for e in experts)
+    described = [d for p, d in handle.patched.items() if p.endswith(".mlp.experts")]
+    assert len(described) == 2 and all(d.startswith("moe_experts") for d in described)
+    assert {"layers.0.mlp.experts:act", "layers.0.mlp.experts:up"} <= {
+        s.removeprefix("model.") for s in handle.slots
+    }
+    # The router stays exact: nothing of it is patched.
+    assert not any(".mlp.gate" in p and "proj" not in p for p in handle.patched)
+    handle.revert()
+    assert all(e.config._experts_implementation == "grouped_mm" for e in experts)
+
+
+def test_lora_on_the_expert_weights_trains_through_the_compressed_experts():
+    # PEFT's target_parameters wraps the experts' 3-D weights (base + low-rank delta): the op
+    # takes the effective weights as inputs, so the adapters get their gradients through it.
+    import peft
+
+    model, batch = _build("mixtral")
+    lora = peft.LoraConfig(
+        r=4,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
+    model = peft.get_peft_model(model, lora).train()
+    _, grads, nbytes = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    assert sum(p.endswith("mlp.experts.base_layer.base_layer") for p in handle.patched) == 2
+    _, patched, patched_bytes = _step(model, batch)
+    assert patched_bytes < 0.75 * nbytes
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert sum("experts" in n for n in names) == 8  # A and B of two wrapped weights, two layers
+    for name, exact, got in zip(names, grads, patched):
+        cosine = torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), dim=0)
+        assert cosine > 0.99, name

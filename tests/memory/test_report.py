@@ -191,3 +191,15 @@ def test_an_encoder_decoder_is_measured_as_seq2seq_and_scales_both_stacks():
     for a, b in zip(whole.results, scaled.results):
         for name in ("activation_bytes", "param_bytes", "optimizer_bytes"):
             assert getattr(a.measurement, name) == getattr(b.measurement, name), name
+
+
+def test_a_mixture_of_experts_decoder_counts_its_experts_as_mlp():
+    report = measure_model(
+        preset_config("tiny-mixtral"), ["uniform:bits=4"], batch_size=2, seq_len=32
+    )
+    for row in report.rows():
+        assert row["activation_bytes"] == row["independent_count_bytes"]
+    base, uniform = (r.measurement for r in report.results)
+    # The experts (and the exact router) save under "mlp", not "other".
+    assert base.by_kind["mlp"] > 0.3 * base.activation_bytes and not base.by_kind.get("other")
+    assert uniform.by_kind["mlp"] < base.by_kind["mlp"] / 4

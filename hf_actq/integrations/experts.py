@@ -1,0 +1,83 @@
+"""Patching mixture-of-experts experts: the compressed experts function is registered with
+transformers' ``ExpertsInterface`` and the experts modules' configs are pointed at it, as
+attention is patched through ``AttentionInterface``. Found by structure in any model (every
+experts class transformers decorates with ``use_experts_implementation``)."""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+from hf_actq.codecs.packed import ExactCodec
+from hf_actq.config import ActQConfig
+from hf_actq.fewbit.activations import activation_of
+from hf_actq.integrations.layers import slot_activation, slot_codec
+from hf_actq.ops.moe_experts import SLOTS, register_experts, supports_experts
+from hf_actq.ops.state import STATE, OpState, set_state
+
+# Implementations the compressed op may stand in for: transformers' own CPU/GPU paths (their
+# grouped matmuls are what the op runs). Vendor kernels (deepgemm, sonicmoe) stay as chosen.
+_REPLACEABLE = (None, "eager", "grouped_mm", "batched_mm")
+
+
+def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Module, str]:
+    """Compress the experts of every MoE block: with ``gated_mlp`` the product's operands take
+    the config's codec, with only ``activations`` they stay exact (the few-bit code still replaces
+    the activation's input, and the product and down output are rebuilt in backward). Returns
+    the modules the op computes itself (the experts' activations), for the other patches to
+    leave alone."""
+    claimed: dict[nn.Module, str] = {}
+    if not (config.gated_mlp or config.activations):
+        return claimed
+    codec = config.make_codec() if config.gated_mlp else ExactCodec()
+    configs = {}
+    for path, module in model.named_modules():
+        if not _is_experts(module) or config.skips(path):
+            continue
+        previous = module.config._experts_implementation
+        found = activation_of(getattr(module, "act_fn", None))
+        if not supports_experts(module) or found is None:
+            handle.skipped[path] = "experts of another layout or activation (kept as they are)"
+            continue
+        if previous not in _REPLACEABLE:
+            handle.skipped[path] = f"{previous!r} experts implementation (kept)"
+            continue
+        state = OpState(path=path, experts_fallback=previous)
+        state.activation = slot_activation(found, config, state.slot_id("act"))
+        for slot in ("gate", "up"):
+            state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec)
+        set_state(module, state)
+        describe = functools.partial(_describe, state)
+        handle.describers[path] = describe
+        handle.patched[path] = describe()
+        handle.add_slots(state, {"act": "activation", "gate": "mlp", "up": "mlp"})
+        handle._undo.append(functools.partial(module.__dict__.pop, STATE, None))
+        configs.setdefault(id(module.config), module.config)
+        claimed[module.act_fn] = "the MoE experts op computes it"
+    if not configs:
+        return claimed
+    name = register_experts()
+    for experts_config in configs.values():
+        handle._undo.append(
+            functools.partial(
+                setattr,
+                experts_config,
+                "_experts_implementation",
+                experts_config._experts_implementation,
+            )
+        )
+        experts_config._experts_implementation = name
+    return claimed
+
+
+def _is_experts(module) -> bool:
+    """An experts module of transformers' ``use_experts_implementation`` (whose ``__init__``
+    sets these flags)."""
+    return all(hasattr(module, n) for n in ("has_gate", "is_transposed", "_is_expert_parallel"))
+
+
+def _describe(state: OpState) -> str:
+    return f"moe_experts {state.activation.describe()}; " + ", ".join(
+        f"{slot}={state.codecs[slot]!r}" for slot in SLOTS if slot != "act"
+    )

@@ -1,0 +1,186 @@
+"""Mixture-of-experts experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): transformers 5 stores the
+experts as fused 3-D weights (``gate_up_proj`` [experts, 2 * inter, hidden], ``down_proj``
+[experts, hidden, inter]) and dispatches their forward through ``ExpertsInterface``.
+
+Stock grouped-matmul autograd keeps, per routed (token, expert) pair: the gathered input (top-k
+copies of every token), the gate projection (for the activation), act(gate) and up (for the
+product), the product (for the down projection) and the down projection's output (for the
+routing weights' gradient). Here, per pair, only the few-bit code of act'(gate) and compressed
+act(gate) and up; the input is kept once per token as the tensor the router keeps anyway, and
+backward rebuilds the product from the operands and the down output from the product (one extra
+grouped matmul) to differentiate the routing weights. The router stays exact.
+
+The forward runs transformers' own grouped matmuls in the stock order, so the output equals the
+"grouped_mm" implementation's bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.ops.slots import observer
+from hf_actq.ops.state import STATE, keep_rng_stream, wants_backward
+
+EXPERTS_NAME = "hf_actq_experts"
+SLOTS = ("act", "gate", "up")
+
+
+class CompressedExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, state):
+        from transformers.integrations.moe import _grouped_linear
+
+        num_tokens, top_k = top_k_index.shape
+        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+        token_of_row = perm // top_k  # rows sorted by expert -> their token
+        weight_of_row = top_k_weights.reshape(-1)[perm]
+        counts = torch.bincount(expert_ids, minlength=gate_up_proj.shape[0])
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+        gate, up = _grouped_linear(hidden_states[token_of_row], gate_up_proj, offsets).chunk(2, -1)
+        act = state.activation
+        watcher = observer()
+        if watcher is not None:
+            watcher.on_fewbit(state.slot_id("act"), gate, act)
+        borders, levels = act.tensors(gate.device)
+        _, codes, nan_flag = fewbit_forward(
+            gate, act.spec.name, borders, act.bits, act.param_values, output=False
+        )
+        activated = act.plain(gate)
+        out = _grouped_linear(activated * up, down_proj, offsets) * weight_of_row.unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+        output = out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+        packed_a, packed_up = state.pack(activated, "gate"), state.pack(up, "up")
+        ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
+        ctx.split, ctx.bits = len(packed_a.tensors), act.bits
+        ctx.input_dtype = hidden_states.dtype
+        # The input as it is (the router keeps the same tensor); routing as int32 rows.
+        ctx.save_for_backward(
+            hidden_states,
+            weight_of_row,
+            gate_up_proj,
+            down_proj,
+            perm.to(torch.int32),
+            offsets,
+            codes,
+            levels,
+            nan_flag,
+            *packed_a.tensors,
+            *packed_up.tensors,
+        )
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        from transformers.integrations.moe import _grouped_linear
+
+        hidden, weight_of_row, gate_up_proj, down_proj, perm, offsets, codes, levels, nan_flag = (
+            ctx.saved_tensors[:9]
+        )
+        buffers = ctx.saved_tensors[9:]
+        header_a, header_up = ctx.headers
+        dtype = grad_output.dtype
+        a_hat = header_a.with_tensors(buffers[: ctx.split]).unpack().to(dtype)
+        up_hat = header_up.with_tensors(buffers[ctx.split :]).unpack().to(dtype)
+        perm = perm.long()
+        top_k = weight_of_row.numel() // hidden.shape[0]
+        token_of_row = perm // top_k
+        product = a_hat * up_hat
+        grad_rows = grad_output[token_of_row]
+
+        grad_top_k_weights = None
+        if ctx.needs_input_grad[1]:
+            # The down projection's output, rebuilt from the product, for the routing weights.
+            out = _grouped_linear(product, down_proj.to(dtype), offsets)
+            grad_weight_of_row = (grad_rows * out).sum(-1)
+            grad_top_k_weights = torch.empty_like(grad_weight_of_row)
+            grad_top_k_weights[perm] = grad_weight_of_row
+            grad_top_k_weights = grad_top_k_weights.view(-1, top_k).to(weight_of_row.dtype)
+        grad_out_rows = grad_rows * weight_of_row.to(dtype).unsqueeze(-1)
+        grad_product = _grouped_linear(
+            grad_out_rows, down_proj.to(dtype), offsets, is_transposed=True
+        )
+        grad_up = grad_product * a_hat
+        grad_gate = fewbit_backward(grad_product * up_hat, codes, levels, nan_flag, ctx.bits)
+        grad_gate_up = torch.cat([grad_gate.to(dtype), grad_up], dim=-1)
+
+        rows = hidden[token_of_row].to(dtype)
+        grad_gate_up_proj = grad_down_proj = grad_hidden = None
+        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+            grad_gate_up_proj = torch.zeros_like(gate_up_proj)
+            grad_down_proj = torch.zeros_like(down_proj)
+            start = 0
+            for expert, end in enumerate(offsets.tolist()):
+                if end > start:
+                    span = slice(start, end)
+                    grad_gate_up_proj[expert] = grad_gate_up[span].t() @ rows[span]
+                    grad_down_proj[expert] = grad_out_rows[span].t() @ product[span]
+                start = end
+        if ctx.needs_input_grad[0]:
+            grad_rows_in = _grouped_linear(
+                grad_gate_up, gate_up_proj.to(dtype), offsets, is_transposed=True
+            )
+            grad_hidden = torch.zeros_like(hidden, dtype=dtype)
+            grad_hidden.index_add_(0, token_of_row, grad_rows_in)
+            grad_hidden = grad_hidden.to(ctx.input_dtype)
+        return grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj, None, None
+
+
+def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """An ``ExpertsInterface`` implementation: the compressed op for experts ``hf_actq.apply``
+    patched, whenever autograd records; otherwise the implementation the model ran before."""
+    state = self.__dict__.get(STATE)
+    if state is None or not supports_experts(self):
+        return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
+    weights = (self.gate_up_proj, self.down_proj)
+    if not wants_backward(hidden_states, top_k_weights, *weights):
+        keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
+        return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
+    return CompressedExpertsFunction.apply(
+        hidden_states, top_k_weights, *weights, top_k_index, state
+    )
+
+
+def _fallback(module, state):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    original = type(module).forward.__wrapped__
+    name = state.experts_fallback if state is not None else None
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name or "eager", original)
+
+
+def supports_experts(module) -> bool:
+    """Whether ``module`` is a transformers experts module of the layout this op computes:
+    concatenated [gate; up] 3-D weights, not transposed, no biases, the default gating, no
+    post-expert norm, no expert parallelism."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    def is_3d(name):
+        value = getattr(module, name, None)
+        return isinstance(value, torch.Tensor) and value.dim() == 3
+
+    return (
+        is_3d("gate_up_proj")
+        and is_3d("down_proj")
+        and getattr(module, "has_gate", False)
+        and getattr(module, "is_concatenated", False)
+        and not getattr(module, "is_transposed", True)
+        and not getattr(module, "has_bias", True)
+        and not getattr(module, "has_post_expert_norm", True)
+        and not getattr(module, "_is_expert_parallel", True)
+        and getattr(type(module), "_apply_gate", None) is _default_apply_gate
+    )
+
+
+def register_experts(name: str = EXPERTS_NAME) -> str:
+    """Register :func:`compressed_experts_forward` with transformers' ``ExpertsInterface``;
+    returns the name for ``config._experts_implementation``."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(name, compressed_experts_forward)
+    return name

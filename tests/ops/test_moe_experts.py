@@ -1,0 +1,105 @@
+"""The compressed MoE experts op against transformers' grouped-matmul experts."""
+
+import pytest
+import torch
+from transformers import MixtralConfig
+from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+from hf_actq import SavedTensorMeter
+from hf_actq.codecs.packed import ExactCodec
+from hf_actq.ops.fewbit_activation import ActivationTable
+from hf_actq.ops.moe_experts import compressed_experts_forward, supports_experts
+from hf_actq.ops.state import STATE, OpState, set_state
+
+TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 40, 32, 48, 5, 2
+
+
+def _experts(dtype=torch.float32, codec=None):
+    config = MixtralConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=EXPERTS)
+    torch.manual_seed(0)
+    experts = MixtralExperts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.2)
+        experts.down_proj.normal_(0, 0.2)
+    experts = experts.to(dtype)
+    state = OpState(path="experts", experts_fallback="grouped_mm")
+    state.activation = ActivationTable("silu", 4)
+    state.codecs = {"gate": codec or ExactCodec(), "up": codec or ExactCodec()}
+    set_state(experts, state)
+    return experts
+
+
+def _routing(dtype=torch.float32):
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(dtype)
+    logits = torch.randn(TOKENS, EXPERTS, generator=generator)
+    weights, index = torch.topk(logits.softmax(-1), TOP_K, dim=-1)
+    index[0] = torch.tensor([3, 1])  # expert 4 may get no token: empty groups must work
+    return hidden, index, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def _run(forward, experts, hidden, index, weights, grad):
+    hidden = hidden.detach().clone().requires_grad_()
+    weights = weights.detach().clone().requires_grad_()
+    experts.zero_grad()
+    with SavedTensorMeter(exclude=list(experts.parameters())) as meter:
+        out = forward(experts, hidden, index, weights)
+    out.backward(grad)
+    grads = [hidden.grad, weights.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    return out, grads, meter.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_is_grouped_mm_bit_for_bit_and_gradients_follow_it(dtype):
+    experts = _experts(dtype)
+    hidden, index, weights = _routing(dtype)
+    grad = torch.randn(TOKENS, HIDDEN).to(dtype)
+    out, grads, stock_bytes = _run(
+        grouped_mm_experts_forward, experts, hidden, index, weights, grad
+    )
+    ours, our_grads, our_bytes = _run(
+        compressed_experts_forward, experts, hidden, index, weights, grad
+    )
+    assert torch.equal(ours, out)
+    # Exact operands; only act'(gate) is a 4-bit few-bit code (and bf16 rounds differently).
+    for name, a, b in zip(("hidden", "routing weights", "gate_up", "down"), our_grads, grads):
+        cosine = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), 0)
+        assert cosine > (0.999 if dtype == torch.float32 else 0.99), name
+    # Per routed row stock keeps the gathered input, gate, act(gate), up, the product and the
+    # down output; this op act(gate), up and a 4-bit code, and the input once per token.
+    rows = TOKENS * TOP_K
+    assert our_bytes < stock_bytes - rows * (HIDDEN + INTER) * ours.element_size()
+
+
+def test_compressed_operands_keep_fewer_bytes_and_close_gradients():
+    from hf_actq.codecs import uniform
+
+    hidden, index, weights = _routing()
+    grad = torch.randn(TOKENS, HIDDEN)
+    exact = _run(compressed_experts_forward, _experts(), hidden, index, weights, grad)
+    packed = _run(
+        compressed_experts_forward, _experts(codec=uniform(8)), hidden, index, weights, grad
+    )
+    # Two fp32 operands at 8 bits: 3 of 4 bytes per element saved, less the block scales.
+    assert packed[2] < exact[2] - 2 * TOKENS * TOP_K * INTER * 2.5
+    for a, b in zip(packed[1], exact[1]):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0) > 0.99
+
+
+def test_without_grad_or_state_it_runs_the_previous_implementation():
+    experts = _experts()
+    hidden, index, weights = _routing()
+    want = grouped_mm_experts_forward(experts, hidden, index, weights)
+    with torch.no_grad():
+        assert torch.equal(compressed_experts_forward(experts, hidden, index, weights), want)
+    experts.__dict__.pop(STATE)
+    assert torch.equal(compressed_experts_forward(experts, hidden, index, weights), want)
+
+
+def test_other_layouts_are_not_claimed():
+    experts = _experts()
+    assert supports_experts(experts)
+    experts.is_transposed = True
+    assert not supports_experts(experts)
+    assert not supports_experts(torch.nn.Linear(2, 2))
