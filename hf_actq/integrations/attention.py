@@ -9,11 +9,17 @@ import functools
 from torch import nn
 
 from hf_actq.config import ActQConfig
+from hf_actq.integrations.patching import bind_forward
 from hf_actq.ops.attention import (
     EAGER_SLOTS,
     SDPA_SLOTS,
     register_attention,
     register_sdpa_attention,
+)
+from hf_actq.ops.deberta_attention import SLOTS as DEBERTA_SLOTS
+from hf_actq.ops.deberta_attention import (
+    CompressedDisentangledSelfAttention,
+    is_disentangled_attention,
 )
 from hf_actq.ops.state import STATE, OpState, set_state
 
@@ -43,6 +49,9 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         if getattr(model_config, attribute, None):
             handle.skipped["attention"] = f"{reason} (kept exact)"
             return
+    if layout.attention == "deberta":
+        _patch_disentangled(model, config, handle, codec)
+        return
     previous = model_config._attn_implementation
     if layout.attention == "sdpa" and previous != "sdpa":
         handle.skipped["attention"] = f"{previous!r} attention (kept exact; sdpa is patched)"
@@ -87,6 +96,23 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
             )
         )
         patched_config._attn_implementation = name
+
+
+def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> None:
+    """DeBERTa-v2/v3's own attention modules (not through ``AttentionInterface``): their forward
+    is bound to the op that keeps packed q, k, v and recomputes the core in backward."""
+    for path, module in model.named_modules():
+        if config.skips(path) or not is_disentangled_attention(module):
+            continue
+        state = OpState(path=path)
+        for slot in DEBERTA_SLOTS:
+            setting = config.setting_for(state.slot_id(slot))
+            state.codecs[slot] = codec if setting is None else config.codec_for_setting(setting)
+        describe = functools.partial(_describe, "disentangled, recomputed in backward", state)
+        if bind_forward(
+            module, CompressedDisentangledSelfAttention.forward, state, path, describe, handle
+        ):
+            handle.add_slots(state, dict.fromkeys(DEBERTA_SLOTS, "attention"))
 
 
 def _describe(kind: str, state: OpState) -> str:

@@ -22,7 +22,8 @@ from hf_actq.integrations.layers import patch_layers
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """``attention``: "eager" (BERT's layout through ``AttentionInterface``: q, k, v with
+    """``attention``: "deberta" (DeBERTa-v2/v3's disentangled attention: q, k, v, the core
+    recomputed in backward), "eager" (BERT's layout through ``AttentionInterface``: q, k, v with
     SDPA recomputed in backward, or, for a model set to eager attention, q, k, v and the
     probabilities), "sdpa" (decoders: q, k, v, SDPA recomputed; only models running SDPA), or
     None (the model's own attention, kept exact, for the reason in ``note``).
@@ -80,9 +81,8 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # only SDPA is patched (the compressed eager op has no bias input).
     "t5": ModelLayout("sdpa"),
     "mt5": ModelLayout("sdpa"),
-    "deberta-v2": ModelLayout(
-        None, note="disentangled attention does not go through AttentionInterface (kept exact)"
-    ),
+    # Its own disentangled attention module, bound to an op of its own.
+    "deberta-v2": ModelLayout("deberta"),
 }
 
 GENERIC = ModelLayout(None)

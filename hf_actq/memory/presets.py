@@ -40,6 +40,15 @@ _LLAMA2 = dict(
     eos_token_id=2,
 )
 
+_MISTRAL_7B = dict(
+    _LLAMA2,
+    max_position_embeddings=32768,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+)
 _FLAN_T5 = dict(
     vocab_size=32128,
     feed_forward_proj="gated-gelu",
@@ -54,6 +63,25 @@ PRESETS: dict[str, Preset] = {
     "bert-large": Preset("bert", {**_BERT, **_LARGE}, task="classification"),
     "roberta-base": Preset("roberta", {**_ROBERTA, **_BASE}, task="classification"),
     "roberta-large": Preset("roberta", {**_ROBERTA, **_LARGE}, task="classification"),
+    # DeBERTa-v3: disentangled attention over 256 relative-position buckets.
+    "deberta-v3-base": Preset(
+        "deberta-v2",
+        dict(
+            _BASE,
+            vocab_size=128100,
+            max_position_embeddings=512,
+            type_vocab_size=0,
+            relative_attention=True,
+            position_buckets=256,
+            max_relative_positions=-1,
+            pos_att_type=["p2c", "c2p"],
+            share_att_key=True,
+            norm_rel_ebd="layer_norm",
+            position_biased_input=False,
+            layer_norm_eps=1e-7,
+        ),
+        task="classification",
+    ),
     "gpt2": Preset(
         "gpt2",
         dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
@@ -82,34 +110,11 @@ PRESETS: dict[str, Preset] = {
         ),
         dtype=torch.bfloat16,
     ),
-    "mistral-7b": Preset(
-        "mistral",
-        dict(
-            _LLAMA2,
-            max_position_embeddings=32768,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            sliding_window=4096,
-        ),
-        dtype=torch.bfloat16,
-    ),
+    "mistral-7b": Preset("mistral", dict(_MISTRAL_7B, sliding_window=4096), dtype=torch.bfloat16),
+    # Mistral-7B's shapes with eight experts per layer, two per token.
     "mixtral-8x7b": Preset(
         "mixtral",
-        dict(
-            _LLAMA2,
-            max_position_embeddings=32768,
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            num_local_experts=8,
-            num_experts_per_tok=2,
-            rope_theta=1e6,
-        ),
+        dict(_MISTRAL_7B, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6),
         dtype=torch.bfloat16,
     ),
     # Flan-T5 (T5 v1.1): gated-GELU feed-forward, relative position bias, untied head.

@@ -1,5 +1,6 @@
 """Model types beyond dense text encoders and decoders: mixture-of-experts decoders (Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE), ViT, CLIP (both towers), BART and T5 (self- and cross-attention,
+Qwen2-MoE, Qwen3-MoE, OLMoE), DeBERTa-v3 (disentangled attention), ViT, CLIP (both towers),
+BART and T5 (self- and cross-attention,
 source and target of different lengths; T5 v1.1's gated-GELU feed-forward and relative position
 bias, and T5 v1.0's ReLU), built from tiny configs. Their attention goes
 through transformers' ``AttentionInterface``, so the registry lists them as data
@@ -14,6 +15,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageClassification,
     AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
     CLIPConfig,
     CLIPModel,
 )
@@ -118,9 +120,34 @@ def _moe(model_type):
     return AutoModelForCausalLM.from_config(config), dict(input_ids=ids, labels=ids)
 
 
+def _deberta(dropout=0.0):
+    # DeBERTa-v3's attention: relative positions in buckets, both disentangled terms, the
+    # position projections shared with the content keys and queries.
+    config = AutoConfig.for_model(
+        "deberta-v2",
+        vocab_size=100,
+        num_labels=3,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        **TOWER,
+    )
+    ids = torch.randint(3, 100, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 2]))
+    return AutoModelForSequenceClassification.from_config(config), batch
+
+
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 BUILDERS = {
+    "deberta-v2": _deberta,
     **{name: functools.partial(_moe, name) for name in MOE},
     "vit": _vit,
     "clip": _clip,
@@ -284,3 +311,26 @@ def test_lora_on_the_expert_weights_trains_through_the_compressed_experts():
     for name, exact, got in zip(names, grads, patched):
         cosine = torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), dim=0)
         assert cosine > 0.99, name
+
+
+def test_deberta_attention_with_exact_operands_and_dropout_gives_the_stock_gradients():
+    # q, k, v kept exact: the op's backward differentiates the same core again with the
+    # forward's dropout draws, so gradients are those of the same model with attention left to
+    # its own code (dropout patched alike in both runs).
+    results = []
+    for attention in (False, True):
+        torch.manual_seed(0)
+        model, batch = _deberta(dropout=0.2)
+        model.train()
+        config = ActQConfig.from_recipe("uniform", bits=8, attention=attention)
+        handle = hf_actq.apply(model, config)
+        for path in [p for p, kind in handle.slots.items() if kind == "attention"]:
+            state, slot = handle._states[path]
+            state.codecs[slot] = None
+        torch.manual_seed(1)
+        loss, grads, _ = _step(model, batch)
+        results.append((loss, grads))
+    (loss, grads), (ours, our_grads) = results
+    assert torch.equal(ours, loss)
+    for a, b in zip(our_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
