@@ -127,6 +127,8 @@ def test_every_preset_measures_offline(preset):
         layers="scaled",
         dtype=PRESETS[preset].dtype,
         task=PRESETS[preset].task,
+        # Two Mixtral layers fully trained (weights, gradients, Adam) would take 22 GB of RAM.
+        peft="lora" if preset.startswith("mixtral") else "none",
     )
     for row in report.rows():
         assert (
