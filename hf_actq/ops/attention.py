@@ -287,7 +287,10 @@ def compressed_sdpa_attention(
     compressed q, k, v (see :class:`CompressedSDPAFunction`).
 
     T5's additive ``position_bias`` is an input with its own gradient (the relative-position
-    embedding learns through it). A paged cache runs the plain SDPA path with nothing
+    embedding learns through it). Stock SDPA takes its math path for a mask that needs a
+    gradient; the forward here runs without grad, so SDPA may pick its fused kernel and the
+    output differs from stock by rounding (bf16 autocast, tiny T5: loss 5.3396 vs 5.3411); the
+    backward recomputes the math path. A paged cache runs the plain SDPA path with nothing
     compressed.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -33,6 +33,10 @@ class RecomputedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, core, state, query, key, value, extra, *params):
         rng = _capture_rng(query.device)
+        device = query.device.type
+        # Backward recomputes under the forward's autocast, as activation checkpointing does.
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.dtypes = (query.dtype, key.dtype, value.dtype)
         output = core(query, key, value, extra)
         saved: list = []
         ctx.slots = {}
@@ -51,13 +55,16 @@ class RecomputedAttentionFunction(torch.autograd.Function):
         count = 1 + len(ctx.rng_devices)
         saved, rng_states = saved[:-count], saved[-count:]
         extra = saved.pop() if ctx.has_extra else None
-        dtype = grad_output.dtype
-        q, k, v = (ctx.slots[n].restore(saved).to(dtype).detach().requires_grad_() for n in SLOTS)
+        q, k, v = (
+            ctx.slots[n].restore(saved).to(dtype).detach().requires_grad_()
+            for n, dtype in zip(SLOTS, ctx.dtypes)
+        )
         if extra is not None and ctx.needs_input_grad[5]:
             extra = extra.detach().requires_grad_()
+        device, autocast, autocast_dtype = ctx.autocast
         with torch.random.fork_rng(devices=ctx.rng_devices):
             _restore_rng(ctx.rng_devices, rng_states)  # the forward's dropout mask, drawn again
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(device, autocast_dtype, autocast):
                 output = ctx.core(q, k, v, extra)
         inputs = [q, k, v, *([extra] if extra is not None and extra.requires_grad else [])]
         params = [p for p in ctx.params if p.requires_grad]

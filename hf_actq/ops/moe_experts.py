@@ -79,10 +79,11 @@ class CompressedExpertsFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         from transformers.integrations.moe import _grouped_linear
 
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
         hidden, weight_of_row, gate_up_proj, down_proj, perm, offsets, codes, levels, nan_flag = (
-            ctx.saved_tensors[:9]
+            saved[:9]
         )
-        buffers = ctx.saved_tensors[9:]
+        buffers = saved[9:]
         header_a, header_up = ctx.headers
         dtype = grad_output.dtype
         a_hat = header_a.with_tensors(buffers[: ctx.split]).unpack().to(dtype)
