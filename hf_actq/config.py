@@ -71,9 +71,11 @@ class ActQConfig:
     share_norm_outputs: bool = field(
         default=True,
         metadata=_help(
-            "Exact norms (norm=False) keep their output, which the next linear keeps anyway, "
-            "instead of their input, and rebuild the normalized input from it in backward "
-            "(exact up to the output's rounding)."
+            "Norms share with the layers they feed. Exact norms (norm=False) keep their "
+            "output, which the next linear keeps anyway, instead of their input, and rebuild "
+            "the normalized input from it in backward (exact up to the output's rounding); "
+            "compressed norms let the next linears with the same codec rebuild their input from "
+            "the norm's packed normalized input instead of packing it again."
         ),
     )
     fused_loss: bool = field(

@@ -56,7 +56,8 @@ def patch_layers(
     # Norms: compressed (``norm``), or exact ones that keep their output (memory sharing).
     norms = config.norm or config.share_norm_outputs
     if config.norm:
-        norm_slots, norm_fields = ({"input": "norm"}, _describer("norm {input}")), {}
+        norm_slots = ({"input": "norm"}, _describer("norm {input}"))
+        norm_fields = {"offer_output": config.share_norm_outputs}
     else:
         describe = _describer("norm (exact; keeps its output, shared with the next layer)")
         norm_slots, norm_fields = ({}, describe), {"norm_from_output": True}

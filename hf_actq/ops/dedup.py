@@ -31,6 +31,7 @@ class _Entry:
     header: Packed  # the packed object without its tensors
     buffers: tuple[weakref.ref, ...]
     slot: str | None  # the slot that packed it
+    offered: bool = False  # a form rebuilt from another op's buffers (PackCache.offer)
 
     def reuse(self, x: torch.Tensor, codec: Codec) -> Packed | None:
         if self.source() is not x or self.version != x._version or self.header.codec != codec:
@@ -68,6 +69,10 @@ class PackCache:
             return self._packed(watcher, slot, x, codec, seed)
         key = id(x)
         entry = self._entries.get(key)
+        # Offered forms depend on another op's buffers being alive, which differs between a
+        # checkpointed region's first pass and its recomputation: not taken there.
+        if entry is not None and entry.offered and under_checkpoint():
+            entry = None
         found = entry.reuse(x, codec) if entry is not None else None
         if found is not None:
             if watcher is not None:
@@ -84,6 +89,21 @@ class PackCache:
         if len(self._entries) >= self._purge_at:
             self._purge()
         return packed
+
+    def offer(self, x: torch.Tensor, packed: Packed, slot: str | None = None) -> None:
+        """Let later ``pack(x, codec)`` calls with ``packed``'s codec return ``packed``, a form
+        of ``x`` rebuilt from buffers an op keeps anyway (a norm's packed input rebuilds its
+        output), while ``x`` and those buffers are alive."""
+        if x.is_inference():
+            return
+        self._entries[id(x)] = _Entry(
+            weakref.ref(x),
+            x._version,
+            packed.with_tensors(()),
+            tuple(weakref.ref(t) for t in packed.tensors),
+            slot,
+            offered=True,
+        )
 
     @staticmethod
     def _packed(watcher, slot, x, codec, seed) -> Packed:
@@ -105,6 +125,12 @@ class PackCache:
 
 
 DEFAULT_CACHE = PackCache()
+
+
+def under_checkpoint() -> bool:
+    """Whether the innermost saved-tensor hooks are non-reentrant activation checkpointing's."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
 def _traced_pack(x: torch.Tensor, codec: Codec) -> Packed:

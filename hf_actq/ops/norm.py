@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import copy
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from hf_actq.codecs.packed import Codec
+from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.kernels import norm_backward
 from hf_actq.kernels.reference import row_chunks
+from hf_actq.ops.dedup import under_checkpoint
+from hf_actq.ops.slots import observer, per_slot_seeds
 from hf_actq.ops.state import default_state, keep_rng_stream, set_state, state_of, wants_backward
 
 
@@ -82,7 +85,73 @@ def _x_hat_from_output(y, weight, bias):
     return x_hat.view(y.shape)
 
 
-def _keep(ctx, state, x_hat_of, y, weight, bias, rstd):
+@dataclass(frozen=True)
+class NormOutputPacked(Packed):
+    """A norm's output rebuilt from the norm's own packed ``x_hat``: ``w * x_hat`` (RMSNorm, in
+    ``x_hat``'s dtype as HF computes it) or ``x_hat * w + b`` (LayerNorm, in fp32). ``tensors``
+    are the source's buffers, then the weight and bias (parameters: no bytes of their own).
+
+    A compressed norm offers it to the ops that consume its output (the next linear layers), so
+    the output is not packed a second time; its error is the weight times that of ``x_hat``.
+    """
+
+    source: Packed | None = None  # the packed x_hat, without its tensors
+    rms: bool = False
+    has_weight: bool = True
+    has_bias: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.with_tensors(self.tensors[: self._split]).nbytes
+
+    @property
+    def _split(self) -> int:
+        return len(self.tensors) - self.has_weight - self.has_bias
+
+    def unpack(self) -> torch.Tensor:
+        split = self._split
+        x_hat = self.source.with_tensors(self.tensors[:split]).unpack()
+        weight = self.tensors[split] if self.has_weight else None
+        bias = self.tensors[-1] if self.has_bias else None
+        if self.rms:
+            y = x_hat.to(self.source.dtype)
+            y = y if weight is None else weight * y
+        else:
+            y = x_hat.float()
+            y = y if weight is None else y * weight.float()
+            y = y if bias is None else y + bias.float()
+        return y.to(self.dtype)
+
+
+def _offer_output(state, y, packed, weight, bias, rms) -> None:
+    """Offer ``y`` to its consumers as rebuilt from ``packed`` (see :class:`NormOutputPacked`).
+    Not while the adaptive pass observes slots or draws per-slot seeds (it must see each slot's
+    own bytes and noise), in a
+    torch.compile trace (no cache there), or under non-reentrant checkpointing: its first pass
+    keeps no buffer alive and its recomputation does, so consumers would save a different set
+    of tensors in the two passes, which checkpointing rejects."""
+    if (
+        not state.offer_output
+        or observer() is not None
+        or per_slot_seeds()
+        or torch.compiler.is_compiling()
+        or under_checkpoint()
+    ):
+        return
+    rebuilt = NormOutputPacked(
+        codec=packed.codec,
+        shape=y.shape,
+        dtype=y.dtype,
+        tensors=(*packed.tensors, *(t for t in (weight, bias) if t is not None)),
+        source=packed.with_tensors(()),
+        rms=rms,
+        has_weight=weight is not None,
+        has_bias=bias is not None,
+    )
+    state.cache.offer(y, rebuilt, state.slot_id("input"))
+
+
+def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
     """Save what backward needs: ``y`` (memory sharing), else ``x_hat`` packed by the slot's
     codec, or exact when the norm has no codec (an exact norm whose weight has a zero)."""
     # Under torch.compile the zero check (data-dependent) cannot be traced: x_hat is kept.
@@ -100,6 +169,7 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd):
     packed = state.pack(x_hat_of(), "input")
     ctx.header = packed.with_tensors(())
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
+    _offer_output(state, y, packed, weight, bias, rms)
 
 
 def _saved_x_hat(ctx):
@@ -150,7 +220,7 @@ class CompressedRMSNormFunction(torch.autograd.Function):
             normed[rows] = hidden * rstd[rows]
         normed = normed.view(x.shape)
         y = weight * normed
-        _keep(ctx, state, lambda: normed, y, weight, None, rstd)
+        _keep(ctx, state, lambda: normed, y, weight, None, rstd, rms=True)
         return y
 
     @staticmethod

@@ -60,6 +60,8 @@ class OpState:
     # Norms: keep the output (which the next layer keeps anyway) instead of the input, and
     # rebuild the normalized input from it in backward.
     norm_from_output: bool = False
+    # Compressed norms: offer the output to the next ops as rebuilt from the packed input.
+    offer_output: bool = False
 
     def slot_id(self, slot: str) -> str:
         return f"{self.path}:{slot}"

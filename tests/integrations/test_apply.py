@@ -199,6 +199,26 @@ def test_exact_norms_share_their_output_with_the_next_layer(model_type):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "bert", "gpt2"])
+def test_compressed_norms_share_their_packed_input_with_the_next_linears(model_type):
+    """Under "uniform" the linears a norm feeds rebuild their input from the norm's packed x_hat
+    instead of packing it again: about a tenth fewer bytes, the gradient as close to exact."""
+    model, batch = _model(model_type), _batch(model_type)
+    _, exact, _ = _step(model, batch)
+    exact = torch.cat([g.flatten() for g in exact if g is not None])
+    cosines, nbytes = {}, {}
+    for share in (False, True):
+        handle = hf_actq.apply(
+            model, ActQConfig.from_recipe("uniform", bits=4, share_norm_outputs=share)
+        )
+        torch.manual_seed(0)
+        _, grads, nbytes[share] = _step(model, batch)
+        cosines[share] = _cosine(torch.cat([g.flatten() for g in grads if g is not None]), exact)
+        handle.revert()
+    assert nbytes[True] < 0.93 * nbytes[False]
+    assert cosines[True] > cosines[False] - 0.01
+
+
 def _cosine(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
 
@@ -528,18 +548,25 @@ def test_config_round_trip_and_recipes():
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_gradient_checkpointing_gives_the_same_gradients(model_type, use_reentrant):
-    model = _model(model_type, dropout=True)
-    batch = _batch(model_type)
-    hf_actq.apply(model, bits=4)
-    torch.manual_seed(3)
-    _, expected, _ = _step(model, batch)
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
-    )
-    torch.manual_seed(3)
-    _, got, _ = _step(model, batch)
-    for a, b in zip(got, expected):
-        assert (a is None and b is None) or torch.equal(a, b)
+    # Bit for bit without norm-output sharing, which checkpointed regions do not use (their
+    # first pass keeps no buffer alive to share); with it, the same up to rounding noise.
+    for share in (False, True):
+        model = _model(model_type, dropout=True)
+        batch = _batch(model_type)
+        hf_actq.apply(model, bits=4, share_norm_outputs=share)
+        torch.manual_seed(3)
+        _, expected, _ = _step(model, batch)
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
+        )
+        torch.manual_seed(3)
+        _, got, _ = _step(model, batch)
+        for a, b in zip(got, expected):
+            if share and a is not None:
+                cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+                assert cosine > 0.95 or a.norm() < 1e-4 * max(g.norm() for g in expected)
+            else:
+                assert (a is None and b is None) or torch.equal(a, b)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])

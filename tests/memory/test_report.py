@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from hf_actq.adaptive.plan import BitPlan
 from hf_actq.memory.presets import PRESETS, preset_config
 from hf_actq.memory.report import measure_model, parse_recipe
 
@@ -52,6 +53,27 @@ def test_layer_extrapolation_matches_the_whole_model():
             assert getattr(a.measurement, name) == getattr(b.measurement, name), name
         assert a.measurement.by_kind == {k: v for k, v in b.measurement.by_kind.items() if v}
     assert "extrapolated linearly to 4" in scaled.to_markdown()
+
+
+def test_scaled_adaptive_recipes_extrapolate_one_plan(tmp_path):
+    """The 1-layer model takes the 2-layer model's plan, so the extrapolation is the bytes of
+    the full model under that plan with every later layer set like layer 1."""
+    config = _four_layer_llama()
+    kwargs = dict(batch_size=2, seq_len=16)
+    # At 2 bits the 1- and 2-layer models' own plans differ here (the extrapolation was 21% high).
+    scaled = measure_model(config, ["alam:bits=2"], layers="scaled", **kwargs)
+    plan = scaled.results[1].plan
+    assert plan is not None and any(".layers.1." in slot for slot in plan["slots"])
+    four = {}
+    for slot, setting in plan["slots"].items():
+        for layer in (1, 2, 3) if ".layers.1." in slot else (None,):
+            four[slot.replace(".layers.1.", f".layers.{layer}.") if layer else slot] = setting
+    BitPlan(four, 2).save(tmp_path / "plan.json")
+    whole = measure_model(config, [f"alam:bits=2,plan={tmp_path / 'plan.json'}"], **kwargs)
+    assert whole.measured_layers == [4]
+    expected, got = whole.results[1].measurement, scaled.results[1].measurement
+    assert got.activation_bytes == expected.activation_bytes
+    assert got.by_kind == {k: v for k, v in expected.by_kind.items() if v}
 
 
 def test_max_batch_follows_the_papers_appendix_b():

@@ -10,6 +10,7 @@ from hf_actq.kernels.reference import CHUNK_ELEMENTS
 from hf_actq.memory.peak import PeakMemory
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
+from hf_actq.ops.state import state_of
 
 
 def _grads(module, params, x, grad):
@@ -178,3 +179,39 @@ def test_memory_sharing_norm_with_a_zero_weight_keeps_the_input_exactly():
     assert torch.equal(y, stock_y)
     for got, want in zip(grads, stock_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_compressed_norm_offers_its_output_to_the_next_linear(kind):
+    # The next linear (same codec, same cache) takes the norm's output as rebuilt from the norm's
+    # packed x_hat: w * x_hat (+ b), with no second packed copy of its own.
+    from hf_actq.ops.linear import CompressedLinear
+    from hf_actq.ops.norm import NormOutputPacked
+
+    codec = uniform(4, stochastic=False)
+    norm = _norm_of(kind, 64, torch.float32)
+    linear = nn.Linear(64, 32)
+    params = [*norm.parameters(), *linear.parameters()]
+    x = (3 * torch.randn(4, 8, 64) + 1).requires_grad_()
+    nbytes = {}
+    for offer in (False, True):
+        cache = PackCache()
+        cls = CompressedLayerNorm if kind == "layer" else CompressedRMSNorm
+        patched_norm = cls(norm, codec=codec, cache=cache)
+        state_of(patched_norm).offer_output = offer
+        patched_linear = CompressedLinear(linear, codec=codec, cache=cache)
+        with SavedTensorMeter(exclude=params) as meter:
+            y = patched_norm(x)
+            out = patched_linear(y)
+        nbytes[offer] = meter.nbytes
+    assert nbytes[False] - nbytes[True] == codec.nbytes(y.shape)
+    # What the linear rebuilds is the norm's output from its packed x_hat.
+    entry = cache._entries[id(y)]
+    rebuilt = entry.reuse(y, codec)
+    assert isinstance(rebuilt, NormOutputPacked)
+    x_hat = rebuilt.source.with_tensors(rebuilt.tensors[: rebuilt._split]).unpack()
+    want = norm.weight * x_hat if kind == "rms" else x_hat * norm.weight + norm.bias
+    torch.testing.assert_close(rebuilt.unpack(), want.detach())
+    assert (rebuilt.unpack() - y).abs().max() < 0.2 * y.abs().max()  # 4-bit rounding of x_hat
+    out.sum().backward()  # backward runs through the shared buffers
+    assert linear.weight.grad is not None and x.grad is not None
