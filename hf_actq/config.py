@@ -81,7 +81,8 @@ class ActQConfig:
     fused_loss: bool = field(
         default=True,
         metadata=_help(
-            "Registered causal LMs: the head and loss as a chunked linear + cross-entropy while "
+            "Registered causal and encoder-decoder LMs (T5, BART): the head and loss as a "
+            "chunked linear + cross-entropy while "
             "training with labels (no [tokens, vocab] logits kept; exact up to rounding); the "
             "output's logits are then None unless the call passes return_logits=True."
         ),

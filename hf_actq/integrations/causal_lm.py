@@ -46,10 +46,7 @@ def fused_causal_lm_forward(self, *args, **kwargs):
     )
     if not fused:
         return state.plain(*args, **kwargs)
-    signature, var_keyword = _forward_signature(type(self))
-    arguments = dict(signature.bind(self, *args, **kwargs).arguments)
-    arguments.pop("self")
-    extra = arguments.pop(var_keyword, None) or {}
+    arguments, extra = bound_arguments(self, args, kwargs)
     labels = arguments.pop("labels", None)
     shift_labels = extra.pop("shift_labels", None)
     if labels is None and shift_labels is None:
@@ -79,6 +76,14 @@ def fused_causal_lm_forward(self, *args, **kwargs):
         attentions=getattr(outputs, "attentions", None),
     )
     return output.to_tuple() if return_dict is False else output
+
+
+def bound_arguments(model, args, kwargs) -> tuple[dict, dict]:
+    """A call's arguments to ``model``'s stock forward by name, and its ``**kwargs`` apart."""
+    signature, var_keyword = _forward_signature(type(model))
+    arguments = dict(signature.bind(model, *args, **kwargs).arguments)
+    arguments.pop("self")
+    return arguments, arguments.pop(var_keyword, None) or {}
 
 
 @functools.cache

@@ -18,6 +18,7 @@ from hf_actq.integrations.attention import patch_attention
 from hf_actq.integrations.causal_lm import patch_causal_lm_loss
 from hf_actq.integrations.experts import patch_experts
 from hf_actq.integrations.layers import patch_layers
+from hf_actq.integrations.seq2seq_lm import patch_seq2seq_lm_loss
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class ModelLayout:
     # The causal-LM head's forward is the stock pattern (base model, lm_head, optional final
     # soft-capping, loss_function), so the fused linear + cross-entropy replaces it exactly.
     causal_lm_loss: bool = False
+    # The encoder-decoder head (T5, BART): see hf_actq.integrations.seq2seq_lm.
+    seq2seq_lm_loss: bool = False
 
 
 _EAGER = ModelLayout("eager")
@@ -76,11 +79,11 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "clip": _EAGER,
     "clip_text_model": _EAGER,
     "clip_vision_model": _EAGER,
-    "bart": _EAGER,
+    "bart": ModelLayout("eager", seq2seq_lm_loss=True),
     # T5 passes its relative position bias to the attention function, which takes its gradient;
     # only SDPA is patched (the compressed eager op has no bias input).
-    "t5": ModelLayout("sdpa"),
-    "mt5": ModelLayout("sdpa"),
+    "t5": ModelLayout("sdpa", seq2seq_lm_loss=True),
+    "mt5": ModelLayout("sdpa", seq2seq_lm_loss=True),
     # Its own disentangled attention module, bound to an op of its own.
     "deberta-v2": ModelLayout("deberta"),
 }
@@ -94,7 +97,11 @@ def apply_generic(
     """Patch every known module type in ``model``, attention as ``layout`` says, and a
     registered causal LM's head and loss (``config.fused_loss``)."""
     exclude = patch_experts(model, config, handle)
-    if layout.causal_lm_loss and config.fused_loss and patch_causal_lm_loss(model, handle):
+    fused = config.fused_loss and (
+        (layout.causal_lm_loss and patch_causal_lm_loss(model, handle))
+        or (layout.seq2seq_lm_loss and patch_seq2seq_lm_loss(model, handle))
+    )
+    if fused:
         # The fused loss reads the head's weight itself; the head runs only where the stock
         # forward does (eval, no labels, return_logits), and then exactly.
         exclude[model.get_output_embeddings()] = "the fused linear + cross-entropy computes it"

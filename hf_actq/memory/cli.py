@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_RECIPES,
         help='recipes compared with the baseline, with optional overrides: "fewbit:bits=2" '
         f'"uniform:bits=4" "alam:bits=0.5". Default: {" ".join(DEFAULT_RECIPES)}. For a causal '
-        'LM the report adds "chunked-loss" (the stock model but for the chunked linear + '
+        'or seq2seq LM the report adds "chunked-loss" (the stock model but for the chunked linear + '
         "cross-entropy) when a recipe uses it.",
     )
     parser.add_argument(
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     try:
         configs = [parse_recipe(spec)[1] for spec in recipes]
         fused = any(c is not None and c.fused_loss for c in configs)
-        if task == "causal-lm" and fused and CHUNKED_LOSS not in recipes:
+        if task in ("causal-lm", "seq2seq-lm") and fused and CHUNKED_LOSS not in recipes:
             # The stock model with only the chunked loss, so each part's gain is visible.
             recipes.insert(0, CHUNKED_LOSS)
         report = measure_model(

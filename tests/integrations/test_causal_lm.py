@@ -22,7 +22,8 @@ def _loss_and_grads(model, batch, **kwargs):
     with SavedTensorMeter(exclude=params, model=model) as meter:
         out = model(**batch, **kwargs)
     out.loss.backward()
-    return out, [p.grad.clone() for p in params], meter
+    # Unused parameters (an untied model's second embedding copy) have no gradient: zeros.
+    return out, [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params], meter
 
 
 @pytest.mark.parametrize("model_type", DECODERS)
