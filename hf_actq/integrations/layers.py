@@ -44,6 +44,18 @@ from hf_actq.ops.state import OpState
 _OUTPUT_SAVING = ("relu", "tanh", "sigmoid")
 
 
+def _never_called(model: nn.Module) -> dict[nn.Module, str]:
+    """Linear modules whose weights an owner reads directly, never calling them: PEFT's
+    ``ParamWrapper`` (LoRA on a parameter, ``target_parameters``) adds ``lora_B @ lora_A`` to
+    the wrapped weight. Patched, they would be slots that never fill."""
+    found = {}
+    for module in model.modules():
+        if type(module).__name__ == "ParamWrapper" and hasattr(module, "lora_A"):
+            for child in (*module.lora_A.values(), *module.lora_B.values()):
+                found[child] = "PEFT's ParamWrapper reads this weight directly (never called)"
+    return found
+
+
 def patch_layers(
     model: nn.Module, config: ActQConfig, handle, exclude: dict[nn.Module, str] | None = None
 ) -> None:
@@ -51,7 +63,8 @@ def patch_layers(
     (``handle.skipped`` shows it)."""
     cache = PackCache()
     codec = config.make_codec()
-    claimed: set[int] = {id(m) for m in exclude or ()}
+    exclude = {**(exclude or {}), **_never_called(model)}
+    claimed: set[int] = {id(m) for m in exclude}
     stock_products: set[int] = set()  # act_fn of gated MLPs whose product runs stock
     # Norms: compressed (``norm``), or exact ones that keep their output (memory sharing).
     norms = config.norm or config.share_norm_outputs
@@ -79,7 +92,7 @@ def patch_layers(
         return False
 
     for path, module in model.named_modules():
-        if exclude and module in exclude:
+        if module in exclude:
             handle.skipped[path] = exclude[module]
         if id(module) in claimed:
             continue

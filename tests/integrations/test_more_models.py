@@ -304,6 +304,9 @@ def test_lora_on_the_expert_weights_trains_through_the_compressed_experts():
     _, grads, nbytes = _step(model, batch)
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
     assert sum(p.endswith("mlp.experts.base_layer.base_layer") for p in handle.patched) == 2
+    # The wrappers' lora_A / lora_B modules are never called: no slots for them.
+    wrapped = [p for p in handle.skipped if "experts" in p and ".lora_" in p]
+    assert len(wrapped) == 8 and not any("experts" in s and ".lora_" in s for s in handle.slots)
     _, patched, patched_bytes = _step(model, batch)
     assert patched_bytes < 0.75 * nbytes
     names = [n for n, p in model.named_parameters() if p.grad is not None]
