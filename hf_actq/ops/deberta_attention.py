@@ -91,7 +91,13 @@ class CompressedDisentangledSelfAttention(torch.nn.Module):
         from transformers.models.deberta_v2.modeling_deberta_v2 import scaled_size_sqrt
 
         state = state_of(self)
-        if output_attentions or not wants_backward(hidden_states, *self.parameters()):
+        # Under torch.compile the stock module (a trace cannot capture and restore the RNG
+        # state its dropout replay needs), as the other attention ops do with dropout.
+        if (
+            output_attentions
+            or torch.compiler.is_compiling()
+            or not wants_backward(hidden_states, *self.parameters())
+        ):
             return state.plain(
                 hidden_states,
                 attention_mask,

@@ -36,7 +36,11 @@ class CompressedExpertsFunction(torch.autograd.Function):
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
         token_of_row = perm // top_k  # rows sorted by expert -> their token
         weight_of_row = top_k_weights.reshape(-1)[perm]
-        counts = torch.bincount(expert_ids, minlength=gate_up_proj.shape[0])
+        # histc, as transformers' grouped_mm path: bincount's output shape depends on the data,
+        # which breaks a torch.compile graph (histc takes no integers on CPU).
+        ids = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids
+        experts = gate_up_proj.shape[0]
+        counts = torch.histc(ids, bins=experts, min=0, max=experts - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
         gate, up = _grouped_linear(hidden_states[token_of_row], gate_up_proj, offsets).chunk(2, -1)

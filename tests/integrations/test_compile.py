@@ -125,3 +125,21 @@ def test_compiled_trainer_with_the_callback_trains(tmp_path):
     losses = _losses(trainer)
     assert callback.handle is not None and callback.handle.patched
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
+
+
+@pytest.mark.parametrize("name", ["t5", "bart", "deberta-v2"])
+def test_encoder_decoders_and_deberta_add_no_graph_break(name):
+    # T5's attention with its position bias, the seq2seq fused loss, and DeBERTa (whose
+    # attention runs the stock module under compile): the patched model breaks no more often
+    # than the stock one (DeBERTa's own relative-position code breaks once).
+    from test_more_models import _build
+
+    breaks = {}
+    for patched in (False, True):
+        model, batch = _build(name)
+        if patched:
+            hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(lambda m=model, **b: m(**b).loss)(**batch)
+        breaks[patched] = explanation.graph_break_count
+    assert breaks[True] == breaks[False]
