@@ -107,14 +107,16 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_top_k_weights[perm] = grad_weight_of_row
             grad_top_k_weights = grad_top_k_weights.view(-1, top_k).to(weight_of_row.dtype)
         grad_out_rows = grad_rows * weight_of_row.to(dtype).unsqueeze(-1)
+        rows = hidden[token_of_row].to(dtype)
+        if torch.compiler.is_compiling():
+            hats = (a_hat, up_hat, product)
+            grads = _traced_backward(ctx, saved, grad_out_rows, rows, token_of_row, hats)
+            return grads[0], grad_top_k_weights, *grads[1:], None, None
         grad_product = _grouped_linear(
             grad_out_rows, down_proj.to(dtype), offsets, is_transposed=True
         )
-        grad_up = grad_product * a_hat
-        grad_gate = fewbit_backward(grad_product * up_hat, codes, levels, nan_flag, ctx.bits)
-        grad_gate_up = torch.cat([grad_gate.to(dtype), grad_up], dim=-1)
+        grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
 
-        rows = hidden[token_of_row].to(dtype)
         grad_gate_up_proj = grad_down_proj = grad_hidden = None
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             grad_gate_up_proj = torch.zeros_like(gate_up_proj)
@@ -134,6 +136,38 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grad_hidden = grad_hidden.to(ctx.input_dtype)
         return grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj, None, None
+
+
+def _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved):
+    """The gradient of the gate and up projections' output, [rows, 2 x intermediate]."""
+    codes, levels, nan_flag = saved[6:9]
+    grad_up = grad_product * a_hat
+    grad_gate = fewbit_backward(grad_product * up_hat, codes, levels, nan_flag, ctx.bits)
+    return torch.cat([grad_gate.to(grad_product.dtype), grad_up], dim=-1)
+
+
+def _traced_backward(ctx, saved, grad_out_rows, rows, token_of_row, hats):
+    """The backward in a torch.compile trace: the grouped matmuls' input and weight gradients
+    through transformers' grouped-matmul custom operator, whose per-expert loop over the routed
+    counts (``offsets.tolist()``, data-dependent) runs inside the operator, not in the trace."""
+    grouped_backward = torch.ops.transformers.grouped_mm_fallback_backward
+    a_hat, up_hat, product = hats
+    hidden, _, gate_up_proj, down_proj, _, offsets = saved[:6]
+    dtype = grad_out_rows.dtype
+    # Each projection as the operator takes it: rows @ weight[e], weight [experts, in, out].
+    grad_product, grad_down = grouped_backward(
+        product, down_proj.to(dtype).transpose(-2, -1), offsets, grad_out_rows
+    )
+    grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
+    grad_rows_in, grad_gate_up_weight = grouped_backward(
+        rows, gate_up_proj.to(dtype).transpose(-2, -1), offsets, grad_gate_up
+    )
+    grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_add_(0, token_of_row, grad_rows_in)
+    return (
+        grad_hidden.to(ctx.input_dtype),
+        grad_gate_up_weight.transpose(-2, -1).to(gate_up_proj.dtype),
+        grad_down.transpose(-2, -1).to(down_proj.dtype),
+    )
 
 
 def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
