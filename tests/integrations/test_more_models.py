@@ -221,6 +221,18 @@ def test_uniform_8_bits_keeps_every_gradient_close_with_fewer_bytes(name):
             assert cosine > 0.98
 
 
+@pytest.mark.parametrize(
+    ("recipe", "overrides"),
+    [("fewbit", {}), ("uniform", {"bits": 4}), ("alam", {"bits": 1, "adaptive": False})],
+)
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overrides):
+    model, batch = _build(name)
+    nbytes = _step(model, batch)[2]
+    handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe, **overrides))
+    assert _step(model, batch)[2] <= nbytes, handle.patched
+
+
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_training_under_uniform_4_bits_tracks_the_unpatched_loss(name):
     losses = {}
