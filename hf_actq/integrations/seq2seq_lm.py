@@ -10,9 +10,10 @@ stock forward without labels (decoder inputs made by the model's own
 ``prepare_decoder_input_ids_from_labels``, ``use_cache`` off as the stock forward sets it when
 given labels) with the head swapped for a module that records its input and returns a
 zero-stride stand-in for the logits, then computes the loss from that input, the head's weight
-and bias and the model's ``final_logits_bias`` (BART adds it to the stand-in, which allocates one
-[tokens, vocab] tensor without gradient, freed as the forward returns). The loss is computed in fp32 (the stock loss
-takes the model's dtype): equal in fp32, closer to exact in half precision. In training with
+and bias and the model's ``final_logits_bias`` (BART adds it to the stand-in, which allocates
+one [tokens, vocab] tensor without gradient, freed as the forward returns). The loss is computed
+in fp32 (the stock loss takes the model's dtype): equal in fp32, closer to exact in half
+precision. In training with
 labels the output's ``logits`` is None; everywhere else (eval, ``no_grad``, no labels, heads
 that are not a plain ``nn.Linear``, accelerate-hooked heads, ``return_logits=True``) the stock
 forward runs unchanged.
@@ -67,6 +68,8 @@ def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
         return state.plain(*args, **kwargs)
     return_dict = arguments.pop("return_dict", None)
     return_dict = extra.pop("return_dict", return_dict)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
     if (
         arguments.get("decoder_input_ids") is None
         and arguments.get("decoder_inputs_embeds") is None
@@ -77,7 +80,8 @@ def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
     catcher = _HeadInput(head.out_features)
     setattr(self, head_name, catcher)
     try:
-        output = state.plain(**arguments, **extra)
+        # A ModelOutput whatever the config's return_dict (its fields are read below).
+        output = state.plain(**arguments, **extra, return_dict=True)
     finally:
         setattr(self, head_name, head)
     bias = head.bias

@@ -78,4 +78,8 @@ def test_explicit_decoder_inputs_and_the_switch():
     out = model(**batch, decoder_input_ids=decoder_input_ids)
     assert out.logits is None
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
+    model.config.return_dict = False  # a tuple, as the stock forward gives then
+    as_tuple = model(**batch, decoder_input_ids=decoder_input_ids)
+    assert isinstance(as_tuple, tuple)
+    torch.testing.assert_close(as_tuple[0], expected, rtol=1e-6, atol=1e-6)
     handle.revert()
