@@ -56,7 +56,9 @@ def fused_causal_lm_forward(self, *args, **kwargs):
         and logits_to_keep == 0
     ):
         return state.plain(*args, **kwargs)  # training computes every position's loss
-    return_dict = arguments.pop("return_dict", None)
+    return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
+    if return_dict is None:  # the stock forward's default
+        return_dict = getattr(self.config, "return_dict", True)
     num_items_in_batch = extra.get("num_items_in_batch")
     outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
     loss = causal_lm_loss(

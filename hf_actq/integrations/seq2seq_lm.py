@@ -66,9 +66,8 @@ def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
     labels = arguments.pop("labels", None)
     if labels is None:
         return state.plain(*args, **kwargs)
-    return_dict = arguments.pop("return_dict", None)
-    return_dict = extra.pop("return_dict", return_dict)
-    if return_dict is None:
+    return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
+    if return_dict is None:  # the stock forward's default
         return_dict = getattr(self.config, "return_dict", True)
     if (
         arguments.get("decoder_input_ids") is None

@@ -78,6 +78,8 @@ def test_fused_loss_switch_and_positional_input_ids():
     assert out.logits is None
     torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=1e-6)
     assert model(ids, labels=ids, return_dict=False)[0].shape == ()
+    model.config.return_dict = False  # a tuple, as the stock forward gives then
+    assert isinstance(model(ids, labels=ids), tuple)
     handle.revert()
 
 
