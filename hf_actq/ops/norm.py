@@ -89,7 +89,8 @@ def _x_hat_from_output(y, weight, bias):
 class NormOutputPacked(Packed):
     """A norm's output rebuilt from the norm's own packed ``x_hat``: ``w * x_hat`` (RMSNorm, in
     ``x_hat``'s dtype as HF computes it) or ``x_hat * w + b`` (LayerNorm, in fp32). ``tensors``
-    are the source's buffers, then the weight and bias (parameters: no bytes of their own).
+    are the source's buffers, then copies of the weight and bias (hidden-sized), which the norm
+    saves in place of the parameters themselves (see :func:`_keep`).
 
     A compressed norm offers it to the ops that consume its output (the next linear layers), so
     the output is not packed a second time; its error is the weight times that of ``x_hat``.
@@ -123,32 +124,19 @@ class NormOutputPacked(Packed):
         return y.to(self.dtype)
 
 
-def _offer_output(state, y, packed, weight, bias, rms) -> None:
-    """Offer ``y`` to its consumers as rebuilt from ``packed`` (see :class:`NormOutputPacked`).
-    Not while the adaptive pass observes slots or draws per-slot seeds (it must see each slot's
-    own bytes and noise), in a
-    torch.compile trace (no cache there), or under non-reentrant checkpointing: its first pass
-    keeps no buffer alive and its recomputation does, so consumers would save a different set
-    of tensors in the two passes, which checkpointing rejects."""
-    if (
-        not state.offer_output
-        or observer() is not None
-        or per_slot_seeds()
-        or torch.compiler.is_compiling()
-        or under_checkpoint()
-    ):
-        return
-    rebuilt = NormOutputPacked(
-        codec=packed.codec,
-        shape=y.shape,
-        dtype=y.dtype,
-        tensors=(*packed.tensors, *(t for t in (weight, bias) if t is not None)),
-        source=packed.with_tensors(()),
-        rms=rms,
-        has_weight=weight is not None,
-        has_bias=bias is not None,
+def _offers_output(state) -> bool:
+    """Whether the norm offers its output (see :class:`NormOutputPacked`). Not while the
+    adaptive pass observes slots or draws per-slot seeds (it must see each slot's own bytes and
+    noise), in a torch.compile trace (no cache there), or under non-reentrant checkpointing: its
+    first pass keeps no buffer alive and its recomputation does, so consumers would save a
+    different set of tensors in the two passes, which checkpointing rejects."""
+    return (
+        state.offer_output
+        and observer() is None
+        and not per_slot_seeds()
+        and not torch.compiler.is_compiling()
+        and not under_checkpoint()
     )
-    state.cache.offer(y, rebuilt, state.slot_id("input"))
 
 
 def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
@@ -168,8 +156,23 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
         return
     packed = state.pack(x_hat_of(), "input")
     ctx.header = packed.with_tensors(())
+    if _offers_output(state):
+        # Copies, kept alive by this norm's own saved tensors: the consumers may run their
+        # backward first, and FSDP2 frees the unsharded parameters between forward and
+        # backward (the norm's backward reads only the values).
+        weight, bias = (None if t is None else t.clone() for t in (weight, bias))
+        rebuilt = NormOutputPacked(
+            codec=packed.codec,
+            shape=y.shape,
+            dtype=y.dtype,
+            tensors=(*packed.tensors, *(t for t in (weight, bias) if t is not None)),
+            source=packed.with_tensors(()),
+            rms=rms,
+            has_weight=weight is not None,
+            has_bias=bias is not None,
+        )
+        state.cache.offer(y, rebuilt, state.slot_id("input"))
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
-    _offer_output(state, y, packed, weight, bias, rms)
 
 
 def _saved_x_hat(ctx):
