@@ -157,9 +157,11 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
     packed = state.pack(x_hat_of(), "input")
     ctx.header = packed.with_tensors(())
     if _offers_output(state):
-        # Copies, kept alive by this norm's own saved tensors: the consumers may run their
-        # backward first, and FSDP2 frees the unsharded parameters between forward and
-        # backward (the norm's backward reads only the values).
+        # Copies, kept alive by this norm's own saved tensors: the consumers (in BERT the next
+        # layer's q, k, v) run their backward before this norm's module, and FSDP2 frees a
+        # module's unsharded parameters between its forward and its backward; its default
+        # backward prefetch gathers them again in time, other settings need not (the norm's
+        # backward reads only the values).
         weight, bias = (None if t is None else t.clone() for t in (weight, bias))
         rebuilt = NormOutputPacked(
             codec=packed.codec,
