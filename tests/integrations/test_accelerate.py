@@ -22,7 +22,7 @@ script = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(script)
 
 
-def _launch(tmp_path, mode, when):
+def _launch(tmp_path, *arguments, script_path=SCRIPT):
     launcher = shutil.which("accelerate")
     if launcher is None:
         pytest.skip("the accelerate launcher is not on PATH")
@@ -30,7 +30,7 @@ def _launch(tmp_path, mode, when):
     env.pop("TRITON_INTERPRET", None)
     command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
     command += ["--mixed_precision", "no", "--dynamo_backend", "no"]
-    command += [str(SCRIPT), str(tmp_path), mode, when]
+    command += [str(script_path), str(tmp_path), *arguments]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
@@ -84,3 +84,20 @@ def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path, refe
     # Measured 0.992-0.994 for all three (uniform 4-bit, 3 SGD steps).
     assert _update_cosine(initial, ranks[0]["weights"], weights) > 0.985
     assert _update_cosine(initial, ranks[0]["weights"], unpatched_weights) > 0.985
+
+
+def test_fsdp2_bert_shares_norm_outputs_across_units(tmp_path):
+    # Each BERT layer's last LayerNorm feeds the next layer's q, k, v (another FSDP unit), whose
+    # backward rebuilds its input from the norm's packed x_hat and weight: the sharded run's loss
+    # is the unsharded copy's and its gradients agree with them.
+    ranks = _launch(tmp_path, script_path=SCRIPT.with_name("fsdp_bert_script.py"))
+    for record in ranks:
+        assert record["sharded"] and record["norms"] == 5
+        loss, reference_loss = record["losses"]
+        assert loss == pytest.approx(reference_loss, rel=1e-6)
+        # The two runs round with different draws: the gradients agree as 8-bit noise allows.
+        for name, grad in record["grads"].items():
+            want = record["reference"][name]
+            if want.norm() > 1e-6:  # not the (zero) key-bias gradients
+                cosine = torch.nn.functional.cosine_similarity(grad.flatten(), want.flatten(), 0)
+                assert cosine > 0.999, name

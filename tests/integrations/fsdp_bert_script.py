@@ -1,0 +1,62 @@
+"""Run by ``test_accelerate.py`` under ``accelerate launch`` (2 CPU processes):
+
+    accelerate launch --multi_gpu ... fsdp_bert_script.py OUT_DIR
+
+A tiny BERT under "uniform" 8 bits with every encoder layer sharded by FSDP2 (``fully_shard``):
+a post-LN BERT's last LayerNorm of each layer feeds the next layer's q, k, v, so the compressed
+norm's output is shared across FSDP units. Every rank runs the whole batch once sharded and once
+on an unsharded copy (the same global seed), and saves both losses and gradients.
+"""
+
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_models import tiny_bert  # noqa: E402
+
+import hf_actq  # noqa: E402
+
+
+def main(out_dir):
+    from accelerate import Accelerator
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    accelerator = Accelerator()
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    handle = hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("uniform", bits=8))
+    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(1))
+    batch = dict(input_ids=ids, labels=torch.tensor([0, 1, 0, 1]))
+    reference = copy.deepcopy(model)
+    torch.manual_seed(5)
+    reference_loss = reference(**batch).loss
+    reference_loss.backward()
+
+    mesh = init_device_mesh("cpu", (accelerator.num_processes,))
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    torch.manual_seed(5)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for name, p in model.named_parameters()
+    }
+    record = {
+        "losses": (loss.item(), reference_loss.item()),
+        "grads": grads,
+        "reference": {n: p.grad.clone() for n, p in reference.named_parameters()},
+        "sharded": any(hasattr(p, "full_tensor") for p in model.parameters()),
+        "norms": sum(d.startswith("norm") for d in handle.patched.values()),
+    }
+    torch.save(record, f"{out_dir}/rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
