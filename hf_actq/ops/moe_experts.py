@@ -107,16 +107,17 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_top_k_weights[perm] = grad_weight_of_row
             grad_top_k_weights = grad_top_k_weights.view(-1, top_k).to(weight_of_row.dtype)
         grad_out_rows = grad_rows * weight_of_row.to(dtype).unsqueeze(-1)
-        rows = hidden[token_of_row].to(dtype)
         if torch.compiler.is_compiling():
             hats = (a_hat, up_hat, product)
-            grads = _traced_backward(ctx, saved, grad_out_rows, rows, token_of_row, hats)
+            grads = _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats)
             return grads[0], grad_top_k_weights, *grads[1:], None, None
         grad_product = _grouped_linear(
             grad_out_rows, down_proj.to(dtype), offsets, is_transposed=True
         )
         grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
 
+        # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
+        rows = hidden[token_of_row].to(dtype)
         grad_gate_up_proj = grad_down_proj = grad_hidden = None
         if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
             grad_gate_up_proj = torch.zeros_like(gate_up_proj)
@@ -146,7 +147,7 @@ def _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved):
     return torch.cat([grad_gate.to(grad_product.dtype), grad_up], dim=-1)
 
 
-def _traced_backward(ctx, saved, grad_out_rows, rows, token_of_row, hats):
+def _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats):
     """The backward in a torch.compile trace: the grouped matmuls' input and weight gradients
     through transformers' grouped-matmul custom operator, whose per-expert loop over the routed
     counts (``offsets.tolist()``, data-dependent) runs inside the operator, not in the trace."""
@@ -159,6 +160,7 @@ def _traced_backward(ctx, saved, grad_out_rows, rows, token_of_row, hats):
         product, down_proj.to(dtype).transpose(-2, -1), offsets, grad_out_rows
     )
     grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
+    rows = hidden[token_of_row].to(dtype)
     grad_rows_in, grad_gate_up_weight = grouped_backward(
         rows, gate_up_proj.to(dtype).transpose(-2, -1), offsets, grad_gate_up
     )
