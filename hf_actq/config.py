@@ -17,7 +17,7 @@ CODECS = ("uniform", "aq", "blpa", "smaq")
 # "rotated" (unbiased sub-1-bit storage; per slot only, as it suits linear-layer inputs alone).
 SETTING_KEYS = ("codec", "bits", "group_size", "block_size")
 DROPOUT_MODES = ("seed", "mask")
-RECIPES = ("fewbit", "uniform", "alam")
+RECIPES = ("fewbit", "uniform", "alam", "checkpoint")
 
 
 def _help(text: str, **extra):
@@ -128,6 +128,23 @@ class ActQConfig:
             "stochastic rounding at this many bits or more; None: no floor (ALAM's allocation)."
         ),
     )
+    checkpoint_bits: int | None = field(
+        default=None,
+        metadata=_help(
+            "Packed activation checkpointing: turn on the model's gradient checkpointing and "
+            "keep each checkpointed layer's input at this many bits (1-8, uniform stochastic "
+            "rounding) instead of full precision; backward recomputes the layer from it. "
+            "None: checkpointing as the model has it."
+        ),
+    )
+    compress_checkpointed: bool = field(
+        default=True,
+        metadata=_help(
+            "With checkpoint_bits: also compress what the recompute of a checkpointed layer "
+            "keeps (one layer at a time: it lowers the step's peak, and adds its rounding to "
+            "the gradient). False leaves the checkpointed layers stock."
+        ),
+    )
     calibration_examples: int = field(
         default=8, metadata=_help("Examples of the batch the adaptive pass measures.")
     )
@@ -138,7 +155,7 @@ class ActQConfig:
         default=0.1,
         metadata=_help("Fraction of training at which ActQCallback re-plans (0: never)."),
     )
-    recipe: Literal["fewbit", "uniform", "alam"] | None = field(
+    recipe: Literal["fewbit", "uniform", "alam", "checkpoint"] | None = field(
         default=None, metadata=_help("The named recipe this config came from.")
     )
 
@@ -197,6 +214,22 @@ class ActQConfig:
         ):
             raise ValueError(
                 f"chain_bits must be None or a number of bits in 1..8, got {self.chain_bits!r}"
+            )
+        if self.checkpoint_bits is not None and (
+            isinstance(self.checkpoint_bits, bool) or self.checkpoint_bits not in range(1, 9)
+        ):
+            raise ValueError(
+                f"checkpoint_bits must be None or an integer in 1..8, got {self.checkpoint_bits!r}"
+            )
+        if not isinstance(self.compress_checkpointed, bool):
+            raise ValueError(
+                f"compress_checkpointed must be True or False, got {self.compress_checkpointed!r}"
+            )
+        if self.checkpoint_bits is not None and self.adaptive:
+            raise ValueError(
+                "checkpoint_bits cannot be combined with adaptive=True: the adaptive pass "
+                "measures slots that a checkpointed layer fills only in its recompute; give "
+                "the slots a plan or fixed bits, or drop checkpoint_bits"
             )
         if isinstance(self.calibration_examples, bool) or not (
             isinstance(self.calibration_examples, int) and self.calibration_examples >= 1
@@ -267,13 +300,23 @@ class ActQConfig:
         """ "fewbit": few-bit activation derivatives only (the paper's setting; logits unchanged).
         "uniform": every slot at ``bits``-bit stochastic rounding, activations few-bit.
         "alam": ALAM as published: average quantization at ``bits`` on average (default 1),
-        spread over the slots by sensitivity (``adaptive=False`` spreads it evenly)."""
+        spread over the slots by sensitivity (``adaptive=False`` spreads it evenly).
+        "checkpoint": packed activation checkpointing: each layer keeps only its input, at
+        ``bits`` (default 4; ``checkpoint_bits`` of the config), and is recomputed in backward;
+        the layers run stock inside and the rest of the model (embeddings, pooler, heads) is
+        kept at 8 bits."""
         if name == "fewbit":
             base = dict(linear=False, norm=False, gated_mlp=False, attention=False, dropout=False)
         elif name == "uniform":
             base = {}
         elif name == "alam":
             base = dict(codec="aq", bits=1, adaptive=True)
+        elif name == "checkpoint":
+            # The other slots are few and outside the repeated layers (embeddings, pooler,
+            # heads): 8 bits costs little there, and at 4 bits they alone cost MiniLM's
+            # gradient 0.05 of cosine.
+            base = dict(bits=8, checkpoint_bits=overrides.pop("bits", 4))
+            base["compress_checkpointed"] = False
         else:
             raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
         return cls(**{**base, **overrides, "recipe": name})

@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from hf_actq.config import ActQConfig
+from hf_actq.integrations import checkpointing
 from hf_actq.integrations.transformers import _HANDLE, apply, unwrap
 from hf_actq.memory.meter import ActivationMonitor
 
@@ -67,6 +68,10 @@ class ActQCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self._ensure_patched(state, model)
+        if self.handle is not None and self.handle.checkpointed:
+            # Trainer(gradient_checkpointing=True) turned checkpointing on again after init,
+            # which put the stock function back.
+            checkpointing.install(self.handle.checkpointed, self.config)
         self._dataloader = train_dataloader
         if self._adaptive():
             self._calibrate(args, state)

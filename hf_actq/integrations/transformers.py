@@ -18,6 +18,7 @@ from torch import nn
 from hf_actq.adaptive.plan import BitPlan
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
+from hf_actq.integrations import checkpointing
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.state import OpState
@@ -33,7 +34,8 @@ class ActQHandle:
 
     ``patched``/``skipped``: module path -> what it keeps / why it was left alone. ``slots``:
     slot id -> kind of every compressed slot (the ids plans and reports use); ``plan``: the
-    bit plan in force, if any.
+    bit plan in force, if any; ``checkpointed``: path -> layer of the layers under packed
+    checkpointing (``checkpoint_bits``).
     """
 
     model: nn.Module
@@ -42,6 +44,7 @@ class ActQHandle:
     skipped: dict[str, str] = field(default_factory=dict)
     slots: dict[str, str] = field(default_factory=dict)
     plan: BitPlan | None = None
+    checkpointed: dict = field(default_factory=dict, repr=False)
     describers: dict = field(default_factory=dict, repr=False)
     _states: dict = field(default_factory=dict, repr=False)
     _undo: list = field(default_factory=list, repr=False)
@@ -136,7 +139,13 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
     plan = _load_plan(config.plan)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     handle = ActQHandle(base, config)
-    MODEL_TYPE_TO_APPLY_FN.get(model_type, apply_generic)(base, config, handle)
+    patch_config = config
+    if config.checkpoint_bits is not None:
+        handle.checkpointed = checkpointing.enable(base, config, handle)
+        if handle.checkpointed and not config.compress_checkpointed:
+            skip = checkpointing.skip_pattern(handle.checkpointed)
+            patch_config = config.replace(skip_modules=[*config.skip_modules, skip])
+    MODEL_TYPE_TO_APPLY_FN.get(model_type, apply_generic)(base, patch_config, handle)
     if plan is not None:
         try:
             handle.set_plan(plan)

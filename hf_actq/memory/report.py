@@ -103,6 +103,11 @@ class MemoryReport:
         for result in self.results:
             m = result.measurement
             per_sample = m.activation_bytes / self.batch_size
+            if (result.config or {}).get("checkpoint_bits") is not None:
+                # Checkpointed layers are recomputed one at a time in backward, and each keeps
+                # its activations until its backward is done: about one stock layer's worth
+                # (the baseline's per layer; less when compress_checkpointed) on top.
+                per_sample += base.activation_bytes / self.num_layers / self.batch_size
             room = self.gpu_memory_bytes - m.model_state_bytes
             rows.append(
                 {

@@ -38,9 +38,19 @@ RECIPES = {
     **{f"uniform-{b}": ["--recipe", "uniform", "--bits", str(b)] for b in (2, 4)},
     "alam-1": ["--recipe", "alam", "--bits", "1"],
     "alam-1-even": ["--recipe", "alam", "--bits", "1", "--adaptive", "false"],
+    # Packed activation checkpointing: each layer keeps its input at 4 bits and is recomputed.
+    "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4"],
 }
 # The grid: three seeds where the comparison matters, one for the low-bit extremes.
-THREE_SEEDS = ["baseline", "fewbit-3", "fewbit-4", "uniform-4", "alam-1", "alam-1-even"]
+THREE_SEEDS = [
+    "baseline",
+    "fewbit-3",
+    "fewbit-4",
+    "uniform-4",
+    "alam-1",
+    "alam-1-even",
+    "checkpoint-4",
+]
 ONE_SEED = ["fewbit-1", "fewbit-2", "uniform-2"]
 TASKS = ["rte", "mrpc", "stsb", "cola", "sst2"]
 RUN_ORDER = ["cola", "sst2", "stsb", "mrpc", "rte"]  # shortest sentences first

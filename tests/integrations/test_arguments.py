@@ -29,6 +29,9 @@ def test_a_named_recipe_with_explicit_fields_overriding_it():
     assert config == ActQConfig.from_recipe("alam", bits=3, attention=False, adaptive=False)
     assert _parse("--recipe", "fewbit", "--bits", "2").activation_bits == 2
     assert _parse("--recipe", "fewbit", "--bits", "2").linear is False
+    # "checkpoint": --bits is the layers' inputs' precision; the rest stays at 8 bits.
+    config = _parse("--recipe", "checkpoint", "--bits", "3")
+    assert (config.checkpoint_bits, config.bits, config.compress_checkpointed) == (3, 8, False)
 
 
 def test_without_a_recipe_fields_are_taken_as_given():

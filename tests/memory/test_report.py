@@ -87,6 +87,19 @@ def test_max_batch_follows_the_papers_appendix_b():
     assert report.rows()[1]["max_batch_size"] > report.rows()[0]["max_batch_size"]
 
 
+def test_checkpoint_recipe_keeps_layer_inputs_only_and_its_max_batch_counts_one_recompute():
+    report = measure_model(
+        _four_layer_llama(), ["checkpoint"], batch_size=2, seq_len=32, gpu_memory_bytes=2**30
+    )
+    base, packed = (result.measurement for result in report.results)
+    assert packed.activation_bytes < base.activation_bytes / 8
+    assert packed.activation_bytes == packed.graph_bytes
+    # One stock layer's activations per example on top, while it is recomputed.
+    per_sample = (packed.activation_bytes + base.activation_bytes / 4) / 2
+    expected = int((2**30 - packed.model_state_bytes) // per_sample)
+    assert report.rows()[1]["max_batch_size"] == expected
+
+
 def test_lora_keeps_frozen_weights_out_of_gradients_and_optimizer():
     pytest.importorskip("peft")
     full = measure_model(preset_config("tiny-llama"), [], batch_size=2, seq_len=16)

@@ -1,0 +1,94 @@
+"""``checkpoint_bits``: turn on a model's gradient checkpointing with packed layer inputs.
+
+transformers' checkpointed layers (``GradientCheckpointingLayer``) call
+``self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)``; each one gets
+:func:`~hf_actq.ops.packed_checkpoint.packed_checkpoint` with the codec bound. Every attribute
+touched is recorded on the handle and restored by ``revert()``, checkpointing's on/off flags
+included. Anything that turns checkpointing on again later (``Trainer`` does, with
+``gradient_checkpointing=True``) puts the stock function back: :func:`install` is idempotent, and
+``ActQCallback`` calls it again before training.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+
+from torch import nn
+
+from hf_actq.ops.packed_checkpoint import packed_checkpoint
+
+logger = logging.getLogger("hf_actq")
+
+_MISSING = object()
+
+
+def checkpointed_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Path -> module of every layer transformers can checkpoint."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers too old to have it: nothing to hook
+        return {}
+    return {
+        path: module
+        for path, module in model.named_modules()
+        if isinstance(module, GradientCheckpointingLayer)
+    }
+
+
+def skip_pattern(layers: dict[str, nn.Module]) -> str | None:
+    """A ``skip_modules`` regex matching the layers and everything inside them."""
+    if not layers:
+        return None
+    return "^(" + "|".join(re.escape(path) for path in layers) + r")(\.|$)"
+
+
+def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
+    """Turn on ``model``'s gradient checkpointing (recording how it was, for revert) and
+    return its checkpointed layers; warn and return {} when it has none."""
+    layers = checkpointed_layers(model)
+    if not layers or not getattr(model, "supports_gradient_checkpointing", False):
+        logger.warning(
+            "hf_actq: checkpoint_bits=%s needs a transformers model whose layers support "
+            "gradient checkpointing; %s has none, so its layers keep their activations as the "
+            "other settings say",
+            config.checkpoint_bits,
+            type(model).__name__,
+        )
+        return {}
+    before = {
+        module: (
+            module.gradient_checkpointing,
+            module.__dict__.get("_gradient_checkpointing_func", _MISSING),
+        )
+        for module in model.modules()
+        if hasattr(module, "gradient_checkpointing")
+    }
+
+    def undo():
+        for module, (flag, func) in before.items():
+            module.gradient_checkpointing = flag
+            if func is _MISSING:
+                module.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                module._gradient_checkpointing_func = func
+
+    handle._undo.append(undo)
+    if not any(layer.gradient_checkpointing for layer in layers.values()):
+        turn_on = getattr(model, "activation_checkpointing_enable", None)
+        if turn_on is not None:
+            turn_on(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+    install(layers, config)
+    return layers
+
+
+def install(layers: dict[str, nn.Module], config) -> None:
+    """Give every checkpointed layer the packed checkpoint function (again)."""
+    codec = config.codec_for_setting({"codec": "uniform", "bits": config.checkpoint_bits})
+    for layer in layers.values():
+        layer._gradient_checkpointing_func = functools.partial(packed_checkpoint, codec=codec)

@@ -1,0 +1,157 @@
+"""Activation checkpointing whose kept layer inputs are packed.
+
+HF's gradient checkpointing keeps each checkpointed layer's input (the hidden states, ``hidden``
+values per token) at full precision and recomputes the layer in backward. Here that input is
+kept packed by a codec (uniform stochastic rounding at 4 bits keeps 8x less than fp32) and the
+recompute runs from the unpacked copy. The forward is exact (it runs on the real input); the
+backward is the exact backward of the layer evaluated at the rounded input, given the real
+output gradient, so every tensor the layer's backward reads (norm inputs, attention operands,
+activations, linear inputs) carries the error of one rounding of the layer's input, never a
+rounding of its own: the tensors on the backward's chain, which compound their noise through the
+layers below when each is rounded to a bit or two (docs/reference.md, "Per parameter group"),
+see 4-bit quality here while the whole layer keeps ``hidden * bits / 8`` bytes per token.
+
+The first pass runs under ``no_grad`` and the backward recomputes the layer with the RNG and
+autocast state of the first pass (as ``torch.utils.checkpoint``'s reentrant variant does), so
+dropout masks match. Unlike that variant, tensors given as keyword arguments (T5's position
+bias, which the first layer computes with a gradient) are inputs of the node and get their
+gradients, and a layer whose inputs need no gradient (the first layer of a LoRA model with
+frozen embeddings) still trains its parameters.
+
+HF calls ``layer._gradient_checkpointing_func(partial(forward, layer, **kwargs), *args)``;
+:func:`packed_checkpoint` has that signature, with the codec bound by ``functools.partial``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from hf_actq.codecs.packed import Codec
+
+
+class _Call:
+    """One checkpointed call: the function and its non-tensor arguments, and after the first
+    pass how to rebuild its output."""
+
+    def __init__(self, func, leaves, spec, tensor_index, packed_index, codec):
+        # The tensors are the node's inputs, never held here: a reference to the layer's input
+        # would keep it at full precision until backward, as stock checkpointing does.
+        self.func, self.spec = func, spec
+        self.leaves = [None if i in tensor_index else leaf for i, leaf in enumerate(leaves)]
+        self.tensor_index = tensor_index  # leaf positions of the node's tensor inputs
+        self.packed_index = packed_index  # position among those of the packed input, or None
+        self.codec = codec
+        self.out_spec = self.out_leaves = self.out_tensor_index = None
+
+    def run(self, tensors):
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.tensor_index, tensors, strict=True):
+            leaves[position] = tensor
+        args, call_args, kwargs = tree_unflatten(leaves, self.spec)
+        return self.func(*args, *call_args, **kwargs)
+
+
+class PackedCheckpointFunction(torch.autograd.Function):
+    """``call.run(tensors)`` keeping ``tensors[call.packed_index]`` packed and nothing of the
+    layer's own; backward recomputes the layer from the unpacked copy. The last input is an
+    empty tensor that requires grad, so that the node exists when no other input needs one."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors):
+        inputs = tensors[:-1]
+        ctx.call = call
+        ctx.device_type = torch_checkpoint._infer_device_type(*inputs)
+        ctx.autocast = torch_checkpoint._get_autocast_kwargs(ctx.device_type)
+        ctx.input_requires_grad = [t.requires_grad for t in inputs]
+        kept = list(inputs)
+        ctx.header = None
+        if call.packed_index is not None:
+            packed = call.codec.pack(inputs[call.packed_index].detach())
+            ctx.header = packed.with_tensors(())
+            ctx.n_packed = len(packed.tensors)
+            kept[call.packed_index] = None
+            kept = [*packed.tensors, *[t for t in kept if t is not None]]
+        # The RNG state after packing: the recompute replays the layer's own draws.
+        ctx.cpu_rng_state = torch.get_rng_state()
+        ctx.device_rng = None
+        if getattr(torch_checkpoint._get_device_module(ctx.device_type), "_initialized", False):
+            ctx.device_rng = torch_checkpoint.get_device_states(*inputs)
+        with torch.no_grad():
+            out = call.run(inputs)
+        out_leaves, call.out_spec = tree_flatten(out)
+        call.out_tensor_index = [
+            i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)
+        ]
+        call.out_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+        outs = tuple(out_leaves[i] for i in call.out_tensor_index)
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        ctx.save_for_backward(*kept)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call = ctx.call
+        saved = list(ctx.saved_tensors)
+        if ctx.header is not None:
+            buffers, saved = saved[: ctx.n_packed], saved[ctx.n_packed :]
+            saved.insert(call.packed_index, ctx.header.with_tensors(buffers).unpack())
+        inputs = [
+            t.detach().requires_grad_(needs) for t, needs in zip(saved, ctx.input_requires_grad)
+        ]
+        device_autocast, cpu_autocast = ctx.autocast
+        device_context = (
+            torch.amp.autocast(device_type=ctx.device_type, **device_autocast)
+            if torch.amp.is_autocast_available(ctx.device_type)
+            else contextlib.nullcontext()
+        )
+        devices = ctx.device_rng[0] if ctx.device_rng is not None else []
+        with torch.random.fork_rng(devices=devices, device_type=ctx.device_type):
+            torch.set_rng_state(ctx.cpu_rng_state)
+            if ctx.device_rng is not None:
+                torch_checkpoint.set_device_states(*ctx.device_rng, device_type=ctx.device_type)
+            with (
+                torch.enable_grad(),
+                device_context,
+                torch.amp.autocast("cpu", **cpu_autocast),
+            ):
+                out = call.run(inputs)
+        out_leaves, _ = tree_flatten(out)
+        outs = [out_leaves[i] for i in call.out_tensor_index]
+        pairs = [
+            (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, *[t.grad if t.requires_grad else None for t in inputs], None)
+
+
+def packed_checkpoint(function, *args, codec: Codec, **kwargs):
+    """Run ``function(*args, **kwargs)`` keeping only its first positional argument, packed by
+    ``codec``, and recompute it in backward (the ``_gradient_checkpointing_func`` of a
+    ``GradientCheckpointingLayer``). Under ``no_grad`` it just calls ``function``."""
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    func, bound_args, bound_kwargs = function, (), {}
+    if isinstance(function, functools.partial):
+        func, bound_args = function.func, function.args
+        bound_kwargs = {**function.keywords, **kwargs}
+    else:
+        bound_kwargs = kwargs
+    leaves, spec = tree_flatten((bound_args, args, bound_kwargs))
+    tensor_index = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    first = len(tree_flatten(bound_args)[0])  # leaf position of args[0]
+    packed_index = None
+    if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        packed_index = tensor_index.index(first)
+    call = _Call(func, leaves, spec, tensor_index, packed_index, codec)
+    anchor = torch.empty(0, requires_grad=True)
+    outs = PackedCheckpointFunction.apply(call, *[leaves[i] for i in tensor_index], anchor)
+    out_leaves = list(call.out_leaves)
+    for position, tensor in zip(call.out_tensor_index, outs, strict=True):
+        out_leaves[position] = tensor
+    return tree_unflatten(out_leaves, call.out_spec)
