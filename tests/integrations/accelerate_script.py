@@ -3,12 +3,14 @@ single-process reference): train a tiny patched LLaMA on a fixed sequence of glo
 rank on its share, and write each rank's losses, the updated weights and the rounding codes the
 rank draws for one fixed tensor.
 
-    accelerate launch --multi_gpu ... accelerate_script.py OUT_DIR {ddp,fsdp2} {before,after}
+    accelerate launch --multi_gpu ... accelerate_script.py OUT_DIR {ddp,fsdp2} {before,after} [RECIPE]
 
 "ddp" wraps the model with ``accelerator.prepare``; "fsdp2" shards it with torch's
 ``fully_shard`` (accelerate runs DDP on CPU even when asked for FSDP, so the sharding is done
 here, on the gloo group accelerate set up). "before" applies hf_actq before wrapping (as
-ActQCallback does), "after" to the wrapped or sharded model.
+ActQCallback does), "after" to the wrapped or sharded model. RECIPE names a config of CONFIGS
+("uniform" by default; "checkpoint": packed activation checkpointing, whose recompute runs inside
+the backward of each DDP bucket's or FSDP unit's layer).
 """
 
 import sys
@@ -25,7 +27,11 @@ from hf_actq.ops.dedup import PackCache
 
 STEPS = 3
 GLOBAL_BATCH = 4
-CONFIG = hf_actq.ActQConfig(bits=4)
+CONFIGS = {
+    "uniform": hf_actq.ActQConfig(bits=4),
+    "checkpoint": hf_actq.ActQConfig.from_recipe("checkpoint", bits=8),
+}
+CONFIG = CONFIGS["uniform"]
 
 
 def build_model():
@@ -68,13 +74,14 @@ def full_weights(model):
     }
 
 
-def main(out_dir, mode, when):
+def main(out_dir, mode, when, recipe="uniform"):
     from accelerate import Accelerator
 
+    config = CONFIGS[recipe]
     accelerator = Accelerator()
     model = build_model()
     if when == "before":
-        handle = hf_actq.apply(model, CONFIG)
+        handle = hf_actq.apply(model, config)
     backward = accelerator.backward
     if mode == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -90,14 +97,17 @@ def main(out_dir, mode, when):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         model, optimizer = accelerator.prepare(model, optimizer)
     if when == "after":
-        handle = hf_actq.apply(model, CONFIG)
+        handle = hf_actq.apply(model, config)
     losses = train(model, optimizer, accelerator.process_index, accelerator.num_processes, backward)
     # Each rank calibrates on its own examples; the sensitivities are averaged across ranks, so
     # every rank must arrive at the same plan.
     ids = global_batches()[0][accelerator.process_index :: accelerator.num_processes]
-    plan = handle.calibrate({"input_ids": ids, "labels": ids}, target_bits=1)
+    plan = None
+    if not handle.checkpointed:  # the adaptive pass does not run under packed checkpointing
+        plan = handle.calibrate({"input_ids": ids, "labels": ids}, target_bits=1).slots
     record = {
-        "plan": plan.slots,
+        "checkpointed": sorted(handle.checkpointed),
+        "plan": plan,
         "world": accelerator.num_processes,
         "sharded": any(hasattr(p, "full_tensor") for p in model.parameters()),
         "patched": handle.patched,
@@ -114,4 +124,4 @@ def main(out_dir, mode, when):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

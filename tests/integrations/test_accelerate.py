@@ -36,10 +36,10 @@ def _launch(tmp_path, *arguments, script_path=SCRIPT):
     return [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
 
 
-def _single_process(patched: bool):
+def _single_process(recipe: str | None):
     model = script.build_model()
-    if patched:
-        hf_actq.apply(model, script.CONFIG)
+    if recipe is not None:
+        hf_actq.apply(model, script.CONFIGS[recipe])
     initial = script.full_weights(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = script.train(model, optimizer, rank=0, world=1)
@@ -54,18 +54,31 @@ def _update_cosine(initial, a, b):
 
 @pytest.fixture(scope="module")
 def references():
-    return {patched: _single_process(patched) for patched in (False, True)}
+    return {recipe: _single_process(recipe) for recipe in (None, "uniform", "checkpoint")}
 
 
 @pytest.mark.parametrize(
-    ("mode", "when"), [("ddp", "before"), ("fsdp2", "before"), ("fsdp2", "after")]
+    ("mode", "when", "recipe"),
+    [
+        ("ddp", "before", "uniform"),
+        ("fsdp2", "before", "uniform"),
+        ("fsdp2", "after", "uniform"),
+        ("ddp", "before", "checkpoint"),
+        ("fsdp2", "before", "checkpoint"),
+    ],
 )
-def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path, references, mode, when):
-    ranks = _launch(tmp_path, mode, when)
+def test_two_processes_match_one_process_on_the_same_global_batch(
+    tmp_path, references, mode, when, recipe
+):
+    ranks = _launch(tmp_path, mode, when, recipe)
     assert [r["world"] for r in ranks] == [2, 2]
     assert all(r["sharded"] == (mode == "fsdp2") for r in ranks)  # FSDP2 really ran
     assert ranks[0]["patched"] == ranks[1]["patched"] and ranks[0]["patched"]
-    assert sum(d.startswith("norm") for d in ranks[0]["patched"].values()) == 5
+    norms = sum(d.startswith("norm") for d in ranks[0]["patched"].values())
+    if recipe == "checkpoint":  # the layers run stock inside; the final norm is compressed
+        assert norms == 1 and ranks[0]["checkpointed"] == ["model.layers.0", "model.layers.1"]
+    else:
+        assert norms == 5
     for name, weight in ranks[0]["weights"].items():  # the replicas agree
         assert torch.equal(weight, ranks[1]["weights"][name]), name
     # Each rank rounds with its own seeds: averaging the two gradients averages the noise.
@@ -73,8 +86,8 @@ def test_two_processes_match_one_process_on_the_same_global_batch(tmp_path, refe
     # Calibrated on different examples, with the sensitivities averaged: one plan.
     assert ranks[0]["plan"] == ranks[1]["plan"]
 
-    losses, initial, weights = references[True]
-    unpatched_losses, _, unpatched_weights = references[False]
+    losses, initial, weights = references[recipe]
+    unpatched_losses, _, unpatched_weights = references[None]
     global_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
     # The forward is exact: the first step's loss is the single process's to rounding; later
     # steps follow weights that differ only by rounding noise.
