@@ -221,6 +221,8 @@ class ActQConfig:
             raise ValueError(
                 f"checkpoint_bits must be None or an integer in 1..8, got {self.checkpoint_bits!r}"
             )
+        if self.checkpoint_bits is not None:
+            self.checkpoint_bits = int(self.checkpoint_bits)  # command lines give 4.0
         if not isinstance(self.compress_checkpointed, bool):
             raise ValueError(
                 f"compress_checkpointed must be True or False, got {self.compress_checkpointed!r}"

@@ -6,7 +6,7 @@ recipe (as PEFT's ``LoraConfig`` does).
         (ModelArguments, DataArguments, ActQConfig, TrainingArguments)
     )
 
-``--recipe fewbit|uniform|alam`` starts from that named recipe (``ActQConfig.from_recipe``) and
+``--recipe fewbit|uniform|alam|checkpoint`` starts from that named recipe (``ActQConfig.from_recipe``) and
 the fields given explicitly on the command line override it (``--recipe alam --bits 2``);
 without ``--recipe`` the fields are taken as given. A single ``.json`` argument holds all
 fields instead (its keys are the explicit ones).
