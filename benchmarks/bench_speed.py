@@ -26,7 +26,9 @@ import torch
 import hf_actq
 from hf_actq.memory.presets import preset_config
 
-RECIPES = ["baseline", "fewbit", "uniform", "alam"]
+# "stock-checkpointing" is the unpatched model under transformers' own (non-reentrant)
+# checkpointing: what the "checkpoint" recipe's recompute costs before its packing.
+RECIPES = ["baseline", "fewbit", "uniform", "alam", "checkpoint", "stock-checkpointing"]
 
 
 def tiny_llama():
@@ -59,7 +61,11 @@ def time_recipes(model, inputs, rounds: int) -> dict:
     runs = {}
     for recipe in RECIPES:
         copy_ = copy.deepcopy(model)
-        if recipe != "baseline":
+        if recipe == "stock-checkpointing":
+            copy_.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        elif recipe != "baseline":
             hf_actq.apply(copy_, hf_actq.ActQConfig.from_recipe(recipe))
         copy_.train()
         optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-5)
@@ -113,7 +119,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--output")
     parser.add_argument(
-        "--profile", choices=RECIPES, help="instead: profile one tiny-LLaMA step of this recipe"
+        "--profile",
+        choices=[r for r in RECIPES if r != "stock-checkpointing"],
+        help="instead: profile one tiny-LLaMA step of this recipe",
     )
     args = parser.parse_args()
     if args.profile:
