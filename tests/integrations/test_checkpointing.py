@@ -170,3 +170,30 @@ def test_config_checks():
     config = ActQConfig.from_recipe("checkpoint", bits=3)
     assert (config.checkpoint_bits, config.bits, config.compress_checkpointed) == (3, 8, False)
     assert ActQConfig.from_dict(config.to_dict()) == config
+
+
+def test_bf16_autocast_recompute_runs_under_the_forward_autocast():
+    """The recompute runs in backward, outside the caller's autocast: it must restore the
+    forward's, or the layer would recompute in fp32."""
+    model = _model("llama")
+    batch = _longer_batch("llama")
+
+    def step():
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    loss, exact = step()
+    hf_actq.apply(model, ActQConfig.from_recipe("checkpoint", bits=8))
+    dtypes = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, args, out: dtypes.append(out.dtype)
+    )
+    packed_loss, grads = step()
+    hook.remove()
+    assert dtypes == [torch.bfloat16, torch.bfloat16]  # the first pass and the recompute
+    assert packed_loss.item() == pytest.approx(loss.item(), rel=1e-2)
+    for a, b in zip(exact, grads, strict=True):
+        assert _cosine(a, b) > 0.98
