@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from test_apply import _batch, _model
+from test_apply import _model
 from test_more_models import _t5
 from test_trainer import Toy, _args, _bert
 from tiny_models import tiny_llama

@@ -134,6 +134,16 @@ def test_run_regression_task_and_adaptive_recipe(tiny_model, glue_dir, tmp_path)
     assert (tmp_path / "actq_plan.json").exists()
 
 
+def test_run_with_the_checkpoint_recipe(tiny_model, glue_dir, tmp_path):
+    baseline = run.main(_arguments(tiny_model, glue_dir, tmp_path / "base", "rte", "--no_actq"))
+    result = run.main(
+        _arguments(tiny_model, glue_dir, tmp_path / "ckpt", "rte", "--recipe", "checkpoint")
+    )
+    assert result["recipe"] == "checkpoint-4" and result["actq"]["checkpoint_bits"] == 4
+    assert result["steps"] == 6 and 0 <= result["metric"]["value"] <= 1
+    assert 0 < result["activation_bytes_step0"] < baseline["activation_bytes_step0"] / 4
+
+
 def test_run_reads_csv_files_and_a_json_config(tiny_model, glue_dir, tmp_path):
     import csv
 
