@@ -59,7 +59,7 @@ class _Call:
 class PackedCheckpointFunction(torch.autograd.Function):
     """``call.run(tensors)`` keeping ``tensors[call.packed_index]`` packed and nothing of the
     layer's own; backward recomputes the layer from the unpacked copy. The last input is an
-    empty tensor that requires grad, so that the node exists when no other input needs one."""
+    empty tensor (see :func:`packed_checkpoint`)."""
 
     @staticmethod
     def forward(ctx, call: _Call, *tensors):
@@ -148,9 +148,19 @@ def packed_checkpoint(function, *args, codec: Codec, **kwargs):
     packed_index = None
     if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
         packed_index = tensor_index.index(first)
+    tensors = [leaves[i] for i in tensor_index]
+    inputs_need_grad = any(t.requires_grad for t in tensors)
+    # The layer: transformers binds it as the first argument, other callers as a bound method.
+    owners = (*bound_args, getattr(func, "__self__", None))
+    modules = [a for a in owners if isinstance(a, torch.nn.Module)]
+    frozen = modules and not any(p.requires_grad for m in modules for p in m.parameters())
+    if frozen and not inputs_need_grad:
+        return function(*args, **kwargs)  # nothing to keep or recompute
     call = _Call(func, leaves, spec, tensor_index, packed_index, codec)
-    anchor = torch.empty(0, requires_grad=True)
-    outs = PackedCheckpointFunction.apply(call, *[leaves[i] for i in tensor_index], anchor)
+    # Without an input that needs a gradient the node would not exist and the layer's trainable
+    # parameters would get none: an empty input that requires grad makes it.
+    anchor = torch.empty(0, requires_grad=not inputs_need_grad)
+    outs = PackedCheckpointFunction.apply(call, *tensors, anchor)
     out_leaves = list(call.out_leaves)
     for position, tensor in zip(call.out_tensor_index, outs, strict=True):
         out_leaves[position] = tensor

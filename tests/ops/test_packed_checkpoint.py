@@ -128,6 +128,16 @@ def test_positional_tensors_other_than_the_first_are_kept_and_get_gradients():
     assert cosine > 0.999
 
 
+def test_a_frozen_layer_with_inputs_that_need_no_gradient_is_not_checkpointed():
+    block = Block().eval().requires_grad_(False)
+    x = torch.randn(2, 8, WIDTH)
+    params = list(block.parameters())
+    with SavedTensorMeter(exclude=params) as meter:
+        out, _ = packed_checkpoint(functools.partial(Block.forward, block), x, codec=uniform(8))
+        bound, _ = packed_checkpoint(block.forward, x, codec=uniform(8))
+    assert not out.requires_grad and not bound.requires_grad and meter.nbytes == 0
+
+
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_without_grad_it_just_runs_the_function(grad_mode):
     block = Block().eval()
