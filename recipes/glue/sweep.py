@@ -129,6 +129,7 @@ def run_one(task, recipe, seed, args, extra) -> bool:
         command += ["--glue_dir", args.glue_dir, "--seed", str(seed)]
         command += ["--output_dir", str(workdir), *TRAINING, *TASK_ARGS.get(task, [])]
         command += [*RECIPES[recipe], *extra]
+        commit = checkout_commit(REPO)  # the code the run starts with, not the one it ends on
         with open(workdir / "log.txt", "w") as log:
             code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
         if code != 0:
@@ -137,7 +138,7 @@ def run_one(task, recipe, seed, args, extra) -> bool:
         result = json.loads((workdir / "actq_results.json").read_text())
         result["sweep_recipe"] = recipe
         result["command"] = shlex.join(command)
-        result["commit"] = checkout_commit(REPO)
+        result["commit"] = commit
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(result, indent=1) + "\n")
         return True

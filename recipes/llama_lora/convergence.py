@@ -170,13 +170,14 @@ def run_stage(command: list[str], workdir: Path, target: Path, extra: dict) -> b
         return False
     try:
         print(f"running {workdir.name}: log in {workdir}/log.txt", flush=True)
+        commit = checkout_commit(REPO)  # the code the run starts with, not the one it ends on
         with open(workdir / "log.txt", "w") as log:
             code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
         if code != 0:
             print(f"{target.name} failed (exit {code}); see {workdir}/log.txt", flush=True)
             return False
         result = json.loads((workdir / "actq_results.json").read_text())
-        result.update(extra, command=shlex.join(command), commit=checkout_commit(REPO))
+        result.update(extra, command=shlex.join(command), commit=commit)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(result, indent=1) + "\n")
         return True
