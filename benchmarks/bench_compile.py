@@ -24,12 +24,17 @@ import hf_actq
 from hf_actq import ActQConfig
 from hf_actq.memory.meter import graph_saved_bytes
 
+STOCK_CHECKPOINTING = "stock checkpointing"
 RECIPES = {
     "unpatched": None,
     "fewbit": ActQConfig.from_recipe("fewbit"),
     "uniform": ActQConfig.from_recipe("uniform"),
     "uniform (blpa)": ActQConfig.from_recipe("uniform", codec="blpa"),
     "alam": ActQConfig.from_recipe("alam", adaptive=False),
+    # Gradient checkpointing, stock and with packed layer inputs (the "checkpoint" recipe;
+    # 8 bits there, so that the gradients compare closely).
+    "stock checkpointing": STOCK_CHECKPOINTING,
+    "checkpoint (8-bit)": ActQConfig.from_recipe("checkpoint", bits=8),
 }
 
 
@@ -42,7 +47,8 @@ def tiny_llama(seq: int):
         attn_implementation="sdpa",
     )  # fmt: skip
     ids = torch.randint(0, 256, (2, seq))
-    return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+    # use_cache=False: with checkpointing on, transformers otherwise logs a warning, a graph break.
+    return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 def tiny_bert(seq: int):
@@ -60,7 +66,9 @@ def tiny_bert(seq: int):
 def measure(base, batch, config, backend: str) -> dict:
     def patched():
         model = copy.deepcopy(base).train()
-        if config is not None:
+        if config == STOCK_CHECKPOINTING:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        elif config is not None:
             hf_actq.apply(model, config)
         return model
 

@@ -17,7 +17,7 @@ import re
 
 from torch import nn
 
-from hf_actq.ops.packed_checkpoint import packed_checkpoint
+from hf_actq.ops.packed_checkpoint import Reparametrized, packed_checkpoint
 
 logger = logging.getLogger("hf_actq")
 
@@ -91,4 +91,9 @@ def install(layers: dict[str, nn.Module], config) -> None:
     """Give every checkpointed layer the packed checkpoint function (again)."""
     codec = config.codec_for_setting({"codec": "uniform", "bits": config.checkpoint_bits})
     for layer in layers.values():
-        layer._gradient_checkpointing_func = functools.partial(packed_checkpoint, codec=codec)
+        # The traced form (torch.compile) differentiates the layer with torch.func, which takes
+        # stock ops only, not hf_actq's compressed ones inside a compressed recompute.
+        traced = None if config.compress_checkpointed else Reparametrized(layer)
+        layer._gradient_checkpointing_func = functools.partial(
+            packed_checkpoint, codec=codec, reparametrized=traced
+        )

@@ -1,8 +1,8 @@
 """``hf-actq memory`` / ``python -m hf_actq.memory``: how much memory hf_actq saves on a model.
 
 With no arguments it measures the embedded default, RoBERTa-base's shapes (random weights, no
-downloads) at batch 8 and sequence 128 in fp32, under the baseline and the "fewbit", "uniform"
-and "alam" recipes, and prints the table.
+downloads) at batch 8 and sequence 128 in fp32, under the baseline and the "fewbit", "uniform",
+"alam" and "checkpoint" recipes, and prints the table.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import re
 import sys
 
-DEFAULT_RECIPES = ["fewbit", "uniform", "alam"]
+DEFAULT_RECIPES = ["fewbit", "uniform", "alam", "checkpoint"]
 DTYPES = {
     "float32": "float32",
     "fp32": "float32",

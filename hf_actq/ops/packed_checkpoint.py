@@ -18,8 +18,15 @@ bias, which the first layer computes with a gradient) are inputs of the node and
 gradients, and a layer whose inputs need no gradient (the first layer of a LoRA model with
 frozen embeddings) still trains its parameters.
 
+Under torch.compile a layer that draws no random numbers takes a traced form
+(:class:`TracedPackedCheckpointFunction`): its parameters are inputs of the node and backward
+differentiates the layer with ``torch.func.vjp``, so the layer compiles into the model's graph
+with no break. A layer with dropout keeps the eager form there (a graph break per layer): a
+traced recompute cannot replay the first pass's random numbers.
+
 HF calls ``layer._gradient_checkpointing_func(partial(forward, layer, **kwargs), *args)``;
-:func:`packed_checkpoint` has that signature, with the codec bound by ``functools.partial``.
+:func:`packed_checkpoint` has that signature, with the codec (and, for the traced form, the
+layer's :class:`Reparametrized`) bound by ``functools.partial``.
 """
 
 from __future__ import annotations
@@ -83,12 +90,7 @@ class PackedCheckpointFunction(torch.autograd.Function):
             ctx.device_rng = torch_checkpoint.get_device_states(*inputs)
         with torch.no_grad():
             out = call.run(inputs)
-        out_leaves, call.out_spec = tree_flatten(out)
-        call.out_tensor_index = [
-            i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)
-        ]
-        call.out_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
-        outs = tuple(out_leaves[i] for i in call.out_tensor_index)
+        outs = _record_outputs(call, out)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         ctx.save_for_backward(*kept)
         return outs
@@ -130,7 +132,112 @@ class PackedCheckpointFunction(torch.autograd.Function):
         return (None, *[t.grad if t.requires_grad else None for t in inputs], None)
 
 
-def packed_checkpoint(function, *args, codec: Codec, **kwargs):
+class Reparametrized(torch.nn.Module):
+    """A layer's checkpointed call with its trainable parameters swapped for the tensors
+    ``torch.func.functional_call`` gives (the layer is a child, so its names are prefixed with
+    ``layer.``). Made when the packed checkpoint function is installed, outside any trace."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        self.layer = layer
+        self.draws_random_numbers = draws_random_numbers(layer)
+
+    def forward(self, call: _Call, tensors):
+        return call.run(tensors)
+
+
+def draws_random_numbers(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` may draw random numbers in training: a dropout module with ``p > 0``,
+    or a positive number under a name with "drop" in it (``attention_dropout``, BART's float
+    ``dropout``, ``drop_path`` rates), as HF layers pass to the functional dropouts."""
+    for module in layer.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        numbers = {
+            name: value
+            for name, value in vars(module).items()
+            if isinstance(value, float | int) and not isinstance(value, bool)
+        }
+        if any("drop" in name and value > 0 for name, value in numbers.items()):
+            return True
+    return False
+
+
+class TracedPackedCheckpointFunction(torch.autograd.Function):
+    """:class:`PackedCheckpointFunction` in a form a torch.compile trace takes whole: the
+    layer's trainable parameters are inputs of the node, and backward computes the layer's
+    vector-Jacobian product at the unpacked input with ``torch.func.vjp`` (dynamo traces it,
+    where ``torch.autograd.backward`` would break the graph). Used only for layers that draw
+    no random numbers (:func:`draws_random_numbers`): a traced recompute cannot replay the
+    first pass's RNG."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, wrapper, names, n_inputs, *tensors):
+        from hf_actq.ops.dedup import _traced_pack
+
+        inputs, params = tensors[:n_inputs], tensors[n_inputs:]
+        ctx.call, ctx.wrapper, ctx.names, ctx.n_inputs = call, wrapper, names, n_inputs
+        ctx.input_requires_grad = [t.requires_grad for t in inputs]
+        kept = list(inputs)
+        ctx.header = None
+        if call.packed_index is not None:
+            packed = _traced_pack(inputs[call.packed_index].detach(), call.codec)
+            ctx.header = packed.with_tensors(())
+            ctx.n_packed = len(packed.tensors)
+            kept[call.packed_index] = torch.empty(0)
+            kept = [*packed.tensors, *kept]
+        with torch.no_grad():
+            out = call.run(inputs)
+        outs = _record_outputs(call, out)
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        ctx.save_for_backward(*kept, *params)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call, n_inputs = ctx.call, ctx.n_inputs
+        saved = list(ctx.saved_tensors)
+        if ctx.header is not None:
+            buffers, saved = saved[: ctx.n_packed], saved[ctx.n_packed :]
+            saved[call.packed_index] = ctx.header.with_tensors(buffers).unpack()
+        inputs, params = saved[:n_inputs], saved[n_inputs:]
+        # The packed input is differentiated whatever it needs: vjp needs one primal per call.
+        wanted = [
+            i for i, needs in enumerate(ctx.input_requires_grad) if needs or i == call.packed_index
+        ]
+
+        def layer(differentiated, params):
+            tensors = list(inputs)
+            for i, tensor in zip(wanted, differentiated, strict=True):
+                tensors[i] = tensor
+            out = torch.func.functional_call(
+                ctx.wrapper, dict(zip(ctx.names, params, strict=True)), (call, tensors)
+            )
+            out_leaves, _ = tree_flatten(out)
+            return tuple(out_leaves[i] for i in call.out_tensor_index)
+
+        _, pullback = torch.func.vjp(layer, [inputs[i] for i in wanted], params)
+        zeros = [torch.zeros_like(g) if g is None else g for g in grads]
+        differentiated_grads, param_grads = pullback(tuple(zeros))
+        input_grads = [None] * n_inputs
+        for i, grad in zip(wanted, differentiated_grads, strict=True):
+            input_grads[i] = grad if ctx.input_requires_grad[i] else None
+        return (None, None, None, None, *input_grads, *param_grads)
+
+
+def _record_outputs(call: _Call, out) -> tuple[torch.Tensor, ...]:
+    """Note on ``call`` how to rebuild ``out`` from its tensors, and return them."""
+    out_leaves, call.out_spec = tree_flatten(out)
+    call.out_tensor_index = [
+        i for i, leaf in enumerate(out_leaves) if isinstance(leaf, torch.Tensor)
+    ]
+    call.out_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+    return tuple(out_leaves[i] for i in call.out_tensor_index)
+
+
+def packed_checkpoint(
+    function, *args, codec: Codec, reparametrized: Reparametrized | None = None, **kwargs
+):
     """Run ``function(*args, **kwargs)`` keeping only its first positional argument, packed by
     ``codec``, and recompute it in backward (the ``_gradient_checkpointing_func`` of a
     ``GradientCheckpointingLayer``). Under ``no_grad`` it just calls ``function``."""
@@ -157,10 +264,23 @@ def packed_checkpoint(function, *args, codec: Codec, **kwargs):
     if frozen and not inputs_need_grad:
         return function(*args, **kwargs)  # nothing to keep or recompute
     call = _Call(func, leaves, spec, tensor_index, packed_index, codec)
-    # Without an input that needs a gradient the node would not exist and the layer's trainable
-    # parameters would get none: an empty input that requires grad makes it.
-    anchor = torch.empty(0, requires_grad=not inputs_need_grad)
-    outs = PackedCheckpointFunction.apply(call, *tensors, anchor)
+    if (
+        torch.compiler.is_compiling()
+        and reparametrized is not None
+        and modules == [reparametrized.layer]
+        and not (reparametrized.draws_random_numbers and modules[0].training)
+        and codec.name != "exact"  # (tests only) its unpacked input would alias the saved one
+    ):
+        trainable = [(name, p) for name, p in modules[0].named_parameters() if p.requires_grad]
+        names = tuple("layer." + name for name, _ in trainable)
+        outs = TracedPackedCheckpointFunction.apply(
+            call, reparametrized, names, len(tensors), *tensors, *[p for _, p in trainable]
+        )
+    else:
+        # Without an input that needs a gradient the node would not exist and the layer's
+        # trainable parameters would get none: an empty input that requires grad makes it.
+        anchor = torch.empty(0, requires_grad=not inputs_need_grad)
+        outs = PackedCheckpointFunction.apply(call, *tensors, anchor)
     out_leaves = list(call.out_leaves)
     for position, tensor in zip(call.out_tensor_index, outs, strict=True):
         out_leaves[position] = tensor

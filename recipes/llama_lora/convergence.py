@@ -23,14 +23,18 @@ progress holds a lock):
    16, 100 steps, lr 2e-3 for LoRA (rank 16 on every linear layer) and 5e-4 for full
    fine-tuning, held-out loss every 20 steps; for each mode, recipe and seed. A seed fixes the
    data order, LoRA's initialisation and the recipes' rounding noise, the same for every recipe
-   at that seed. Pretraining is deterministic on one machine at one thread count (run with
-   ``OMP_NUM_THREADS=1``, as here); fine-tunes check the hash of the checkpoint they start from.
+   at that seed. Pretraining runs with ``OMP_NUM_THREADS=1`` and reproduces its held-out losses
+   to float rounding, not always to the bit (a rerun here had another weights hash, with logged
+   losses up to 4e-7 relative apart).
 
 Results: ``results/convergence/pretrain.json`` and ``results/convergence/<mode>/<recipe>_seed<k>
 .json`` (``run.py``'s ``actq_results.json`` with the command, the commit and the SHA-256 of the
 checkpoint it started from); scratch outputs and checkpoints under ``runs/convergence``. A
-pretraining rerun in a fresh checkout is checked against the committed checkpoint hash, so
-fine-tunes from different sessions provably start from the same weights.
+pretraining rerun in a fresh checkout is checked against the committed record: the same
+checkpoint hash, or a training that tracks the recorded one to float rounding (every logged
+train and held-out loss within 1e-5 relative); anything else stops the grid, so fine-tunes from
+different sessions start from the same weights up to rounding, and each records the hash of
+the weights it started from.
 """
 
 from __future__ import annotations
@@ -90,12 +94,14 @@ RECIPES = {
     "fewbit-3": ["--recipe", "fewbit", "--bits", "3"],
     "uniform-4": ["--recipe", "uniform", "--bits", "4"],
     "alam-1": ["--recipe", "alam", "--bits", "1"],
+    "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4"],
 }
 COLOURS = {
     "baseline": "black",
     "fewbit-3": "tab:blue",
     "uniform-4": "tab:green",
     "alam-1": "tab:red",
+    "checkpoint-4": "tab:purple",
 }
 
 
@@ -185,6 +191,21 @@ def run_stage(command: list[str], workdir: Path, target: Path, extra: dict) -> b
         lock.unlink(missing_ok=True)
 
 
+# How far apart (relative) a rerun's logged losses may be from the recorded pretraining's.
+REPRODUCED = 1e-5
+
+
+def trajectory_drift(recorded: dict, rerun: dict) -> float:
+    """Largest relative difference between two pretraining runs' logged losses (train loss
+    history, held-out history, final train loss); inf when they logged different steps."""
+    pairs = [(recorded["train_loss"], rerun["train_loss"])]
+    for key in ("loss_history", "eval_history"):
+        if [step for step, _ in recorded[key]] != [step for step, _ in rerun[key]]:
+            return float("inf")
+        pairs += [(a, b) for (_, a), (_, b) in zip(recorded[key], rerun[key], strict=True)]
+    return max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
+
+
 def pretrained_model(args) -> Path:
     """The pretrained checkpoint: trained here if missing, and checked against the committed
     hash when a result file already records one."""
@@ -208,11 +229,17 @@ def pretrained_model(args) -> Path:
         fresh = json.loads(record_tmp.read_text())
         fresh["checkpoint_sha256"] = sha256(model / "model.safetensors")
         if previous and previous["checkpoint_sha256"] != fresh["checkpoint_sha256"]:
-            sys.exit(
-                f"the pretrained checkpoint differs from the committed one ({record}): the "
-                "fine-tunes already recorded started from other weights. Pretraining is "
-                "deterministic on one machine and thread count; rerun where they were made, "
-                "or move results/convergence aside to start the comparison over."
+            drift = trajectory_drift(previous, fresh)
+            if drift > REPRODUCED:
+                sys.exit(
+                    f"the pretrained checkpoint differs from the committed one ({record}) by "
+                    f"more than rounding (losses {drift:.1e} apart, relative): the fine-tunes "
+                    "already recorded started from other weights. Rerun where they were made, "
+                    "or move results/convergence aside to start the comparison over."
+                )
+            print(
+                f"pretraining reproduced the recorded one to rounding (losses {drift:.1e} apart, "
+                "relative) with another hash; fine-tunes record the hash they start from"
             )
         if previous is None:
             record.parent.mkdir(parents=True, exist_ok=True)
@@ -346,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(args.data).exists():
             sys.exit(f"no data at {args.data} (give --data)")
         model = pretrained_model(args)
-        start = json.loads((results / "pretrain.json").read_text())["checkpoint_sha256"]
+        start = sha256(model / "model.safetensors")
         for mode, recipe, seed in grid(args.modes, args.recipes, args.seeds):
             command = [sys.executable, str(HERE / "run.py"), "--model_name_or_path", str(model)]
             command += ["--data_path", args.data, "--seed", str(seed), *COMMON, *FINETUNE]

@@ -1,5 +1,6 @@
 """Packed activation checkpointing as an op: exact replay, gradients for every tensor input
-(positional or keyword), parameters trained when no input needs a gradient, bytes kept."""
+(positional or keyword), parameters trained when no input needs a gradient, bytes kept, and
+the traced form torch.compile takes whole."""
 
 import functools
 import weakref
@@ -11,7 +12,8 @@ from torch import nn
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import uniform
 from hf_actq.codecs.packed import ExactCodec
-from hf_actq.ops.packed_checkpoint import packed_checkpoint
+from hf_actq.memory.meter import graph_saved_bytes
+from hf_actq.ops.packed_checkpoint import Reparametrized, draws_random_numbers, packed_checkpoint
 
 WIDTH = 64
 
@@ -146,3 +148,79 @@ def test_without_grad_it_just_runs_the_function(grad_mode):
     with context:
         out, _ = packed_checkpoint(block.forward, x, codec=uniform(4))
         torch.testing.assert_close(out, block(x)[0], rtol=0, atol=0)
+
+
+def _traced_and_eager(block, x, bias, codec, train=True):
+    """The block's gradients and saved bytes under packed checkpointing, eager and compiled."""
+    wrapper = Reparametrized(block.train(train))
+
+    def run(x, b):
+        layer = functools.partial(Block.forward, block, bias=b)
+        return packed_checkpoint(layer, x, codec=codec, reparametrized=wrapper)
+
+    results = []
+    torch._dynamo.reset()
+    for runner in (run, torch.compile(run, backend="aot_eager", fullgraph=True)):
+        torch.manual_seed(1)
+        out, _ = runner(x, bias)
+        saved = graph_saved_bytes(out, exclude=block.parameters())
+        results.append((saved, _grads(block, x, bias, runner)))
+    return results
+
+
+def test_under_torch_compile_the_traced_form_has_no_break_and_the_eager_gradients():
+    """fullgraph=True fails on any graph break. Same seed, same rounding: the traced form's
+    gradients (by torch.func.vjp) equal the eager form's (by autograd), keyword tensor and
+    parameters included, and the compiled graph keeps what eager keeps."""
+    block = Block()
+    block.dropout.p = 0.0
+    x, bias = _inputs()
+    (eager_saved, eager), (traced_saved, traced) = _traced_and_eager(block, x, bias, uniform(8))
+    for a, b in zip(eager, traced, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    expected = uniform(8).nbytes(x.shape) + bias.numel() * bias.element_size()
+    assert eager_saved == expected and traced_saved <= expected
+
+
+def test_a_block_with_dropout_keeps_the_eager_form_under_compile_and_replays_its_masks():
+    """A traced recompute could not redraw the first pass's dropout masks: in training such a
+    block runs the eager form (a graph break), whose exact-codec gradients equal the plain
+    block's; in eval mode it draws nothing and takes the traced form."""
+    block = Block()
+    assert draws_random_numbers(block)
+    x, bias = _inputs()
+    wrapper = Reparametrized(block.train())
+    codec = ExactCodec()
+
+    def run(x, b):
+        layer = functools.partial(Block.forward, block, bias=b)
+        return packed_checkpoint(layer, x, codec=codec, reparametrized=wrapper)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(run)(x, bias)
+    assert explained.graph_break_count > 0
+    plain = _grads(block, x, bias, lambda x, b: block(x, bias=b))
+    torch._dynamo.reset()
+    compiled = _grads(block, x, bias, torch.compile(run, backend="aot_eager"))
+    for a, b in zip(plain, compiled, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch._dynamo.reset()
+    block.eval()
+    codec = uniform(8)
+    assert torch._dynamo.explain(run)(x, bias).graph_break_count == 0
+
+
+def test_random_number_draws_are_recognised_by_dropout_modules_and_rates():
+    class Attention(nn.Module):
+        def __init__(self, rate):
+            super().__init__()
+            self.attention_dropout = rate  # as LLaMA's attention passes to SDPA
+
+    block = Block()
+    assert draws_random_numbers(block)
+    block.dropout.p = 0.0
+    assert not draws_random_numbers(block)
+    block.attention = Attention(0.1)
+    assert draws_random_numbers(block)
+    block.attention.attention_dropout = 0.0
+    assert not draws_random_numbers(block)
