@@ -109,11 +109,16 @@ def test_dropout_under_compile_runs_the_stock_ops_without_a_break():
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-def test_compiled_trainer_with_the_callback_trains(tmp_path):
+@pytest.mark.parametrize(
+    "config",
+    [ActQConfig(bits=4), ActQConfig.from_recipe("checkpoint")],
+    ids=["default", "checkpoint"],
+)
+def test_compiled_trainer_with_the_callback_trains(tmp_path, config):
     from test_trainer import Toy, _args, _losses
 
     torch._dynamo.reset()
-    callback = ActQCallback(bits=4)
+    callback = ActQCallback(config)
     args = _args(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
     args.max_steps, args.learning_rate = 12, 1e-2
     trainer = Trainer(
