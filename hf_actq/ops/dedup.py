@@ -59,7 +59,7 @@ class PackCache:
         (and with it checkpoint replay) does not depend on what the cache holds.
         """
         if torch.compiler.is_compiling():
-            return _traced_pack(x, codec)
+            return traced_pack(x, codec)
         seed = None
         if codec.uses_rng:
             seed = seed_override(slot)
@@ -133,7 +133,7 @@ def under_checkpoint() -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
-def _traced_pack(x: torch.Tensor, codec: Codec) -> Packed:
+def traced_pack(x: torch.Tensor, codec: Codec) -> Packed:
     """:meth:`PackCache.pack` in a torch.compile trace: one traced op (``hf_actq::pack``) per
     consumer, with no reuse. Each autograd Function is traced as a subgraph of its own, which
     cannot use a tensor another one made, so consumers of a shared input (q/k/v, gate/up) each

@@ -39,6 +39,7 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hf_actq.codecs.packed import Codec
+from hf_actq.ops.dedup import traced_pack
 
 
 class _Call:
@@ -173,15 +174,13 @@ class TracedPackedCheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: _Call, wrapper, names, n_inputs, *tensors):
-        from hf_actq.ops.dedup import _traced_pack
-
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
         ctx.call, ctx.wrapper, ctx.names, ctx.n_inputs = call, wrapper, names, n_inputs
         ctx.input_requires_grad = [t.requires_grad for t in inputs]
         kept = list(inputs)
         ctx.header = None
         if call.packed_index is not None:
-            packed = _traced_pack(inputs[call.packed_index].detach(), call.codec)
+            packed = traced_pack(inputs[call.packed_index].detach(), call.codec)
             ctx.header = packed.with_tensors(())
             ctx.n_packed = len(packed.tensors)
             kept[call.packed_index] = torch.empty(0)
