@@ -90,10 +90,21 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
 def install(layers: dict[str, nn.Module], config) -> None:
     """Give every checkpointed layer the packed checkpoint function (again)."""
     codec = config.codec_for_setting({"codec": "uniform", "bits": config.checkpoint_bits})
-    for layer in layers.values():
+    random = []
+    for path, layer in layers.items():
         # The traced form (torch.compile) differentiates the layer with torch.func, which takes
         # stock ops only, not hf_actq's compressed ones inside a compressed recompute.
         traced = None if config.compress_checkpointed else Reparametrized(layer)
+        if traced is not None and traced.draws_random_numbers:
+            random.append(path)
         layer._gradient_checkpointing_func = functools.partial(
             packed_checkpoint, codec=codec, reparametrized=traced
+        )
+    if random:
+        logger.info(
+            "hf_actq: %d checkpointed layers use dropout (%s, ...); under torch.compile they run "
+            "the eager packed checkpoint, a graph break each, since a traced recompute cannot "
+            "replay their random numbers (set dropout to 0 to compile them whole)",
+            len(random),
+            random[0],
         )

@@ -162,6 +162,17 @@ def test_a_model_without_checkpointed_layers_warns(caplog):
     assert handle.checkpointed == {} and handle.patched  # the generic path still compresses
 
 
+def test_layers_with_dropout_are_named_as_compiling_with_breaks(caplog):
+    # Under torch.compile such layers run the eager node (tests/ops/test_packed_checkpoint.py):
+    # the user is told which, once, when the model is patched.
+    for dropout, told in ((0.1, True), (0.0, False)):
+        model = _bert(dropout)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hf_actq"):
+            hf_actq.apply(model, ActQConfig.from_recipe("checkpoint"))
+        assert ("checkpointed layers use dropout" in caplog.text) is told
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="checkpoint_bits must be None or an integer in 1..8"):
         ActQConfig(checkpoint_bits=9)
