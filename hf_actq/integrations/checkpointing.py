@@ -92,6 +92,12 @@ def install(layers: dict[str, nn.Module], config) -> None:
     codec = config.codec_for_setting({"codec": "uniform", "bits": config.checkpoint_bits})
     random = []
     for path, layer in layers.items():
+        # Modules inside a checkpointed layer see checkpointing off: the layer is the unit, and
+        # T5's attention would otherwise set requires_grad on its zero position bias (a hack
+        # for reentrant checkpointing), which a compiled graph cannot take.
+        for inner in layer.modules():
+            if inner is not layer and hasattr(inner, "gradient_checkpointing"):
+                inner.gradient_checkpointing = False
         # The traced form (torch.compile) differentiates the layer with torch.func, which takes
         # stock ops only, not hf_actq's compressed ones inside a compressed recompute.
         traced = None if config.compress_checkpointed else Reparametrized(layer)

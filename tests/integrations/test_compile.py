@@ -144,15 +144,25 @@ def _lora_llama():
     return get_peft_model(model, lora), batch
 
 
+def _t5():
+    from test_more_models import _build
+
+    return _build("t5")  # dropout 0
+
+
 def _stock_checkpointing(model):
     model.gradient_checkpointing_enable({"use_reentrant": False})
 
 
-@pytest.mark.parametrize("build", [_llama, _bert, _lora_llama], ids=["llama", "bert", "lora"])
+@pytest.mark.parametrize(
+    "build", [_llama, _bert, _lora_llama, _t5], ids=["llama", "bert", "lora", "t5"]
+)
 def test_packed_checkpointing_breaks_no_more_than_stock_checkpointing(build):
     # Checkpointed layers of a model without dropout take the traced form. The breaks both
     # have are transformers' warning that checkpointing turns use_cache off (a logging call):
-    # with use_cache=False the LLaMA compiles into one graph.
+    # with use_cache=False the LLaMA compiles into one graph. Stock checkpointing breaks T5
+    # where its attention sets requires_grad on a zero position bias; inside a packed layer
+    # checkpointing is off, so it does not.
     breaks = {}
     for patch in (_stock_checkpointing, lambda model: hf_actq.apply(model, CHECKPOINT)):
         model, batch = build()
@@ -160,7 +170,8 @@ def test_packed_checkpointing_breaks_no_more_than_stock_checkpointing(build):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(lambda m=model, **b: m(**b).loss)(**batch)
         breaks[patch] = explained.graph_break_count
-    assert len(set(breaks.values())) == 1, breaks
+    stock, packed = breaks.values()
+    assert packed == stock or (build is _t5 and packed == 0 < stock), breaks
     if build is _llama:
         model, batch = build()
         hf_actq.apply(model, CHECKPOINT)
@@ -169,7 +180,9 @@ def test_packed_checkpointing_breaks_no_more_than_stock_checkpointing(build):
         assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
-@pytest.mark.parametrize("build", [_llama, _bert, _lora_llama], ids=["llama", "bert", "lora"])
+@pytest.mark.parametrize(
+    "build", [_llama, _bert, _lora_llama, _t5], ids=["llama", "bert", "lora", "t5"]
+)
 def test_compiled_packed_checkpointing_gradients_equal_the_eager_ones(build):
     torch._dynamo.reset()
     base, batch = build()
