@@ -10,6 +10,7 @@ from hf_actq.memory.meter import (
     ActivationMonitor,
     SavedTensorMeter,
     graph_saved_bytes,
+    graph_saved_tensors,
     op_kind,
 )
 from hf_actq.memory.peak import PeakMemory
@@ -20,5 +21,6 @@ __all__ = [
     "PeakMemory",
     "SavedTensorMeter",
     "graph_saved_bytes",
+    "graph_saved_tensors",
     "op_kind",
 ]

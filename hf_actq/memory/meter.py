@@ -106,11 +106,18 @@ def graph_saved_bytes(outputs, exclude: Iterable[torch.Tensor] = ()) -> int:
     before backward runs. It unpacks what saved-tensor hooks packed, so call it on graphs built
     without non-reentrant checkpointing (unpacking there would recompute the layers).
     """
+    saved = graph_saved_tensors(outputs, exclude)
+    return sum(tensor.untyped_storage().nbytes() for tensor in saved)
+
+
+def graph_saved_tensors(outputs, exclude: Iterable[torch.Tensor] = ()) -> list[torch.Tensor]:
+    """One tensor per distinct storage the graph behind ``outputs`` holds for backward, leaving
+    out the storages of ``exclude`` (see :func:`graph_saved_bytes`)."""
     excluded = {_storage_key(t) for t in exclude}
     roots = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     seen_nodes: set[int] = set()
-    storages: dict[tuple, int] = {}
+    storages: dict[tuple, torch.Tensor] = {}
     while stack:
         node = stack.pop()
         if id(node) in seen_nodes:
@@ -119,9 +126,9 @@ def graph_saved_bytes(outputs, exclude: Iterable[torch.Tensor] = ()) -> int:
         for tensor in _node_saved_tensors(node):
             key = _storage_key(tensor)
             if key not in excluded:
-                storages[key] = tensor.untyped_storage().nbytes()
+                storages[key] = tensor
         stack.extend(child for child, _ in node.next_functions if child is not None)
-    return sum(storages.values())
+    return list(storages.values())
 
 
 def _node_saved_tensors(node):

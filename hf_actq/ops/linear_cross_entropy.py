@@ -64,13 +64,72 @@ def _chunk_loss_and_grad(h, weight, bias, target, keep, softcap, smoothing, scal
     return total, grad.to(h.dtype)
 
 
+# One opaque operator for the trained head's backward. Traced op by op, torch.compile would see
+# that backward recomputes the very logits forward computed, merge the two, and keep every
+# chunk's fp32 log-probabilities from forward to backward: a [tokens, vocab] fp32 tensor, the
+# one this op exists to avoid (measured on a compiled tiny LLaMA before this was an operator).
+@torch.library.custom_op("hf_actq::linear_cross_entropy_backward", mutates_args=())
+def recompute_gradients(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    valid: torch.Tensor,
+    scale: torch.Tensor,
+    softcap: float | None,
+    smoothing: float,
+    chunk: int,
+    need_hidden: bool,
+    need_weight: bool,
+    need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``scale`` times the summed loss with respect to the hidden states, the
+    head's weight and its bias, the logits recomputed chunk by chunk; an empty tensor for each
+    gradient not asked for."""
+    fp32 = dict(dtype=torch.float32, device=weight.device)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
+    grad_weight = torch.zeros(weight.shape, **fp32) if need_weight else None
+    grad_bias = torch.zeros(weight.shape[0], **fp32) if need_bias else None
+    for start in range(0, hidden.shape[0], chunk):
+        part = slice(start, start + chunk)
+        h = hidden[part]
+        _, grad = _chunk_loss_and_grad(
+            h, weight, bias, targets[part], valid[part], softcap, smoothing, scale, True
+        )
+        if need_hidden:
+            grad_hidden[part] = grad @ weight
+        if need_weight:  # accumulated in fp32 across chunks
+            if h.dtype == torch.float32:
+                grad_weight.addmm_(grad.t(), h)
+            else:
+                grad_weight.add_(grad.t() @ h)
+        if need_bias:
+            grad_bias += grad.float().sum(0)
+    return (
+        grad_hidden,
+        grad_weight.to(weight.dtype) if need_weight else weight.new_empty(0),
+        grad_bias.to(bias.dtype) if need_bias else weight.new_empty(0),
+    )
+
+
+@recompute_gradients.register_fake
+def _(hidden, weight, bias, targets, valid, scale, softcap, smoothing, chunk, need_hidden,
+      need_weight, need_bias):  # fmt: skip
+    return (
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else weight.new_empty(0),
+        torch.empty_like(bias) if need_bias else weight.new_empty(0),
+    )
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Scalar loss of ``hidden @ weight.T (+ bias)`` against ``targets``; see the module.
 
     A frozen head (LoRA, QLoRA): the hidden states' gradient is formed in the forward and kept
     ([tokens, hidden]); backward scales it. A trained head: the forward keeps the hidden states
-    and each token's log-sum-exp, and backward recomputes the logits chunk by chunk for both
-    gradients, so no weight-sized gradient is held from the forward on."""
+    and each token's target and validity, and backward recomputes the logits chunk by chunk for
+    both gradients (:func:`recompute_gradients`), so no weight-sized gradient is held from the
+    forward on."""
 
     @staticmethod
     def forward(
@@ -116,31 +175,17 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             return grad_hidden, None, None, None, None, None, None, None, None
         hidden, weight, bias, targets, valid, scale = ctx.saved_tensors
         softcap, smoothing, chunk = ctx.settings
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_bias = bias is not None and ctx.needs_input_grad[2]
-        fp32 = dict(dtype=torch.float32, device=weight.device)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, **fp32) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], **fp32) if need_bias else None
-        scale = scale * grad_loss.float()
-        for start in range(0, hidden.shape[0], chunk):
-            part = slice(start, start + chunk)
-            h = hidden[part]
-            _, grad = _chunk_loss_and_grad(
-                h, weight, bias, targets[part], valid[part], softcap, smoothing, scale, True
-            )
-            if need_hidden:
-                grad_hidden[part] = grad @ weight
-            if need_weight:  # accumulated in fp32 across chunks
-                if h.dtype == torch.float32:
-                    grad_weight.addmm_(grad.t(), h)
-                else:
-                    grad_weight.add_(grad.t() @ h)
-            if need_bias:
-                grad_bias += grad.float().sum(0)
-        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        grad_hidden, grad_weight, grad_bias = recompute_gradients(
+            hidden, weight, bias, targets, valid, scale * grad_loss.float(), softcap, smoothing,
+            chunk, ctx.needs_input_grad[0], ctx.needs_input_grad[1], need_bias,
+        )  # fmt: skip
+        return (
+            grad_hidden if ctx.needs_input_grad[0] else None,
+            grad_weight if ctx.needs_input_grad[1] else None,
+            grad_bias if need_bias else None,
+            None, None, None, None, None, None,
+        )  # fmt: skip
 
 
 def linear_cross_entropy(

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_actq.memory import PeakMemory, SavedTensorMeter
+from hf_actq.memory import PeakMemory, SavedTensorMeter, graph_saved_tensors
 from hf_actq.ops.linear_cross_entropy import (
     causal_lm_loss,
     chunk_tokens_for,
@@ -139,3 +139,29 @@ def test_a_trained_head_keeps_the_hidden_states_and_recomputes_in_backward():
     )
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_trained_head_keeps_nothing_vocabulary_sized(backend):
+    # Traced op by op, the backward's recomputed logits would be merged with the forward's and
+    # kept: every chunk's fp32 log-probabilities from forward to backward.
+    torch._dynamo.reset()
+    tokens, hidden_size, vocab = 64, 16, 512
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight = (torch.randn(vocab, hidden_size) * 0.1).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,))
+
+    def loss_of(h, w):
+        return linear_cross_entropy(torch.tanh(h), w, targets, chunk_tokens=16)
+
+    loss = torch.compile(loss_of, backend=backend, fullgraph=True)(hidden, weight)
+    saved = graph_saved_tensors(loss, exclude=[hidden, weight])
+    assert saved, "the compiled graph keeps its input for backward"
+    assert all(t.numel() < tokens * vocab // 4 for t in saved), [t.shape for t in saved]
+    assert (
+        sum(t.untyped_storage().nbytes() for t in saved) <= tokens * (hidden_size * 4 + 8 + 1) + 8
+    )
+    got = torch.autograd.grad(loss, (hidden, weight))
+    expected = torch.autograd.grad(loss_of(hidden, weight), (hidden, weight))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
