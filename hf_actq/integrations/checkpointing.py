@@ -17,7 +17,11 @@ import re
 
 from torch import nn
 
-from hf_actq.ops.packed_checkpoint import Reparametrized, packed_checkpoint
+from hf_actq.ops.packed_checkpoint import (
+    Reparametrized,
+    make_dropouts_replayable,
+    packed_checkpoint,
+)
 
 logger = logging.getLogger("hf_actq")
 
@@ -83,6 +87,9 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+    if not config.compress_checkpointed:
+        # PEFT's LoRA dropouts replay their masks in the traced form (torch.compile).
+        handle._undo.extend(make_dropouts_replayable(layer) for layer in layers.values())
     install(layers, config)
     return layers
 

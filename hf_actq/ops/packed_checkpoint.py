@@ -22,7 +22,10 @@ Under torch.compile a layer that draws no random numbers takes a traced form
 (:class:`TracedPackedCheckpointFunction`): its parameters are inputs of the node and backward
 differentiates the layer with ``torch.func.vjp``, so the layer compiles into the model's graph
 with no break. A layer with dropout keeps the eager form there (a graph break per layer): a
-traced recompute cannot replay the first pass's random numbers.
+traced recompute cannot replay the first pass's random numbers. The exception is PEFT's LoRA
+dropout (:func:`make_dropouts_replayable`): under the traced form each ``lora_dropout`` draws
+its mask from a counter hash of a key the node takes as an input, so the recompute redraws the
+very mask, and a LoRA layer with ``lora_dropout > 0`` compiles whole.
 
 HF calls ``layer._gradient_checkpointing_func(partial(forward, layer, **kwargs), *args)``;
 :func:`packed_checkpoint` has that signature, with the codec (and, for the traced form, the
@@ -39,7 +42,10 @@ from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hf_actq.codecs.packed import Codec
+from hf_actq.kernels.compiled import uniform_noise
 from hf_actq.ops.dedup import traced_pack
+
+REPLAY_KEY = "hf_actq_replay_key"
 
 
 class _Call:
@@ -136,22 +142,31 @@ class PackedCheckpointFunction(torch.autograd.Function):
 class Reparametrized(torch.nn.Module):
     """A layer's checkpointed call with its trainable parameters swapped for the tensors
     ``torch.func.functional_call`` gives (the layer is a child, so its names are prefixed with
-    ``layer.``). Made when the packed checkpoint function is installed, outside any trace."""
+    ``layer.``), and the replay keys of its replayable dropouts (:func:`make_dropouts_replayable`)
+    given. Made when the packed checkpoint function is installed, outside any trace."""
 
     def __init__(self, layer: torch.nn.Module):
         super().__init__()
         self.layer = layer
-        self.draws_random_numbers = draws_random_numbers(layer)
+        replayable = {
+            path: module for path, module in layer.named_modules() if REPLAY_KEY in module._buffers
+        }
+        self.replay_keys = tuple(f"layer.{path}.{REPLAY_KEY}" for path in replayable)
+        self.draws_random_numbers = draws_random_numbers(layer, ignore=replayable.values())
 
     def forward(self, call: _Call, tensors):
         return call.run(tensors)
 
 
-def draws_random_numbers(layer: torch.nn.Module) -> bool:
+def draws_random_numbers(layer: torch.nn.Module, ignore=()) -> bool:
     """Whether ``layer`` may draw random numbers in training: a dropout module with ``p > 0``,
     or a positive number under a name with "drop" in it (``attention_dropout``, BART's float
-    ``dropout``, ``drop_path`` rates), as HF layers pass to the functional dropouts."""
+    ``dropout``, ``drop_path`` rates), as HF layers pass to the functional dropouts. Modules in
+    ``ignore`` (replayable dropouts) do not count."""
+    ignored = {id(module) for module in ignore}
     for module in layer.modules():
+        if id(module) in ignored:
+            continue
         if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
             return True
         numbers = {
@@ -164,18 +179,64 @@ def draws_random_numbers(layer: torch.nn.Module) -> bool:
     return False
 
 
+def make_dropouts_replayable(layer: torch.nn.Module):
+    """Let the traced form replay ``layer``'s PEFT LoRA dropouts, and return the undo.
+
+    Only dropouts in a ``lora_dropout`` ModuleDict qualify, because PEFT calls them as modules
+    on the adapter's input. A dropout elsewhere may only lend its rate to a fused kernel (BERT
+    passes ``self.dropout.p`` to SDPA, which draws its own mask), which no module hook sees.
+    Each qualifying ``nn.Dropout`` gets an empty int32 buffer (not saved with the weights) and a
+    forward that, when the buffer is given a key (only inside the traced form, through
+    ``functional_call``), drops by a counter hash of the key; otherwise it is stock dropout."""
+    qualifying = [
+        module
+        for path, module in layer.named_modules()
+        if type(module) is torch.nn.Dropout
+        and path.rsplit(".", 2)[-2:-1] == ["lora_dropout"]
+        and REPLAY_KEY not in module._buffers
+    ]
+    for module in qualifying:
+        module.register_buffer(REPLAY_KEY, torch.empty(0, dtype=torch.int32), persistent=False)
+        module.forward = functools.partial(_replayable_dropout, module)
+
+    def undo():
+        for module in qualifying:
+            module._buffers.pop(REPLAY_KEY, None)
+            module.__dict__.pop("forward", None)
+
+    return undo
+
+
+def _replayable_dropout(module: torch.nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    key = module._buffers[REPLAY_KEY]
+    if key.numel() == 0 or not module.training or module.p == 0.0:
+        return torch.nn.Dropout.forward(module, x)
+    if module.p == 1.0:
+        return x * 0.0
+    if x.numel() >= 2**31:
+        raise ValueError(
+            f"a LoRA dropout input of {x.numel()} elements is beyond the 2**31 the replayed "
+            "mask can index; use a smaller batch, lora_dropout=0, or run without torch.compile"
+        )
+    index = torch.arange(x.numel(), dtype=torch.int32, device=x.device).view(x.shape)
+    keep = uniform_noise(index, key.to(x.device)) >= module.p
+    return x * keep * (1.0 / (1.0 - module.p))
+
+
 class TracedPackedCheckpointFunction(torch.autograd.Function):
     """:class:`PackedCheckpointFunction` in a form a torch.compile trace takes whole: the
     layer's trainable parameters are inputs of the node, and backward computes the layer's
     vector-Jacobian product at the unpacked input with ``torch.func.vjp`` (dynamo traces it,
     where ``torch.autograd.backward`` would break the graph). Used only for layers that draw
-    no random numbers (:func:`draws_random_numbers`): a traced recompute cannot replay the
-    first pass's RNG."""
+    no random numbers (:func:`draws_random_numbers`; a traced recompute cannot replay the
+    first pass's RNG) but replayable dropouts, whose masks ``keys`` (one int32 per dropout, or
+    None) determine in both passes."""
 
     @staticmethod
-    def forward(ctx, call: _Call, wrapper, names, n_inputs, *tensors):
+    def forward(ctx, call: _Call, wrapper, names, keys, n_inputs, *tensors):
         inputs, params = tensors[:n_inputs], tensors[n_inputs:]
         ctx.call, ctx.wrapper, ctx.names, ctx.n_inputs = call, wrapper, names, n_inputs
+        replay = {} if keys is None else dict(zip(wrapper.replay_keys, keys, strict=True))
         ctx.input_requires_grad = [t.requires_grad for t in inputs]
         kept = list(inputs)
         ctx.header = None
@@ -186,16 +247,20 @@ class TracedPackedCheckpointFunction(torch.autograd.Function):
             kept[call.packed_index] = torch.empty(0)
             kept = [*packed.tensors, *kept]
         with torch.no_grad():
-            out = call.run(inputs)
+            out = torch.func.functional_call(wrapper, replay, (call, inputs))
         outs = _record_outputs(call, out)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
-        ctx.save_for_backward(*kept, *params)
+        ctx.has_keys = keys is not None
+        ctx.save_for_backward(*kept, *params, *([keys] if ctx.has_keys else []))
         return outs
 
     @staticmethod
     def backward(ctx, *grads):
         call, n_inputs = ctx.call, ctx.n_inputs
         saved = list(ctx.saved_tensors)
+        replay = {}
+        if ctx.has_keys:
+            replay = dict(zip(ctx.wrapper.replay_keys, saved.pop(), strict=True))
         if ctx.header is not None:
             buffers, saved = saved[: ctx.n_packed], saved[ctx.n_packed :]
             saved[call.packed_index] = ctx.header.with_tensors(buffers).unpack()
@@ -209,9 +274,8 @@ class TracedPackedCheckpointFunction(torch.autograd.Function):
             tensors = list(inputs)
             for i, tensor in zip(wanted, differentiated, strict=True):
                 tensors[i] = tensor
-            out = torch.func.functional_call(
-                ctx.wrapper, dict(zip(ctx.names, params, strict=True)), (call, tensors)
-            )
+            given = {**dict(zip(ctx.names, params, strict=True)), **replay}
+            out = torch.func.functional_call(ctx.wrapper, given, (call, tensors))
             out_leaves, _ = tree_flatten(out)
             return tuple(out_leaves[i] for i in call.out_tensor_index)
 
@@ -221,7 +285,7 @@ class TracedPackedCheckpointFunction(torch.autograd.Function):
         input_grads = [None] * n_inputs
         for i, grad in zip(wanted, differentiated_grads, strict=True):
             input_grads[i] = grad if ctx.input_requires_grad[i] else None
-        return (None, None, None, None, *input_grads, *param_grads)
+        return (None, None, None, None, None, *input_grads, *param_grads)
 
 
 def _record_outputs(call: _Call, out) -> tuple[torch.Tensor, ...]:
@@ -272,8 +336,12 @@ def packed_checkpoint(
     ):
         trainable = [(name, p) for name, p in modules[0].named_parameters() if p.requires_grad]
         names = tuple("layer." + name for name, _ in trainable)
+        keys = None
+        if reparametrized.replay_keys and modules[0].training:
+            count = len(reparametrized.replay_keys)
+            keys = torch.randint(-(2**31), 2**31 - 1, (count,), dtype=torch.int32)
         outs = TracedPackedCheckpointFunction.apply(
-            call, reparametrized, names, len(tensors), *tensors, *[p for _, p in trainable]
+            call, reparametrized, names, keys, len(tensors), *tensors, *[p for _, p in trainable]
         )
     else:
         # Without an input that needs a gradient the node would not exist and the layer's

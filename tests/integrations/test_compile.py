@@ -136,11 +136,13 @@ def test_compiled_trainer_with_the_callback_trains(tmp_path, config):
 CHECKPOINT = ActQConfig.from_recipe("checkpoint", bits=8)
 
 
-def _lora_llama():
+def _lora_llama(lora_dropout=0.0):
     from peft import LoraConfig, get_peft_model
 
     model, batch = _llama()
-    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    lora = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=lora_dropout
+    )
     return get_peft_model(model, lora), batch
 
 
@@ -178,6 +180,28 @@ def test_packed_checkpointing_breaks_no_more_than_stock_checkpointing(build):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(lambda: model(**batch, use_cache=False).loss)()
         assert explained.graph_break_count == 0 and explained.graph_count == 1
+
+
+def test_lora_dropout_adds_no_break_to_packed_checkpointing():
+    """PEFT's LoRA dropouts replay their masks from a key drawn once per layer, so a layer with
+    LoRA dropout still takes the traced form: the model breaks where it breaks without dropout
+    (PEFT's hook that makes the embeddings require grad), not in every layer; revert gives the
+    stock nn.Dropout back."""
+    breaks = []
+    for lora_dropout in (0.0, 0.1):
+        model, batch = _lora_llama(lora_dropout)
+        handle = hf_actq.apply(model, CHECKPOINT)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(lambda m=model, b=batch: m(**b, use_cache=False).loss)()
+        breaks.append(explained.graph_break_count)
+    assert breaks[1] == breaks[0], breaks
+    assert not any("replay" in key for key in model.state_dict())
+    dropouts = [m for n, m in model.named_modules() if n.endswith("lora_dropout.default")]
+    assert len(dropouts) == 2 * 3  # two layers, three adapted projections
+    assert all(list(dropout.buffers()) for dropout in dropouts)
+    handle.revert()
+    for dropout in dropouts:
+        assert "forward" not in vars(dropout) and not list(dropout.buffers())
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,13 @@ from hf_actq import SavedTensorMeter
 from hf_actq.codecs import uniform
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.memory.meter import graph_saved_bytes
-from hf_actq.ops.packed_checkpoint import Reparametrized, draws_random_numbers, packed_checkpoint
+from hf_actq.ops.packed_checkpoint import (
+    REPLAY_KEY,
+    Reparametrized,
+    draws_random_numbers,
+    make_dropouts_replayable,
+    packed_checkpoint,
+)
 
 WIDTH = 64
 
@@ -224,3 +230,72 @@ def test_random_number_draws_are_recognised_by_dropout_modules_and_rates():
     assert draws_random_numbers(block)
     block.attention.attention_dropout = 0.0
     assert not draws_random_numbers(block)
+
+
+class LoraLike(nn.Module):
+    """A layer whose only random draws are a PEFT-style ``lora_dropout``, applied to the
+    keyword tensor so that the mask can be read off the output: ``out - proj(x)`` is
+    ``scale * dropout(bias)``."""
+
+    def __init__(self, p=0.3):
+        super().__init__()
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.lora_dropout = nn.ModuleDict({"default": nn.Dropout(p)})
+
+    def forward(self, x, *, bias=None):
+        return (self.proj(x) + self.scale * self.lora_dropout["default"](bias), None)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_lora_dropout_replays_its_mask_in_the_traced_form(backend):
+    """fullgraph=True: a LoRA dropout no longer breaks the graph, and the recompute in backward
+    uses the forward's mask: the gradients of ``scale`` and of the keyword tensor follow from
+    the mask the output shows, exactly."""
+    block = LoraLike().train()
+    assert draws_random_numbers(block)
+    undo = make_dropouts_replayable(block)
+    wrapper = Reparametrized(block)
+    assert not wrapper.draws_random_numbers and len(wrapper.replay_keys) == 1
+    x, bias = _inputs()
+    codec = uniform(8)
+
+    def run(x, b):
+        layer = functools.partial(LoraLike.forward, block, bias=b)
+        return packed_checkpoint(layer, x, codec=codec, reparametrized=wrapper)[0]
+
+    torch._dynamo.reset()
+    out = torch.compile(run, backend=backend, fullgraph=True)(x, bias)
+    dropped = ((out - block.proj(x)) / block.scale).detach()  # [batch, 16, WIDTH]
+    torch.testing.assert_close(dropped, dropped[0].expand_as(dropped))  # a mask of bias's shape
+    kept = dropped[0].abs() > 1e-4 * bias.abs()
+    assert 0.6 < kept.float().mean() < 0.8  # p = 0.3
+    torch.testing.assert_close(dropped[0][kept], (bias / 0.7)[kept])
+    out.square().sum().backward()
+    grad_out = 2 * out.detach()
+    torch.testing.assert_close(block.scale.grad, (grad_out * dropped).sum())
+    expected = grad_out.sum(0) * kept * block.scale.detach() / 0.7
+    torch.testing.assert_close(bias.grad, expected, rtol=1e-5, atol=1e-5)
+
+    undo()
+    assert REPLAY_KEY not in block.lora_dropout["default"]._buffers
+    assert "forward" not in vars(block.lora_dropout["default"])
+    assert Reparametrized(block).draws_random_numbers
+
+
+def test_replayable_dropout_is_stock_outside_the_traced_form():
+    """Eager, in eval mode and with the key empty, the patched dropout is nn.Dropout: the
+    same draws from torch's generator, and nothing in the state dict."""
+    block = LoraLike().train()
+    reference = LoraLike().train()
+    reference.load_state_dict(block.state_dict())
+    make_dropouts_replayable(block)
+    assert make_dropouts_replayable(block)  # idempotent: a second call patches nothing more
+    assert set(block.state_dict()) == set(reference.state_dict())
+    x, bias = _inputs()
+    for train in (True, False):
+        block.train(train), reference.train(train)
+        torch.manual_seed(3)
+        got = block(x, bias=bias)[0]
+        torch.manual_seed(3)
+        torch.testing.assert_close(got, reference(x, bias=bias)[0], rtol=0, atol=0)
