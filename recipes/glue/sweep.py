@@ -244,12 +244,26 @@ def render(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = draw(results)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def draw(results: list[dict]):
+    """The plot's figure: a panel per task, metric against activation memory per recipe."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     tasks = [t for t in TASKS if any(r["task"] == t for r in results)]
+    # One colour per recipe in every panel (matplotlib's cycle would restart per panel, so a
+    # panel missing a recipe would shift the others' colours away from the shared legend).
+    colours = plt.get_cmap("tab10").colors
+    colour = {recipe: colours[i % len(colours)] for i, recipe in enumerate(RECIPES)}
+    legend = {}
     figure, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), squeeze=False)
     for axis, task in zip(axes[0], tasks):
         for recipe in RECIPES:
@@ -258,17 +272,20 @@ def plot(results: list[dict], path: Path) -> None:
                 continue
             mean, std = _mean_std([100 * r["metric"]["value"] for r in runs])
             memory = statistics.fmean(r["activation_bytes_step0"] for r in runs) / 2**20
-            axis.errorbar(memory, mean, yerr=std or 0, fmt="o", capsize=3, label=recipe)
+            legend[recipe] = axis.errorbar(
+                memory, mean, yerr=std or 0, fmt="o", capsize=3, color=colour[recipe], label=recipe
+            )
         axis.set_xscale("log")
         axis.set_title(task.upper())
         axis.set_xlabel("activation MiB, step 0 (log)")
         axis.grid(alpha=0.3)
     axes[0][0].set_ylabel("dev metric x 100")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    recipes = [recipe for recipe in RECIPES if recipe in legend]
+    figure.legend(
+        [legend[recipe] for recipe in recipes], recipes, loc="lower center", ncol=5, fontsize=8
+    )
     figure.tight_layout(rect=(0, 0.1, 1, 1))
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -272,3 +272,27 @@ def test_pretrained_minilm_trains_on_a_slice_of_rte(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_plot_gives_a_recipe_one_colour_in_every_panel():
+    # RTE lacks uniform-4: with matplotlib's per-panel colour cycle MRPC's recipes after it
+    # would take other colours than the shared legend shows.
+    def result(task, recipe, value):
+        return {
+            "task": task,
+            "sweep_recipe": recipe,
+            "metric": {"value": value},
+            "activation_bytes_step0": 2**20,
+        }
+
+    results = [result("rte", "baseline", 0.5), result("rte", "alam-1", 0.5)]
+    results += [result("mrpc", r, 0.7) for r in ("baseline", "uniform-4", "alam-1")]
+    figure = sweep.draw(results)
+    colours = {}
+    for axis in figure.axes:
+        for container in axis.containers:
+            colour = container.lines[0].get_color()
+            assert colours.setdefault(container.get_label(), colour) == colour
+    assert len(set(colours.values())) == 3
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["baseline", "uniform-4", "alam-1"]
