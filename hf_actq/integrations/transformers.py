@@ -11,6 +11,7 @@ through the generic path with a warning.
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -19,7 +20,9 @@ from hf_actq.adaptive.plan import BitPlan
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.integrations import checkpointing
+from hf_actq.integrations.patching import _forward_attribute
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
+from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.state import OpState
 
@@ -146,6 +149,7 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
             skip = checkpointing.skip_pattern(handle.checkpointed)
             patch_config = config.replace(skip_modules=[*config.skip_modules, skip])
     MODEL_TYPE_TO_APPLY_FN.get(model_type, apply_generic)(base, patch_config, handle)
+    _advance_step_seed_per_forward(base, handle)
     if plan is not None:
         try:
             handle.set_plan(plan)
@@ -180,3 +184,39 @@ def revert(model: nn.Module) -> None:
     handle = getattr(unwrap(model), _HANDLE, None)
     if handle is not None:
         handle.revert()
+
+
+def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None:
+    """Under torch.compile, the consumers of a shared input round it with one seed mixed from
+    a step seed, so that they keep it packed once (see hf_actq.ops.dedup.traced_pack). The
+    step seed advances in the input embedding's forward: a hook on a module whose forward or
+    hooks break the graph (transformers' logging, PEFT's requires_grad hook) breaks it once
+    more, and the embedding's do not."""
+    handle._undo.append(dedup.start_step_seed(model))
+    try:
+        embedding = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embedding = None
+    attribute = _forward_attribute(embedding) if isinstance(embedding, nn.Module) else None
+    if attribute is None:  # no embedding we can bind onto: the model's own pre-hook
+        hook = model.register_forward_pre_hook(dedup.advance_step_seed)
+        handle._undo.append(hook.remove)
+        return
+    previous = embedding.__dict__.get(attribute)  # accelerate's hook wrapper calls this one
+    # Bound methods, not closures: deepcopy rebinds them to the copy.
+    embedding.__dict__[dedup.INNER_FORWARD] = previous or types.MethodType(
+        type(embedding).forward, embedding
+    )
+    bound = types.MethodType(dedup.step_seed_forward, embedding)
+    embedding.__dict__[attribute] = bound
+
+    def undo() -> None:
+        for name in ("forward", "_old_forward"):
+            if embedding.__dict__.get(name) is bound:
+                if previous is None:
+                    del embedding.__dict__[name]
+                else:
+                    embedding.__dict__[name] = previous
+        embedding.__dict__.pop(dedup.INNER_FORWARD, None)
+
+    handle._undo.append(undo)

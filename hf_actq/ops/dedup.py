@@ -15,12 +15,22 @@ section during a garbage collection.
 
 from __future__ import annotations
 
+import re
 import weakref
+import zlib
 from dataclasses import dataclass
 
 import torch
 
-from hf_actq.codecs.packed import Codec, Packed, draw_seed, draw_seed_tensor
+from hf_actq.codecs.packed import (
+    _RANK_STRIDE,
+    _SEED_MODULUS,
+    Codec,
+    Packed,
+    draw_seed,
+    draw_seed_tensor,
+    process_rank,
+)
 from hf_actq.ops.slots import observer, seed_override
 
 
@@ -51,15 +61,19 @@ class PackCache:
         self._entries: dict[int, _Entry] = {}
         self._purge_at = 64
 
-    def pack(self, x: torch.Tensor, codec: Codec, slot: str | None = None) -> Packed:
+    def pack(
+        self, x: torch.Tensor, codec: Codec, slot: str | None = None, linear_input: bool = False
+    ) -> Packed:
         """``codec.pack(x)`` for ``slot``, reusing the result of an earlier call on the same live
-        tensor.
+        tensor. ``linear_input``: ``x`` is a linear layer's input (see :func:`traced_pack`).
 
         A stochastic codec's seed is drawn whether or not the result is reused, so the RNG stream
         (and with it checkpoint replay) does not depend on what the cache holds.
         """
         if torch.compiler.is_compiling():
-            return traced_pack(x, codec)
+            if slot is not None and linear_input:
+                slot = sharing_group(slot)
+            return traced_pack(x, codec, slot)
         seed = None
         if codec.uses_rng:
             seed = seed_override(slot)
@@ -133,12 +147,100 @@ def under_checkpoint() -> bool:
     return hooks is not None and getattr(hooks[0], "__module__", "") == "torch.utils.checkpoint"
 
 
-def traced_pack(x: torch.Tensor, codec: Codec) -> Packed:
+# The step seed that torch.compile traces mix per sharing group (see :func:`traced_pack`): one
+# persistent int64 CPU tensor, advanced in place when a patched model embeds its input.
+# Persistent rather than drawn per forward: a tensor a trace made and left in Python state is
+# a side effect dynamo cannot replay at a graph break inside the forward (transformers'
+# logging), and each such break would then become two.
+_STEP_SEED: list[torch.Tensor] = []
+_ADVANCING_MODELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def step_seed() -> torch.Tensor:
+    if not _STEP_SEED:
+        _STEP_SEED.append(torch.zeros(1, dtype=torch.int64))
+    return _STEP_SEED[0]
+
+
+def advance_step_seed(*hook_arguments) -> None:
+    """A new step seed, once per forward of a patched model (also a forward pre-hook)."""
+    with torch.no_grad():
+        step_seed().add_(1)
+
+
+INNER_FORWARD = "_hf_actq_embedding_forward"
+
+
+def step_seed_forward(self, *args, **kwargs):
+    """The forward ``apply`` binds onto a model's input embedding: advance, then embed. Also
+    in eager, since layers compiled one by one read the seed while the model runs eagerly."""
+    advance_step_seed()
+    return self.__dict__[INNER_FORWARD](*args, **kwargs)
+
+
+def start_step_seed(model: torch.nn.Module):
+    """Mark ``model``'s packs as advanced per forward; returns the undo."""
+    # Started from torch's seed (salted with the rank, as every seed) without drawing from
+    # its generator: ``torch.manual_seed`` reproduces a compiled run, and patching a model does
+    # not move the RNG stream that dropout and the data order use.
+    start = (torch.initial_seed() + process_rank() * _RANK_STRIDE) % _SEED_MODULUS
+    step_seed().fill_(start)
+    _ADVANCING_MODELS.add(model)
+    return lambda: _ADVANCING_MODELS.discard(model)
+
+
+@torch.compiler.assume_constant_result
+def _step_seed_advances() -> bool:
+    # Decided at trace time: a live patched model advances the step seed.
+    return len(_ADVANCING_MODELS) > 0
+
+
+_PEFT_WRAPPERS = re.compile(r"\.(base_layer|lora_[AB]\.[^.:]+)(?=[.:])")
+
+
+def sharing_group(slot: str) -> str:
+    """The seed key of a linear input slot: the linears of one parent module, PEFT's wrappers
+    left out, may share their input. ``self_attn.q_proj:input``,
+    ``self_attn.k_proj.base_layer:input`` and ``self_attn.k_proj.lora_A.default:input`` are
+    one group (``self_attn:input``). ``o_proj``'s input, another tensor, joins it too: that
+    correlates the rounding errors of two weights' gradients, which no backward multiplies
+    together (a linear's saved input makes its weight's gradient only). Other slots (norm
+    inputs, attention's q and k) keep keys of their own."""
+    path, _, name = _PEFT_WRAPPERS.sub("", slot).rpartition(":")
+    return f"{path.rpartition('.')[0]}:{name}"
+
+
+@torch.compiler.assume_constant_result
+def _key_salt(key: str) -> int:
+    # Called eagerly at trace time (dynamo cannot trace zlib); a constant of the key.
+    return zlib.crc32(key.encode())
+
+
+def _keyed_seed(seed: torch.Tensor, key: str) -> torch.Tensor:
+    # A nonlinear mix (lowbias32's steps, mod the seed range), so that two keys' seeds are not
+    # a fixed offset apart, which would shift one noise stream onto the other.
+    mixed = seed ^ _key_salt(key)
+    mixed = (mixed * 0x7FEB352D) % _SEED_MODULUS
+    mixed = mixed ^ (mixed >> 15)
+    return (mixed * 0x846CA68B) % _SEED_MODULUS
+
+
+def traced_pack(x: torch.Tensor, codec: Codec, seed_key: str | None = None) -> Packed:
     """:meth:`PackCache.pack` in a torch.compile trace: one traced op (``hf_actq::pack``) per
-    consumer, with no reuse. Each autograd Function is traced as a subgraph of its own, which
-    cannot use a tensor another one made, so consumers of a shared input (q/k/v, gate/up) each
-    keep a copy, and stochastic ones round with seeds of their own."""
+    consumer. Each autograd Function is traced as a subgraph of its own, which cannot use a
+    tensor another one made, so there is no cache to reuse. Instead, a stochastic codec rounds
+    with a seed mixed from the step seed and ``seed_key``, the slot or, for linear inputs,
+    its :func:`sharing_group`: consumers of a shared input (q/k/v, gate/up, LoRA A and its
+    base) then make identical pack ops, which AOTAutograd's common-subexpression pass merges
+    into one that backward keeps once, as the eager cache would. Without a key, or while no
+    patched model advances the step seed (ops used on their own), each pack draws its own.
+    """
     from hf_actq.codecs.library import compiled_pack
 
-    seed = draw_seed_tensor() if codec.uses_rng else None
+    seed = None
+    if codec.uses_rng:
+        if seed_key is None or not _step_seed_advances():
+            seed = draw_seed_tensor()
+        else:
+            seed = _keyed_seed(step_seed(), seed_key)
     return codec.pack(x) if codec.name == "exact" else compiled_pack(x, codec, seed)

@@ -32,7 +32,7 @@ class CompressedLinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.weight_grad = weight.requires_grad
         if ctx.weight_grad:
-            packed = state.pack(x, slot)
+            packed = state.pack(x, slot, linear_input=True)
             ctx.header = packed.with_tensors(())
             ctx.save_for_backward(weight, *packed.tensors)
         else:

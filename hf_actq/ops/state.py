@@ -66,9 +66,10 @@ class OpState:
     def slot_id(self, slot: str) -> str:
         return f"{self.path}:{slot}"
 
-    def pack(self, x: torch.Tensor, slot: str):
-        """Pack ``x`` into ``slot`` with the slot's codec (through the shared cache)."""
-        return self.cache.pack(x, self.codecs[slot], self.slot_id(slot))
+    def pack(self, x: torch.Tensor, slot: str, linear_input: bool = False):
+        """Pack ``x`` into ``slot`` with the slot's codec (through the shared cache).
+        ``linear_input``: ``x`` is a linear layer's input, which sibling linears may share."""
+        return self.cache.pack(x, self.codecs[slot], self.slot_id(slot), linear_input)
 
 
 def default_state(plain, codec: Codec | None, cache: PackCache | None, slots, **extra) -> OpState:

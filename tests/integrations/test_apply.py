@@ -1,3 +1,4 @@
+import copy
 import logging
 
 import pytest
@@ -7,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
+from hf_actq.ops import dedup
 
 SMALL = {
     "bert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
@@ -598,6 +600,28 @@ def test_apply_does_not_touch_the_global_rng():
     handle = hf_actq.apply(model, bits=4)
     assert torch.equal(torch.get_rng_state(), state)
     handle.revert()
+
+
+def test_the_step_seed_advances_in_the_embedding_of_each_copy_and_reverts():
+    model = _model("llama")
+    embedding = model.get_input_embeddings()
+    handle = hf_actq.apply(model, bits=4)
+    seed = dedup.step_seed()
+    start = seed.item()
+    copied = copy.deepcopy(model)
+    ids = torch.tensor([[5, 6, 7]])
+    model(input_ids=ids)
+    copied(input_ids=ids)
+    assert seed.item() == start + 2
+    # The copy's embedding runs the copy's weights, not the original's.
+    with torch.no_grad():
+        copied.get_input_embeddings().weight.zero_()
+    assert copied.get_input_embeddings()(ids).abs().sum() == 0 < embedding(ids).abs().sum()
+    handle.revert()
+    assert "forward" not in embedding.__dict__ and dedup.INNER_FORWARD not in embedding.__dict__
+    before = seed.item()
+    model(input_ids=ids)
+    assert seed.item() == before
 
 
 @pytest.mark.slow

@@ -66,10 +66,12 @@ def _gradients(base, batch, config, compiled):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
 def test_compiled_gradients_equal_the_eager_patched_gradients(build, recipe, monkeypatch):
-    # A trace packs a shared input (q/k/v, gate/up) once per consumer, each with its own seed;
-    # eager reuses the first consumer's codes. With reuse off the two draw the same seeds in
-    # the same order, so stochastic rounding is compared exactly too.
+    # A trace rounds a shared input (q/k/v, gate/up) once with a seed mixed from the step
+    # seed; eager reuses the first consumer's codes. With reuse and the step seed off every
+    # pack draws its own seed, in the same order in both, so stochastic rounding is compared
+    # exactly too.
     monkeypatch.setattr(dedup._Entry, "reuse", lambda self, x, codec: None)
+    monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
     torch._dynamo.reset()
     base, batch = build()
     eager_loss, eager = _gradients(base, batch, RECIPES[recipe], compiled=False)
@@ -96,6 +98,53 @@ def test_compiled_gradients_differ_from_eager_only_by_the_shared_inputs_seeds():
         cosines[compiled] = torch.nn.functional.cosine_similarity(flat, approx, 0).item()
     assert cosines[False] > 0.9 and cosines[True] > 0.9
     assert abs(cosines[True] - cosines[False]) < 0.05
+
+
+def test_compiled_consumers_of_a_shared_input_keep_it_packed_once(monkeypatch):
+    """q, k and v (and gate and up) round their common input with one seed under compile, so
+    the compiler merges their pack ops and backward keeps one packed copy per layer."""
+    base, batch = _llama()
+    saved = {}
+    for shared in (True, False):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if not shared:  # what the trace did before: every pack with a seed of its own
+            monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
+        handle = hf_actq.apply(model, RECIPES["uniform"])
+        loss = torch.compile(model, backend="aot_eager")(**batch).loss
+        saved[shared] = graph_saved_bytes(loss, exclude=model.parameters())
+        loss.backward()
+        handle.revert()
+        assert not model._forward_pre_hooks and not model._forward_hooks
+    config = model.config
+    hidden = torch.zeros(batch["input_ids"].numel(), config.hidden_size)
+    one_copy = RECIPES["uniform"].make_codec().pack(hidden).nbytes
+    # At least k's and v's copies of the attention input go, in every layer.
+    assert saved[True] <= saved[False] - 2 * config.num_hidden_layers * one_copy, saved
+
+
+def test_compiled_rounding_is_fresh_each_forward_and_accumulates():
+    """The step seed advances with every forward, so micro-batches (and steps) round with new
+    noise, and their backwards may run after later forwards (gradient accumulation keeps two
+    graphs alive) although the seed was changed in place since."""
+    torch._dynamo.reset()
+    base, batch = _llama()
+    exact = copy.deepcopy(base)
+    exact(**batch).loss.backward()
+    expected = torch.cat([p.grad.flatten() for p in exact.parameters()])
+    model = copy.deepcopy(base)
+    hf_actq.apply(model, RECIPES["uniform"])
+    compiled = torch.compile(model, backend="aot_eager")
+    first, second = compiled(**batch).loss, compiled(**batch).loss
+    torch.testing.assert_close(first, second)  # exact forward, the same batch
+    grads = []
+    for loss in (first, second):
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
+        model.zero_grad()
+    assert not torch.equal(grads[0], grads[1])
+    for grad in grads:
+        assert torch.nn.functional.cosine_similarity(grad, expected, 0) > 0.9
 
 
 def test_dropout_under_compile_runs_the_stock_ops_without_a_break():
@@ -207,7 +256,9 @@ def test_lora_dropout_adds_no_break_to_packed_checkpointing():
 @pytest.mark.parametrize(
     "build", [_llama, _bert, _lora_llama, _t5], ids=["llama", "bert", "lora", "t5"]
 )
-def test_compiled_packed_checkpointing_gradients_equal_the_eager_ones(build):
+def test_compiled_packed_checkpointing_gradients_equal_the_eager_ones(build, monkeypatch):
+    # Without the step seed, traced packs draw their seeds from torch's RNG as eager does.
+    monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
     torch._dynamo.reset()
     base, batch = build()
     eager_loss, eager = _gradients(base, batch, CHECKPOINT, compiled=False)
@@ -262,6 +313,7 @@ def test_compiled_moe_experts_gradients_equal_the_eager_ones(monkeypatch):
     from test_more_models import _build
 
     monkeypatch.setattr(dedup._Entry, "reuse", lambda self, x, codec: None)
+    monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
     torch._dynamo.reset()
     base, batch = _build("mixtral")
     config = ActQConfig.from_recipe("uniform", bits=4)

@@ -8,7 +8,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hf_actq.codecs import AverageQuantCodec, uniform
-from hf_actq.ops.dedup import PackCache
+from hf_actq.ops import dedup
+from hf_actq.ops.dedup import PackCache, sharing_group
 from hf_actq.ops.linear import CompressedLinear
 
 
@@ -77,3 +78,33 @@ def test_inference_tensors_are_packed_without_caching():
         x = torch.randn(4, 32)
     linear(x).sum().backward()  # grad enabled, weight trainable: x is packed
     assert linear.weight.grad is not None and len(cache) == 0
+
+
+def test_traced_packs_key_their_seeds_by_sharing_group_for_linear_inputs_only(monkeypatch):
+    """Under compile, the linears of one parent (q/k/v, also through PEFT's wrappers) round
+    with one seed key, so their identical pack ops merge; any other slot (a norm's input, the
+    attention op's q and k, multiplied together in backward) keeps a key of its own."""
+    keys = []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(dedup, "traced_pack", lambda x, codec, key: keys.append(key))
+    layer = "model.layers.3"
+    linears = [
+        f"{layer}.self_attn.q_proj:input",
+        f"{layer}.self_attn.k_proj.base_layer:input",
+        f"{layer}.self_attn.k_proj.lora_A.default:input",
+        f"{layer}.self_attn.v_proj.lora_B.adapter_2:input",
+    ]
+    others = [
+        f"{layer}.input_layernorm:input",
+        f"{layer}.post_attention_layernorm:input",
+        f"{layer}.self_attn:q",
+        f"{layer}.self_attn:k",
+    ]
+    cache, x, codec = PackCache(), torch.randn(2, 8), uniform(4)
+    for slot in linears:
+        cache.pack(x, codec, slot, linear_input=True)
+    for slot in others:
+        cache.pack(x, codec, slot)
+    assert keys == [f"{layer}.self_attn:input"] * len(linears) + others
+    # Another layer's linears: another key.
+    assert sharing_group(linears[0]) != sharing_group(linears[0].replace(".3.", ".4."))
