@@ -21,7 +21,7 @@ from hf_actq.ops.deberta_attention import (
     CompressedDisentangledSelfAttention,
     is_disentangled_attention,
 )
-from hf_actq.ops.state import STATE, OpState, set_state
+from hf_actq.ops.state import OpState, remove_state, set_state
 
 # Config attributes that hold the attention-probability dropout, by model family.
 _ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
@@ -82,7 +82,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         handle.describers[path] = describe
         handle.patched[path] = describe()
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
-        handle._undo.append(functools.partial(module.__dict__.pop, STATE, None))
+        handle._undo.append(functools.partial(remove_state, module))
         own_config = getattr(module, "config", None)
         if own_config is not None and hasattr(own_config, "_attn_implementation"):
             configs.setdefault(id(own_config), own_config)

@@ -17,6 +17,7 @@ import re
 
 from torch import nn
 
+from hf_actq.integrations.patching import MISSING
 from hf_actq.ops.packed_checkpoint import (
     Reparametrized,
     make_dropouts_replayable,
@@ -24,8 +25,6 @@ from hf_actq.ops.packed_checkpoint import (
 )
 
 logger = logging.getLogger("hf_actq")
-
-_MISSING = object()
 
 
 def checkpointed_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -61,25 +60,16 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
             type(model).__name__,
         )
         return {}
+    # The instance attributes as they were (MISSING: the class's), so revert leaves no trace.
     before = {
-        module: (
-            module.gradient_checkpointing,
-            module.__dict__.get("_gradient_checkpointing_func", _MISSING),
-        )
+        module: {name: module.__dict__.get(name, MISSING) for name in _CHECKPOINTING_ATTRIBUTES}
         for module in model.modules()
         if hasattr(module, "gradient_checkpointing")
     }
-
-    def undo():
-        for module, (flag, func) in before.items():
-            module.gradient_checkpointing = flag
-            if func is _MISSING:
-                module.__dict__.pop("_gradient_checkpointing_func", None)
-            else:
-                module._gradient_checkpointing_func = func
-
-    handle._undo.append(undo)
+    handle._undo.append(functools.partial(_restore, before))
     if not any(layer.gradient_checkpointing for layer in layers.values()):
+        hook_attributes = {name: model.__dict__.get(name, MISSING) for name in _HOOK_ATTRIBUTES}
+        hooks_before = list(getattr(model, "_require_grads_hooks", None) or ())
         turn_on = getattr(model, "activation_checkpointing_enable", None)
         if turn_on is not None:
             turn_on(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -87,11 +77,53 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        # Turning checkpointing on may make the input embeddings require grad (hooks); revert
+        # removes those, and only those.
+        added = [
+            hook
+            for hook in getattr(model, "_require_grads_hooks", None) or ()
+            if hook not in hooks_before
+        ]
+        if added:
+            handle._undo.append(
+                functools.partial(_remove_input_grad_hooks, model, added, hook_attributes)
+            )
     if not config.compress_checkpointed:
         # PEFT's LoRA dropouts replay their masks in the traced form (torch.compile).
         handle._undo.extend(make_dropouts_replayable(layer) for layer in layers.values())
     install(layers, config)
     return layers
+
+
+_CHECKPOINTING_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+
+def _restore(before: dict) -> None:
+    for module, attributes in before.items():
+        for name, value in attributes.items():
+            if value is MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+
+
+# Where transformers' enable_input_require_grads keeps its hooks on the model.
+_HOOK_ATTRIBUTES = ("_require_grads_hooks", "_require_grads_hook")
+
+
+def _remove_input_grad_hooks(model: nn.Module, added: list, attributes: dict) -> None:
+    for hook in added:
+        hook.remove()
+    hooks = [hook for hook in model.__dict__.get("_require_grads_hooks", ()) if hook not in added]
+    if hooks:  # some were added after apply: they stay
+        model._require_grads_hooks = hooks
+        model._require_grads_hook = hooks[0]
+        return
+    for name, value in attributes.items():
+        if value is MISSING:
+            model.__dict__.pop(name, None)
+        else:
+            model.__dict__[name] = value
 
 
 def install(layers: dict[str, nn.Module], config) -> None:

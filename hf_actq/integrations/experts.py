@@ -14,7 +14,7 @@ from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.integrations.layers import slot_activation, slot_codec
 from hf_actq.ops.moe_experts import SLOTS, register_experts, supports_experts
-from hf_actq.ops.state import STATE, OpState, set_state
+from hf_actq.ops.state import OpState, remove_state, set_state
 
 # Implementations the compressed op may stand in for: transformers' own CPU/GPU paths (their
 # grouped matmuls are what the op runs). Vendor kernels (deepgemm, sonicmoe) stay as chosen.
@@ -52,7 +52,7 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
         handle.describers[path] = describe
         handle.patched[path] = describe()
         handle.add_slots(state, {"act": "activation", "gate": "mlp", "up": "mlp"})
-        handle._undo.append(functools.partial(module.__dict__.pop, STATE, None))
+        handle._undo.append(functools.partial(remove_state, module))
         configs.setdefault(id(module.config), module.config)
         claimed[module.act_fn] = "the MoE experts op computes it"
     if not configs:

@@ -9,6 +9,8 @@ one implementation. Each slot takes the config's codec unless a per-slot setting
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from hf_actq.codecs.packed import ExactCodec
@@ -86,7 +88,9 @@ def patch_layers(
             else:
                 default = codec if codecs is None else codecs[slot]
                 state.codecs[slot] = slot_codec(config, slot_id, default)
-        if bind_forward(module, op_forward, state, path, lambda: describe(state), handle):
+        if bind_forward(
+            module, op_forward, state, path, functools.partial(describe, state), handle
+        ):
             handle.add_slots(state, kinds)
             return True
         return False

@@ -12,6 +12,7 @@ instance-level ``forward`` is a wrapper we cannot see into, and the module is le
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -21,7 +22,25 @@ from hf_actq.ops.state import STATE, OpState, set_state
 
 logger = logging.getLogger("hf_actq")
 
-_MISSING = object()
+# Where a patch keeps what ``print(model)`` shows after the module's own extra_repr.
+DESCRIBE = "_hf_actq_describe"
+
+
+class _Missing:
+    """Marks an attribute that was not there before a patch: one object that copies of a
+    patched model share, so that an undo copied with the model still recognises it."""
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING = _Missing()
 
 
 def _forward_attribute(module: nn.Module) -> str | None:
@@ -47,38 +66,41 @@ def bind_forward(module, op_forward, state: OpState, path: str, describe, handle
             type(module).__name__,
         )
         return False
-    previous = module.__dict__.get(attribute, _MISSING)
+    previous = module.__dict__.get(attribute, MISSING)
     # What runs when nothing is kept for backward: the forward this one replaces.
     state.plain = (
-        previous if previous is not _MISSING else types.MethodType(type(module).forward, module)
+        previous if previous is not MISSING else types.MethodType(type(module).forward, module)
     )
     bound = types.MethodType(op_forward, module)
     module.__dict__[attribute] = bound
     set_state(module, state)
-    base_repr = type(module).extra_repr
-
-    def extra_repr(self=module):
-        inner = base_repr(self)
-        return f"{inner}, hf_actq={describe()}" if inner else f"hf_actq={describe()}"
-
-    module.__dict__["extra_repr"] = extra_repr
+    module.__dict__[DESCRIBE] = describe
+    module.__dict__["extra_repr"] = types.MethodType(_patched_extra_repr, module)
     handle.describers[path] = describe
     handle.patched[path] = describe()
-
-    def undo():
-        # A hook added or removed after apply moved our forward between the two attributes;
-        # wherever it is now, what it replaced goes back there.
-        for name in ("forward", "_old_forward"):
-            if module.__dict__.get(name) is bound:
-                if name == attribute and previous is _MISSING:
-                    del module.__dict__[name]
-                else:
-                    module.__dict__[name] = state.plain
-                break
-        else:
-            logger.warning("hf_actq: %s's forward was replaced after apply; left as it is", path)
-        for name in (STATE, "extra_repr"):
-            module.__dict__.pop(name, None)
-
-    handle._undo.append(undo)
+    # Bound methods and partials, not closures, throughout: ``copy.deepcopy`` of a patched
+    # model rebinds them to the copy's modules, so the copy runs and reverts on its own.
+    handle._undo.append(functools.partial(_unbind, module, attribute, previous, bound, state, path))
     return True
+
+
+def _patched_extra_repr(module) -> str:
+    inner = type(module).extra_repr(module)
+    described = f"hf_actq={module.__dict__[DESCRIBE]()}"
+    return f"{inner}, {described}" if inner else described
+
+
+def _unbind(module, attribute: str, previous, bound, state: OpState, path: str) -> None:
+    # A hook added or removed after apply moved our forward between the two attributes;
+    # wherever it is now, what it replaced goes back there.
+    for name in ("forward", "_old_forward"):
+        if module.__dict__.get(name) is bound:
+            if name == attribute and previous is MISSING:
+                del module.__dict__[name]
+            else:
+                module.__dict__[name] = state.plain
+            break
+    else:
+        logger.warning("hf_actq: %s's forward was replaced after apply; left as it is", path)
+    for name in (STATE, DESCRIBE, "extra_repr"):
+        module.__dict__.pop(name, None)

@@ -10,6 +10,7 @@ through the generic path with a warning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from dataclasses import dataclass, field
@@ -203,20 +204,20 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
         handle._undo.append(hook.remove)
         return
     previous = embedding.__dict__.get(attribute)  # accelerate's hook wrapper calls this one
-    # Bound methods, not closures: deepcopy rebinds them to the copy.
+    # Bound methods and partials, not closures: deepcopy rebinds them to the copy.
     embedding.__dict__[dedup.INNER_FORWARD] = previous or types.MethodType(
         type(embedding).forward, embedding
     )
     bound = types.MethodType(dedup.step_seed_forward, embedding)
     embedding.__dict__[attribute] = bound
+    handle._undo.append(functools.partial(_stop_advancing_in, embedding, previous, bound))
 
-    def undo() -> None:
-        for name in ("forward", "_old_forward"):
-            if embedding.__dict__.get(name) is bound:
-                if previous is None:
-                    del embedding.__dict__[name]
-                else:
-                    embedding.__dict__[name] = previous
-        embedding.__dict__.pop(dedup.INNER_FORWARD, None)
 
-    handle._undo.append(undo)
+def _stop_advancing_in(embedding: nn.Module, previous, bound) -> None:
+    for name in ("forward", "_old_forward"):
+        if embedding.__dict__.get(name) is bound:
+            if previous is None:
+                del embedding.__dict__[name]
+            else:
+                embedding.__dict__[name] = previous
+    embedding.__dict__.pop(dedup.INNER_FORWARD, None)

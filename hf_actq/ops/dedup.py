@@ -15,6 +15,7 @@ section during a garbage collection.
 
 from __future__ import annotations
 
+import copy
 import re
 import weakref
 import zlib
@@ -178,15 +179,29 @@ def step_seed_forward(self, *args, **kwargs):
     return self.__dict__[INNER_FORWARD](*args, **kwargs)
 
 
-def start_step_seed(model: torch.nn.Module):
+def start_step_seed(model: torch.nn.Module) -> _Advancing:
     """Mark ``model``'s packs as advanced per forward; returns the undo."""
     # Started from torch's seed (salted with the rank, as every seed) without drawing from
     # its generator: ``torch.manual_seed`` reproduces a compiled run, and patching a model does
     # not move the RNG stream that dropout and the data order use.
     start = (torch.initial_seed() + process_rank() * _RANK_STRIDE) % _SEED_MODULUS
     step_seed().fill_(start)
-    _ADVANCING_MODELS.add(model)
-    return lambda: _ADVANCING_MODELS.discard(model)
+    return _Advancing(model)
+
+
+class _Advancing:
+    """``model`` counts as advancing the step seed until this is called (the undo). A deep
+    copy of the patched model, which copies its embedding's forward, counts as well."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        _ADVANCING_MODELS.add(model)
+
+    def __call__(self) -> None:
+        _ADVANCING_MODELS.discard(self.model)
+
+    def __deepcopy__(self, memo) -> _Advancing:
+        return _Advancing(copy.deepcopy(self.model, memo))
 
 
 @torch.compiler.assume_constant_result

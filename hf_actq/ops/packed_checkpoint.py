@@ -199,12 +199,13 @@ def make_dropouts_replayable(layer: torch.nn.Module):
         module.register_buffer(REPLAY_KEY, torch.empty(0, dtype=torch.int32), persistent=False)
         module.forward = functools.partial(_replayable_dropout, module)
 
-    def undo():
-        for module in qualifying:
-            module._buffers.pop(REPLAY_KEY, None)
-            module.__dict__.pop("forward", None)
+    return functools.partial(_stop_replaying, qualifying)  # not a closure: see patching.py
 
-    return undo
+
+def _stop_replaying(dropouts: list) -> None:
+    for module in dropouts:
+        module._buffers.pop(REPLAY_KEY, None)
+        module.__dict__.pop("forward", None)
 
 
 def _replayable_dropout(module: torch.nn.Dropout, x: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,10 @@ def set_state(module: nn.Module, state: OpState) -> None:
     module.__dict__[STATE] = state
 
 
+def remove_state(module: nn.Module) -> None:
+    module.__dict__.pop(STATE, None)
+
+
 def wants_backward(*tensors) -> bool:
     """Whether autograd will record this op: grad enabled and any tensor requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

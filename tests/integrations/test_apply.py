@@ -617,11 +617,59 @@ def test_the_step_seed_advances_in_the_embedding_of_each_copy_and_reverts():
     with torch.no_grad():
         copied.get_input_embeddings().weight.zero_()
     assert copied.get_input_embeddings()(ids).abs().sum() == 0 < embedding(ids).abs().sum()
+    assert model in dedup._ADVANCING_MODELS and copied in dedup._ADVANCING_MODELS
+    hf_actq.revert(copied)
+    assert model in dedup._ADVANCING_MODELS and copied not in dedup._ADVANCING_MODELS
     handle.revert()
     assert "forward" not in embedding.__dict__ and dedup.INNER_FORWARD not in embedding.__dict__
     before = seed.item()
     model(input_ids=ids)
     assert seed.item() == before
+
+
+def _patch_traces(model):
+    """What patching may change on a model's instances: per module the names in its
+    ``__dict__`` and buffers, its checkpointing flag, forward hooks, and its config's kernels."""
+    traces = {}
+    for path, module in model.named_modules():
+        config = getattr(module, "config", None)
+        traces[path] = (
+            sorted(module.__dict__),
+            sorted(module._buffers),
+            getattr(module, "gradient_checkpointing", None),
+            len(module._forward_pre_hooks) + len(module._forward_hooks),
+            getattr(config, "_attn_implementation", None),
+            getattr(config, "_experts_implementation", None),
+        )
+    return traces
+
+
+@pytest.mark.parametrize(
+    ("model_type", "recipe"), [("llama", "uniform"), ("bert", "checkpoint"), ("gpt2", "fewbit")]
+)
+def test_a_deepcopy_of_a_patched_model_runs_and_reverts_on_its_own(model_type, recipe):
+    """Copies of a patched model (an EMA model, a reference model for DPO) are patched copies:
+    reverting one leaves the other patched, and each reverts to its unpatched self."""
+    model = _model(model_type)
+    batch = _batch(model_type)
+    logits, grads, nbytes = _step(model, batch)  # installs transformers' own hooks too
+    unpatched = _patch_traces(model)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe))
+    patched = _patch_traces(model)
+    assert patched != unpatched
+    copied = copy.deepcopy(model)
+    assert _patch_traces(copied) == patched and repr(copied) == repr(model)
+    assert _step(copied, batch)[2] < nbytes
+    hf_actq.revert(copied)
+    assert _patch_traces(copied) == unpatched
+    assert _patch_traces(model) == patched and "hf_actq=" in repr(model)
+    copied_logits, copied_grads, copied_bytes = _step(copied, batch)
+    assert torch.equal(copied_logits, logits) and copied_bytes == nbytes
+    for a, b in zip(copied_grads, grads):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert _step(model, batch)[2] < nbytes
+    handle.revert()
+    assert _patch_traces(model) == unpatched
 
 
 @pytest.mark.slow
