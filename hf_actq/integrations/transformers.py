@@ -112,7 +112,7 @@ class ActQHandle:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The HF model inside DDP/FSDP/accelerate and PEFT wrappers."""
+    """The HF model inside DDP/FSDP/accelerate, PEFT and ``torch.compile`` wrappers."""
     seen = set()
     while id(model) not in seen:
         seen.add(id(model))
@@ -120,6 +120,10 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model.get_base_model()
         elif isinstance(getattr(model, "module", None), nn.Module):
             model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            # torch.compile's OptimizedModule: patching the module it wraps keeps the slot ids
+            # (and plans) of the uncompiled model; dynamo recompiles on the changed forwards.
+            model = model._orig_mod
     return model
 
 

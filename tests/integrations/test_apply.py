@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceC
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
+from hf_actq.memory.meter import graph_saved_bytes
 from hf_actq.ops import dedup
 
 SMALL = {
@@ -670,6 +671,23 @@ def test_a_deepcopy_of_a_patched_model_runs_and_reverts_on_its_own(model_type, r
     assert _step(model, batch)[2] < nbytes
     handle.revert()
     assert _patch_traces(model) == unpatched
+
+
+def test_apply_to_a_compiled_model_patches_the_model_it_wraps():
+    """``apply(torch.compile(model))`` gives the uncompiled model's slot ids, so its plans
+    fit, and the compiled model then keeps the patched bytes (dynamo recompiles)."""
+    model = _model("llama")
+    batch = _batch("llama")
+    slots = set(hf_actq.apply(copy.deepcopy(model), bits=4).slots)
+    compiled = torch.compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    unpatched = graph_saved_bytes(compiled(**batch).loss, exclude=list(model.parameters()))
+    handle = hf_actq.apply(compiled, bits=4)
+    assert handle.model is model and set(handle.slots) == slots
+    patched = graph_saved_bytes(compiled(**batch).loss, exclude=list(model.parameters()))
+    assert patched < unpatched / 2
+    hf_actq.revert(compiled)
+    assert not handle.patched and getattr(model, "_hf_actq_handle", None) is None
 
 
 @pytest.mark.slow
