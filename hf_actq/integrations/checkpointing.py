@@ -99,6 +99,7 @@ _CHECKPOINTING_ATTRIBUTES = ("gradient_checkpointing", "_gradient_checkpointing_
 
 
 def _restore(before: dict) -> None:
+    """Put back instance attributes: ``{module: {name: value before, or MISSING}}``."""
     for module, attributes in before.items():
         for name, value in attributes.items():
             if value is MISSING:
@@ -119,11 +120,7 @@ def _remove_input_grad_hooks(model: nn.Module, added: list, attributes: dict) ->
         model._require_grads_hooks = hooks
         model._require_grads_hook = hooks[0]
         return
-    for name, value in attributes.items():
-        if value is MISSING:
-            model.__dict__.pop(name, None)
-        else:
-            model.__dict__[name] = value
+    _restore({model: attributes})
 
 
 def install(layers: dict[str, nn.Module], config) -> None:

@@ -90,17 +90,23 @@ def _patched_extra_repr(module) -> str:
     return f"{inner}, {described}" if inner else described
 
 
-def _unbind(module, attribute: str, previous, bound, state: OpState, path: str) -> None:
+def unbind_forward(module, attribute: str, previous, bound, plain, path: str) -> None:
+    """Undo ``module.__dict__[attribute] = bound``, where ``previous`` was there before
+    (``MISSING`` if nothing) and ``plain`` is what ``bound`` stands in for."""
     # A hook added or removed after apply moved our forward between the two attributes;
-    # wherever it is now, what it replaced goes back there.
+    # wherever it is now, what it replaced goes back there (accelerate's wrapper calls
+    # ``_old_forward``, so that one is never left empty).
     for name in ("forward", "_old_forward"):
         if module.__dict__.get(name) is bound:
             if name == attribute and previous is MISSING:
                 del module.__dict__[name]
             else:
-                module.__dict__[name] = state.plain
-            break
-    else:
-        logger.warning("hf_actq: %s's forward was replaced after apply; left as it is", path)
+                module.__dict__[name] = plain
+            return
+    logger.warning("hf_actq: %s's forward was replaced after apply; left as it is", path)
+
+
+def _unbind(module, attribute: str, previous, bound, state: OpState, path: str) -> None:
+    unbind_forward(module, attribute, previous, bound, state.plain, path)
     for name in (STATE, DESCRIBE, "extra_repr"):
         module.__dict__.pop(name, None)

@@ -21,7 +21,7 @@ from hf_actq.adaptive.plan import BitPlan
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.integrations import checkpointing
-from hf_actq.integrations.patching import _forward_attribute
+from hf_actq.integrations.patching import MISSING, _forward_attribute, unbind_forward
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
 from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
@@ -207,21 +207,21 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
         hook = model.register_forward_pre_hook(dedup.advance_step_seed)
         handle._undo.append(hook.remove)
         return
-    previous = embedding.__dict__.get(attribute)  # accelerate's hook wrapper calls this one
-    # Bound methods and partials, not closures: deepcopy rebinds them to the copy.
-    embedding.__dict__[dedup.INNER_FORWARD] = previous or types.MethodType(
-        type(embedding).forward, embedding
+    previous = embedding.__dict__.get(attribute, MISSING)  # accelerate's wrapper calls this
+    inner = (
+        previous
+        if previous is not MISSING
+        else types.MethodType(type(embedding).forward, embedding)
     )
+    embedding.__dict__[dedup.INNER_FORWARD] = inner
+    # Bound methods and partials, not closures: deepcopy rebinds them to the copy.
     bound = types.MethodType(dedup.step_seed_forward, embedding)
     embedding.__dict__[attribute] = bound
-    handle._undo.append(functools.partial(_stop_advancing_in, embedding, previous, bound))
+    handle._undo.append(
+        functools.partial(_stop_advancing_in, embedding, attribute, previous, bound, inner)
+    )
 
 
-def _stop_advancing_in(embedding: nn.Module, previous, bound) -> None:
-    for name in ("forward", "_old_forward"):
-        if embedding.__dict__.get(name) is bound:
-            if previous is None:
-                del embedding.__dict__[name]
-            else:
-                embedding.__dict__[name] = previous
+def _stop_advancing_in(embedding: nn.Module, attribute: str, previous, bound, inner) -> None:
+    unbind_forward(embedding, attribute, previous, bound, inner, "the input embedding")
     embedding.__dict__.pop(dedup.INNER_FORWARD, None)

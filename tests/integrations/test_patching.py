@@ -87,9 +87,13 @@ def test_hooks_added_or_removed_after_apply_survive_revert():
     removed = model.model.layers[0].self_attn.k_proj
     accelerate_hooks.add_hook_to_module(removed, accelerate_hooks.ModelHook())
     accelerate_hooks.remove_hook_from_module(removed)
+    # The input embedding carries the step seed's forward (see hf_actq.ops.dedup).
+    embedding = model.get_input_embeddings()
+    accelerate_hooks.add_hook_to_module(embedding, accelerate_hooks.ModelHook())
     handle.revert()
     # The later hook still wraps the stock forward; the removed one left no trace of hf_actq.
     assert added.__dict__["_old_forward"].__func__ is nn.Linear.forward
+    assert embedding.__dict__["_old_forward"].__func__ is nn.Embedding.forward
     assert "_hf_actq" not in added.__dict__ and "_hf_actq" not in removed.__dict__
     assert removed.forward.__func__ is nn.Linear.forward
     model(input_ids=ids, labels=ids).loss.backward()
