@@ -22,6 +22,13 @@ range stays narrow. ``bits / g`` bits per element: ``g=2, bits=2`` is the 1-bit 
 
 Only for tensors whose backward is linear in them (linear-layer inputs): through a norm or a
 softmax, zero-mean noise of that size does not stay zero-mean.
+
+``g = 1`` keeps all 128 coefficients: rotated uniform rounding, the bytes of uniform stochastic
+rounding (plus the 8-byte seed) and no sampling error, only the rounding's, which the rotation
+makes smaller: a block's range is set by its largest value, and rotated, an outlier feature is
+spread thin over 128 coefficients instead of widening its block's step for the 127 values
+beside it (QuaRot's observation, here for stored activations). On the pretrained MiniLM's layer
+inputs (CoLA sentences) 4-bit codes lose 6.5% of the energy unrotated and 1.6% rotated.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from hf_actq.kernels import aq_dequantize, aq_quantize
 from hf_actq.kernels.reference import packed_nbytes
 
 ROTATION = 128
-GROUP_SIZES = (2, 4, 8, 16)
+GROUP_SIZES = (1, 2, 4, 8, 16)
 # Rows of ROTATION values rotated at a time: bounds the fp32 transients to 8 MiB.
 _SLAB_ROWS = 1 << 14
 

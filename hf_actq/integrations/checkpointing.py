@@ -125,7 +125,9 @@ def _remove_input_grad_hooks(model: nn.Module, added: list, attributes: dict) ->
 
 def install(layers: dict[str, nn.Module], config) -> None:
     """Give every checkpointed layer the packed checkpoint function (again)."""
-    codec = config.codec_for_setting({"codec": "uniform", "bits": config.checkpoint_bits})
+    codec = config.codec_for_setting(
+        {"codec": config.checkpoint_codec, "bits": config.checkpoint_bits}
+    )
     random = []
     for path, layer in layers.items():
         # Modules inside a checkpointed layer see checkpointing off: the layer is the unit, and

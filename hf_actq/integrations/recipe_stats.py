@@ -93,7 +93,8 @@ class StepStats(TrainerCallback):
 
 def recipe_label(config: ActQConfig | None) -> str:
     """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1``,
-    ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits), or
+    ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits; ``-rotated``
+    with ``checkpoint_codec="rotated"``), or
     ``custom-...`` for configs made field by field."""
     if config is None:
         return "baseline"
@@ -101,7 +102,8 @@ def recipe_label(config: ActQConfig | None) -> str:
     if config.recipe == "fewbit":
         return f"fewbit-{config.activation_bits}"
     if config.recipe == "checkpoint":
-        return f"checkpoint-{config.checkpoint_bits}"
+        rotated = "-rotated" if config.checkpoint_codec == "rotated" else ""
+        return f"checkpoint-{config.checkpoint_bits}{rotated}"
     if config.recipe == "alam" and not config.adaptive and config.plan is None:
         return f"alam-{bits}-even"
     return f"{config.recipe or 'custom-' + config.codec}-{bits}"

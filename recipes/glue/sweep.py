@@ -40,8 +40,15 @@ RECIPES = {
     "alam-1-even": ["--recipe", "alam", "--bits", "1", "--adaptive", "false"],
     # Packed activation checkpointing: each layer keeps its input at 4 bits and is recomputed.
     "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4"],
-    # Not in the default grid: tells how much of checkpoint-4's loss on CoLA is the 4-bit input.
-    "checkpoint-8": ["--recipe", "checkpoint", "--bits", "8"],
+    # Not in the default grid: the same bytes, the input Hadamard-rotated before rounding.
+    "checkpoint-4-rotated": [
+        "--recipe",
+        "checkpoint",
+        "--bits",
+        "4",
+        "--checkpoint_codec",
+        "rotated",
+    ],
 }
 # The issue's grid: three seeds where the comparison matters, one for the low-bit extremes.
 THREE_SEEDS = [

@@ -18,7 +18,7 @@ def _outlier_features(rows=64, features=256, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(7, 96), (3, 5, 100), (1000,), (4, 256), (0,)])
-@pytest.mark.parametrize("group", [2, 4, 8])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_sizes_dtypes_and_the_bits_it_keeps(shape, dtype, group):
     codec = RotatedSampleCodec(bits=2, group_size=group)
     x = torch.randn(shape).to(dtype)
@@ -28,6 +28,25 @@ def test_sizes_dtypes_and_the_bits_it_keeps(shape, dtype, group):
     assert out.shape == x.shape and out.dtype == dtype
     if shape == (4, 256):  # whole rotations: 2 / group bits per value plus the block metadata
         assert packed.nbytes * 8 / x.numel() <= 2 / group + 0.5 + 64 / x.numel()
+
+
+def test_every_coefficient_kept_rounds_finer_than_uniform_at_its_bytes():
+    """Group 1 (rotated uniform rounding): unbiased, uniform stochastic rounding's bytes plus the
+    seed, and several times less error where a few features are large, since the rotation
+    spreads them over the block that would otherwise round at their scale."""
+    x = _outlier_features()
+    rotated, plain = RotatedSampleCodec(bits=4, group_size=1), AverageQuantCodec(bits=4)
+    assert rotated.nbytes(x.shape) == plain.nbytes(x.shape) + 8
+    energy = x.pow(2).sum()
+
+    def error(codec, seed):
+        return float((codec.pack(x, seed).unpack() - x).pow(2).sum() / energy)
+
+    rotated_error = sum(error(rotated, s) for s in range(8)) / 8
+    plain_error = sum(error(plain, s) for s in range(8)) / 8
+    assert rotated_error < plain_error / 3
+    draws = torch.stack([rotated.pack(x, seed).unpack() for seed in range(200)])
+    assert (draws.mean(0) - x).pow(2).sum() / energy < 2 * rotated_error / 200
 
 
 @pytest.mark.parametrize("group", [2, 4, 8])
@@ -77,8 +96,11 @@ def test_per_slot_settings_give_it_and_the_global_codec_refuses_it():
     codec = config.codec_for_setting(config.setting_for("a.b:input"))
     assert codec == RotatedSampleCodec(bits=2, group_size=4)
     assert make_codec("rotated", group_size=8) == RotatedSampleCodec(bits=2, group_size=8)
-    with pytest.raises(ValueError, match="'rotated' setting's bits must be a number in 1/16..2"):
-        ActQConfig(slots={"a:input": {"codec": "rotated", "bits": 4}})
+    four = ActQConfig(slots={"a:input": {"codec": "rotated", "bits": 4}})
+    assert four.codec_for_setting(four.setting_for("a:input")) == RotatedSampleCodec(4, 1)
+    for bits in (2.5, 9, 0.01, True):
+        with pytest.raises(ValueError, match="'rotated' setting's bits must be a number in 1/16"):
+            ActQConfig(slots={"a:input": {"codec": "rotated", "bits": bits}})
     with pytest.raises(ValueError, match="codec must be one of"):
         ActQConfig(codec="rotated")
     with pytest.raises(ValueError, match="group_size"):
