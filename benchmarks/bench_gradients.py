@@ -23,16 +23,21 @@ over 4 rounding draws each (``--device cuda`` where there is a GPU).
     python benchmarks/bench_gradients.py --minilm-groups [--output ...]
 
 breaks the MiniLM comparison down by parameter group over 6 real MRPC batches (each cell:
-cosine / length ratio / compression noise over minibatch noise; ``measure_minilm_groups``).
+cosine / length ratio / compression noise over minibatch noise; ``measure_minilm_groups``);
+``--task cola --recipes uniform-4 checkpoint-4 checkpoint-4-rotated`` picks the batches and
+columns.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
+import functools
 import json
 import logging
 import os
+import random
 import re
 import sys
 import warnings
@@ -152,10 +157,16 @@ def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
 
 
 CHECKPOINT_RECIPES = {
-    "checkpoint 8": lambda: ActQConfig.from_recipe("checkpoint", bits=8),
-    "checkpoint 4": lambda: ActQConfig.from_recipe("checkpoint", bits=4),
-    "checkpoint 3": lambda: ActQConfig.from_recipe("checkpoint", bits=3),
-    "checkpoint 2": lambda: ActQConfig.from_recipe("checkpoint", bits=2),
+    **{
+        f"checkpoint {b}{label}": functools.partial(
+            ActQConfig.from_recipe, "checkpoint", bits=b, checkpoint_codec=codec
+        )
+        for codec, label, bits in (
+            ("uniform", "", (8, 4, 3, 2)),
+            ("rotated", ", rotated", (4, 3, 2)),
+        )
+        for b in bits
+    },
     "uniform 4": lambda: ActQConfig.from_recipe("uniform", bits=4),
     "alam 1, even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     "alam 1, adaptive": lambda: ActQConfig.from_recipe("alam", bits=1),
@@ -256,7 +267,38 @@ GROUP_RECIPES = {
     "alam-1-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     # The backward chain at 4 bits, linear inputs at rotated 1 bit (bench_glue's definition).
     "alam-chain-safe": lambda: __import__("bench_glue").RECIPES["alam-chain-safe"](),
+    # Packed activation checkpointing (measured in train mode with dropout off, see below).
+    "checkpoint-4": lambda: ActQConfig.from_recipe(
+        "checkpoint", bits=4, checkpoint_codec="uniform"
+    ),
+    "checkpoint-4-rotated": lambda: ActQConfig.from_recipe(
+        "checkpoint", bits=4, checkpoint_codec="rotated"
+    ),
 }
+DEFAULT_GROUP_RECIPES = [r for r in GROUP_RECIPES if not r.startswith("checkpoint")]
+
+
+def _task_rows(glue_dir: str, task: str) -> list[tuple]:
+    """MRPC's training pairs (bench_glue's reader) or CoLA's sentences (no header row)."""
+    import bench_glue
+
+    if task == "mrpc":
+        return bench_glue.read_split(Path(glue_dir), "mrpc", "train")
+    with open(Path(glue_dir) / "CoLA" / "train.tsv", encoding="utf-8") as file:
+        rows = csv.reader(file, delimiter="\t", quoting=csv.QUOTE_NONE)
+        return [(r[3], None, int(r[1])) for r in rows if len(r) > 3]
+
+
+def _task_batches(tokenizer, rows, batch_size, count):
+    """``count`` batches of ``rows`` in bench_glue's order (shuffled with seed 0)."""
+    order = list(range(len(rows)))
+    random.Random(0).shuffle(order)
+    for start in range(0, count * batch_size, batch_size):
+        chunk = [rows[i] for i in order[start : start + batch_size]]
+        second = None if chunk[0][1] is None else [r[1] for r in chunk]
+        enc = tokenizer([r[0] for r in chunk], second, padding=True, truncation=True,
+                        max_length=128, return_tensors="pt")  # fmt: skip
+        yield dict(enc, labels=torch.tensor([r[2] for r in chunk]))
 
 
 def _parameter_group(name: str) -> str:
@@ -265,9 +307,16 @@ def _parameter_group(name: str) -> str:
     return re.sub(r"^(bert\.)?(encoder\.layer\.\d+\.)?", "", name)
 
 
-def measure_minilm_groups(glue_dir: str, batches: int = 6, device: str = "cpu") -> dict:
-    """Per parameter group (one parameter across the six layers), on ``batches`` real MRPC
-    batches of 32 (eval mode): the mean cosine of one compressed draw with the exact gradient,
+def measure_minilm_groups(
+    glue_dir: str,
+    batches: int = 6,
+    device: str = "cpu",
+    task: str = "mrpc",
+    recipes: list[str] | None = None,
+) -> dict:
+    """Per parameter group (one parameter across the six layers), on ``batches`` real MRPC (or
+    CoLA) batches of 32 (eval mode; train mode with every dropout at 0 when a checkpoint recipe
+    is measured, as HF checkpoints only in training): the mean cosine of one compressed draw with the exact gradient,
     its mean length over the exact one (above 1: noise; below 1 with a low cosine: a shrunken,
     biased gradient), and the compression error's energy over the minibatch noise's (the spread
     of the exact gradients across the batches): at 1 the compression doubles the gradient's
@@ -276,10 +325,20 @@ def measure_minilm_groups(glue_dir: str, batches: int = 6, device: str = "cpu") 
     import bench_glue
     from transformers import AutoTokenizer
 
+    recipes = recipes or DEFAULT_GROUP_RECIPES
     tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
-    pairs = bench_glue.read_split(Path(glue_dir), "mrpc", "train")
-    stream = bench_glue.batches(tokenizer, pairs, 32, shuffle_seed=0)
-    data = [{k: v.to(device) for k, v in next(stream).items()} for _ in range(batches)]
+    stream = _task_batches(tokenizer, _task_rows(glue_dir, task), 32, batches)
+    data = [{k: v.to(device) for k, v in b.items()} for b in stream]
+    train_mode = any(recipe.startswith("checkpoint") for recipe in recipes)
+
+    def model():
+        net = minilm_model(device)
+        if train_mode:
+            net.train()
+            for module in net.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+        return net
 
     def gradients(net, batch, seed):
         net.zero_grad()
@@ -290,13 +349,13 @@ def measure_minilm_groups(glue_dir: str, batches: int = 6, device: str = "cpu") 
             groups.setdefault(_parameter_group(name), []).append(p.grad.flatten())
         return {k: torch.cat(v).double() for k, v in groups.items()}
 
-    exact = [gradients(minilm_model(device), b, 0) for b in data]
+    exact = [gradients(model(), b, 0) for b in data]
     mean = {k: sum(e[k] for e in exact) / batches for k in exact[0]}
     minibatch = {k: sum(float((e[k] - mean[k]).pow(2).sum()) for e in exact) for k in mean}
     rows: dict[str, dict] = {k: {} for k in mean}
-    for recipe, make in GROUP_RECIPES.items():
-        net = minilm_model(device)
-        config = make()
+    for recipe in recipes:
+        net = model()
+        config = GROUP_RECIPES[recipe]()
         handle = hf_actq.apply(net, config)
         if config.adaptive:
             handle.set_plan(handle.calibrate({k: v[:8] for k, v in data[0].items()}))
@@ -325,6 +384,10 @@ def main() -> None:
         action="store_true",
         help="MiniLM, per parameter group: cosine, length and noise against minibatch noise",
     )
+    parser.add_argument("--task", choices=["mrpc", "cola"], default="mrpc", help="--minilm-groups")
+    parser.add_argument(
+        "--recipes", nargs="+", choices=list(GROUP_RECIPES), help="--minilm-groups' columns"
+    )
     parser.add_argument(
         "--minilm-checkpoint",
         action="store_true",
@@ -340,13 +403,16 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
     if args.minilm_groups:
-        rows = measure_minilm_groups(args.glue_dir, device=args.device)
-        print("| parameter group | " + " | ".join(GROUP_RECIPES) + " |")
-        print("|---|" + "---|" * len(GROUP_RECIPES))
+        recipes = args.recipes or DEFAULT_GROUP_RECIPES
+        rows = measure_minilm_groups(
+            args.glue_dir, device=args.device, task=args.task, recipes=recipes
+        )
+        print("| parameter group | " + " | ".join(recipes) + " |")
+        print("|---|" + "---|" * len(recipes))
         for group, row in rows.items():
             cells = " | ".join(
                 "{cosine:.2f} / {length:.2f} / {noise over minibatch noise:.2g}".format_map(row[r])
-                for r in GROUP_RECIPES
+                for r in recipes
             )
             print(f"| {group} | {cells} |")
         if args.output:

