@@ -12,7 +12,7 @@ from hf_actq.codecs import AverageQuantCodec, SignPreservingCodec, SmaQCodec
 from hf_actq.codecs.packed import BLOCK_SIZES, Codec
 from hf_actq.codecs.rotated import RotatedSampleCodec
 
-CODECS = ("uniform", "aq", "blpa", "smaq")
+CODECS = ("uniform", "aq", "blpa", "smaq", "rotated")
 # What a per-slot setting may set; "codec" may also be "exact" (keep the slot as it is) or
 # "rotated" (Hadamard-rotated stochastic rounding; per slot only: below 2 bits it samples the
 # coefficients, unbiased sub-1-bit storage that suits linear-layer inputs alone).
@@ -44,11 +44,14 @@ class ActQConfig:
     bits: float = field(
         default=3, metadata=_help("Precision of the compressed slots (average, when adaptive).")
     )
-    codec: Literal["uniform", "aq", "blpa", "smaq"] = field(
+    codec: Literal["uniform", "aq", "blpa", "smaq", "rotated"] = field(
         default="uniform",
         metadata=_help(
             "Quantizer for non-activation slots: uniform stochastic rounding, "
-            "ALAM's average quantization (aq), sign-preserving (blpa) or SmaQ."
+            "ALAM's average quantization (aq), sign-preserving (blpa), SmaQ, or rotated "
+            "(uniform stochastic rounding after random signs and a 128-point Hadamard "
+            "rotation: the same bytes, finer rounding where a few features are large; "
+            "2-8 bits)."
         ),
     )
     activation_bits: int | None = field(
@@ -176,9 +179,9 @@ class ActQConfig:
             raise ValueError(f"bits must be a number, got {self.bits!r}")
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        low = 0.0625 if self.codec == "aq" else 1
+        low = {"aq": 0.0625, "rotated": 2}.get(self.codec, 1)
         if not low <= self.bits <= 8 or (self.codec != "aq" and self.bits != int(self.bits)):
-            allowed = "a number in 1/16..8" if self.codec == "aq" else "an integer in 1..8"
+            allowed = "a number in 1/16..8" if self.codec == "aq" else f"an integer in {low}..8"
             raise ValueError(f"bits must be {allowed} for codec {self.codec!r}, got {self.bits!r}")
         if self.activation_bits is None:
             self.activation_bits = int(min(4, max(1, round(self.bits))))
@@ -242,6 +245,11 @@ class ActQConfig:
         if not isinstance(self.compress_checkpointed, bool):
             raise ValueError(
                 f"compress_checkpointed must be True or False, got {self.compress_checkpointed!r}"
+            )
+        if self.codec == "rotated" and self.adaptive:
+            raise ValueError(
+                "codec='rotated' is for fixed bits: an adaptive plan picks each slot's codec "
+                "itself; give codec='uniform' or 'aq' with adaptive=True"
             )
         if self.checkpoint_bits is not None and self.adaptive:
             raise ValueError(
@@ -364,6 +372,8 @@ class ActQConfig:
             return SignPreservingCodec(bits=int(self.bits), block_size=self.block_size)
         if self.codec == "smaq":
             return SmaQCodec()
+        if self.codec == "rotated":
+            return RotatedSampleCodec(bits=int(self.bits), group_size=1, block_size=self.block_size)
         group = self.group_size
         if self.codec == "aq":
             group = group or _group_for(self.bits)

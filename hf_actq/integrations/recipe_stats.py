@@ -93,9 +93,9 @@ class StepStats(TrainerCallback):
 
 def recipe_label(config: ActQConfig | None) -> str:
     """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1``,
-    ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits; ``-rotated``
-    with ``checkpoint_codec="rotated"``), or
-    ``custom-...`` for configs made field by field."""
+    ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits), or
+    ``custom-...`` for configs made field by field; ``-rotated`` marks ``codec="rotated"``
+    (``checkpoint_codec`` for the checkpoint recipe)."""
     if config is None:
         return "baseline"
     bits = f"{config.bits:g}"
@@ -106,7 +106,8 @@ def recipe_label(config: ActQConfig | None) -> str:
         return f"checkpoint-{config.checkpoint_bits}{rotated}"
     if config.recipe == "alam" and not config.adaptive and config.plan is None:
         return f"alam-{bits}-even"
-    return f"{config.recipe or 'custom-' + config.codec}-{bits}"
+    rotated = "-rotated" if config.recipe and config.codec == "rotated" else ""
+    return f"{config.recipe or 'custom-' + config.codec}-{bits}{rotated}"
 
 
 def run_record(trainer, stats: StepStats, actq_callback, config: ActQConfig | None) -> dict:

@@ -40,7 +40,8 @@ RECIPES = {
     "alam-1-even": ["--recipe", "alam", "--bits", "1", "--adaptive", "false"],
     # Packed activation checkpointing: each layer keeps its input at 4 bits and is recomputed.
     "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4"],
-    # Not in the default grid: the same bytes, the input Hadamard-rotated before rounding.
+    # Not in the default grid: the same bytes, Hadamard-rotated before rounding.
+    "uniform-4-rotated": ["--recipe", "uniform", "--bits", "4", "--codec", "rotated"],
     "checkpoint-4-rotated": [
         "--recipe",
         "checkpoint",

@@ -101,7 +101,9 @@ def test_per_slot_settings_give_it_and_the_global_codec_refuses_it():
     for bits in (2.5, 9, 0.01, True):
         with pytest.raises(ValueError, match="'rotated' setting's bits must be a number in 1/16"):
             ActQConfig(slots={"a:input": {"codec": "rotated", "bits": bits}})
-    with pytest.raises(ValueError, match="codec must be one of"):
-        ActQConfig(codec="rotated")
+    # As the global codec: every coefficient kept, from 2 bits up (sampling is per slot only).
+    assert ActQConfig(codec="rotated", bits=3).make_codec() == RotatedSampleCodec(3, 1)
+    with pytest.raises(ValueError, match="an integer in 2..8 for codec 'rotated'"):
+        ActQConfig(codec="rotated", bits=1)
     with pytest.raises(ValueError, match="group_size"):
         RotatedSampleCodec(group_size=3)

@@ -72,3 +72,5 @@ def test_recipe_labels_name_the_bits_that_define_each_recipe():
     rotated = _parse("--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "rotated")
     assert (rotated.checkpoint_bits, rotated.checkpoint_codec) == (4, "rotated")
     assert recipe_label(rotated) == "checkpoint-4-rotated"
+    uniform = _parse("--recipe", "uniform", "--bits", "4", "--codec", "rotated")
+    assert recipe_label(uniform) == "uniform-4-rotated"
