@@ -31,8 +31,11 @@ from hf_actq.memory.presets import preset_config
 # "stock-checkpointing" is the unpatched model under transformers' own (non-reentrant)
 # checkpointing: what the "checkpoint" recipe's recompute costs before its packing.
 RECIPES = ["baseline", "fewbit", "uniform", "alam", "checkpoint", "stock-checkpointing"]
-# Timed only when asked for (--recipes): the "checkpoint" recipe with rotated layer inputs.
-EXTRA = {"checkpoint-rotated": {"checkpoint_codec": "rotated"}}
+# Timed only when asked for (--recipes): recipes with their tensors Hadamard-rotated first.
+EXTRA = {
+    "checkpoint-rotated": {"checkpoint_codec": "rotated"},
+    "uniform-rotated": {"codec": "rotated"},
+}
 
 
 def tiny_llama():

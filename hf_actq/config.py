@@ -147,9 +147,9 @@ class ActQConfig:
         metadata=_help(
             "With checkpoint_bits: how a checkpointed layer's input is rounded. 'uniform': "
             "stochastic rounding against each 128-value block's range. 'rotated': the same "
-            "codes after random signs and a 128-point Hadamard rotation (8 bytes more per "
-            "layer), which spreads outlier features so that blocks round finer (4x less error "
-            "on MiniLM's layer inputs at 4 bits)."
+            "bytes after fixed random signs and a 128-point Hadamard rotation, which spreads "
+            "outlier features so that blocks round finer (4x less error on MiniLM's layer "
+            "inputs at 4 bits)."
         ),
     )
     compress_checkpointed: bool = field(

@@ -23,12 +23,14 @@ range stays narrow. ``bits / g`` bits per element: ``g=2, bits=2`` is the 1-bit 
 Only for tensors whose backward is linear in them (linear-layer inputs): through a norm or a
 softmax, zero-mean noise of that size does not stay zero-mean.
 
-``g = 1`` keeps all 128 coefficients: rotated uniform rounding, the bytes of uniform stochastic
-rounding (plus the 8-byte seed) and no sampling error, only the rounding's, which the rotation
-makes smaller: a block's range is set by its largest value, and rotated, an outlier feature is
-spread thin over 128 coefficients instead of widening its block's step for the 127 values
-beside it (QuaRot's observation, here for stored activations). On the pretrained MiniLM's layer
-inputs (CoLA sentences) 4-bit codes lose 6.5% of the energy unrotated and 1.6% rotated.
+``g = 1`` keeps all 128 coefficients: rotated uniform rounding, exactly the bytes of uniform
+stochastic rounding and no sampling error, only the rounding's, which the rotation makes
+smaller: a block's range is set by its largest value, and rotated, an outlier feature is spread
+thin over 128 coefficients instead of widening its block's step for the 127 values beside it
+(QuaRot's observation, here for stored activations). Nothing is sampled, so the signs need not
+be random per pack: one fixed sign vector, folded into the rotation, makes pack and unpack one
+matrix product each, and no seed is stored. On the pretrained MiniLM's layer inputs (CoLA
+sentences) 4-bit codes lose 6.5% of the energy unrotated and 1.6% rotated.
 """
 
 from __future__ import annotations
@@ -66,6 +68,15 @@ def _hadamard_rows(keep: int, device: torch.device) -> torch.Tensor:
     return (h[:keep] / math.sqrt(ROTATION)).to(device=device, dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=32)
+def _fixed_rotation(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``D H^T`` for one fixed random sign vector ``D``: ``x @ it`` rotates rows of 128 values,
+    ``y @ it.T`` rotates them back (the matrix is orthogonal)."""
+    signs = torch.randint(0, 2, (ROTATION,), generator=torch.Generator().manual_seed(0x5EED))
+    rotation = (signs.to(torch.float32) * 2 - 1)[:, None] * _hadamard_rows(ROTATION, "cpu").T
+    return rotation.to(device=device, dtype=dtype)
+
+
 def _signs(generator: torch.Generator, rows: int, device) -> torch.Tensor:
     bits = torch.randint(0, 2, (rows, ROTATION), generator=generator, device=device)
     return bits.to(torch.float32).mul_(2).sub_(1)
@@ -79,10 +90,12 @@ class RotatedSampleCodec(Codec):
     stochastic: bool = True
 
     name = "rotated"
-    # Signs always come from a seed, so the codec draws one per pack even without rounding.
-    uses_rng = True
+    cpu_buffers = (3,)  # the seed of the signs, when sampled (group_size > 1)
 
-    cpu_buffers = (3,)
+    @property
+    def uses_rng(self) -> bool:
+        # Sampled coefficients take their signs from a seed even without stochastic rounding.
+        return self.stochastic or self.group_size > 1
 
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
@@ -96,18 +109,21 @@ class RotatedSampleCodec(Codec):
     def buffers(self, shape):
         kept = self._rows(shape) * (ROTATION // self.group_size)
         blocks = -(-kept // self.block_size)
-        # Codes, a min and a scale per block, and the seed of the signs (on the CPU).
-        return (
+        # Codes, a min and a scale per block, and when sampled the seed of the signs (on the
+        # CPU).
+        codes = (
             (packed_nbytes(kept, self.bits), torch.uint8),
             (blocks, torch.float32),
             (blocks, torch.float32),
-            (1, torch.int64),
         )
+        return codes if self.group_size == 1 else (*codes, (1, torch.int64))
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)
-        if seed is None:
+        if seed is None and self.uses_rng:
             seed = draw_seed()
+        if self.group_size == 1:
+            return self._pack_whole(x, seed)
         flat = x.detach().reshape(-1)
         rows, keep = self._rows(x.shape), ROTATION // self.group_size
         rotation = _hadamard_rows(keep, x.device)
@@ -127,7 +143,48 @@ class RotatedSampleCodec(Codec):
         seed_tensor = torch.tensor([seed], dtype=torch.int64)
         return Packed(self, x.shape, x.dtype, (data, mins, scales, seed_tensor))
 
+    def _pack_whole(self, x: torch.Tensor, seed: int | None) -> Packed:
+        """Every coefficient kept: ``x @ D H^T`` in slabs, then AQ's rounding."""
+        flat = x.detach().reshape(-1)
+        rows, whole = self._rows(x.shape), flat.numel() // ROTATION
+        dtype = _coeff_dtype(x.dtype)
+        rotation = _fixed_rotation(x.device, dtype)
+        coeffs = torch.empty(rows, ROTATION, dtype=dtype, device=x.device)
+        for start in range(0, whole, _SLAB_ROWS):
+            stop = min(whole, start + _SLAB_ROWS)
+            slab = flat[start * ROTATION : stop * ROTATION].view(-1, ROTATION).to(dtype)
+            torch.matmul(slab, rotation, out=coeffs[start:stop])
+        if rows > whole:  # a last partial row, zero-padded
+            tail = flat[whole * ROTATION :].to(dtype)
+            tail = torch.nn.functional.pad(tail, (0, ROTATION - tail.numel()))
+            coeffs[whole] = tail @ rotation
+        data, mins, scales = aq_quantize(
+            coeffs.reshape(-1), 1, self.bits, self.block_size, self.stochastic, seed or 0
+        )
+        return Packed(self, x.shape, x.dtype, (data, mins, scales))
+
+    def _unpack_whole(self, packed: Packed) -> torch.Tensor:
+        data, mins, scales = packed.tensors
+        rows, dtype = self._rows(packed.shape), _coeff_dtype(packed.dtype)
+        coeffs = aq_dequantize(
+            data, mins, scales, torch.Size((rows, ROTATION)), dtype, self.bits, 1, self.block_size
+        )
+        rotation = _fixed_rotation(data.device, dtype).T
+        out = torch.empty(packed.shape, dtype=packed.dtype, device=data.device).reshape(-1)
+        numel = out.numel()
+        direct = dtype == packed.dtype and numel % ROTATION == 0  # no cast, no partial row
+        for start in range(0, rows, _SLAB_ROWS):
+            stop = min(rows, start + _SLAB_ROWS)
+            piece = out[start * ROTATION : min(numel, stop * ROTATION)]
+            if direct:
+                torch.matmul(coeffs[start:stop], rotation, out=piece.view(-1, ROTATION))
+            else:
+                piece.copy_((coeffs[start:stop] @ rotation).view(-1)[: piece.numel()])
+        return out.view(packed.shape)
+
     def unpack(self, packed: Packed) -> torch.Tensor:
+        if self.group_size == 1:
+            return self._unpack_whole(packed)
         data, mins, scales, seed_tensor = packed.tensors
         rows, keep = self._rows(packed.shape), ROTATION // self.group_size
         device = data.device

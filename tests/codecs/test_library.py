@@ -20,6 +20,7 @@ CODECS = [
     AverageQuantCodec(bits=1, group_size=8, block_size=64, stochastic=False),
     AverageQuantCodec(bits=3, group_size=4),  # 30 % 4 != 0: partial groups
     RotatedSampleCodec(bits=2),
+    RotatedSampleCodec(bits=4, group_size=1),  # 210 values: a partial last rotation
     SignPreservingCodec(bits=4, block_size=32),
     MaskCodec(),
     SmaQCodec(),

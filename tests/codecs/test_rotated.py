@@ -31,12 +31,13 @@ def test_sizes_dtypes_and_the_bits_it_keeps(shape, dtype, group):
 
 
 def test_every_coefficient_kept_rounds_finer_than_uniform_at_its_bytes():
-    """Group 1 (rotated uniform rounding): unbiased, uniform stochastic rounding's bytes plus the
-    seed, and several times less error where a few features are large, since the rotation
-    spreads them over the block that would otherwise round at their scale."""
+    """Group 1 (rotated uniform rounding): unbiased, uniform stochastic rounding's bytes, and
+    several times less error where a few features are large, since the rotation spreads them
+    over the block that would otherwise round at their scale."""
     x = _outlier_features()
     rotated, plain = RotatedSampleCodec(bits=4, group_size=1), AverageQuantCodec(bits=4)
-    assert rotated.nbytes(x.shape) == plain.nbytes(x.shape) + 8
+    assert rotated.nbytes(x.shape) == plain.nbytes(x.shape)
+    assert RotatedSampleCodec(bits=4, group_size=1, stochastic=False).uses_rng is False
     energy = x.pow(2).sum()
 
     def error(codec, seed):
