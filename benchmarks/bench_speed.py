@@ -31,10 +31,11 @@ from hf_actq.memory.presets import preset_config
 # "stock-checkpointing" is the unpatched model under transformers' own (non-reentrant)
 # checkpointing: what the "checkpoint" recipe's recompute costs before its packing.
 RECIPES = ["baseline", "fewbit", "uniform", "alam", "checkpoint", "stock-checkpointing"]
-# Timed only when asked for (--recipes): recipes with their tensors Hadamard-rotated first.
+# Timed only when asked for (--recipes): "uniform" with its tensors Hadamard-rotated first, and
+# "checkpoint" with its layer inputs unrotated (rotated is that recipe's default).
 EXTRA = {
-    "checkpoint-rotated": {"checkpoint_codec": "rotated"},
     "uniform-rotated": {"codec": "rotated"},
+    "checkpoint-unrotated": {"checkpoint_codec": "uniform"},
 }
 
 

@@ -142,14 +142,13 @@ class ActQConfig:
             "None: checkpointing as the model has it."
         ),
     )
-    checkpoint_codec: Literal["uniform", "rotated"] = field(
-        default="uniform",
+    checkpoint_codec: Literal["rotated", "uniform"] = field(
+        default="rotated",
         metadata=_help(
-            "With checkpoint_bits: how a checkpointed layer's input is rounded. 'uniform': "
-            "stochastic rounding against each 128-value block's range. 'rotated': the same "
-            "bytes after fixed random signs and a 128-point Hadamard rotation, which spreads "
-            "outlier features so that blocks round finer (4x less error on MiniLM's layer "
-            "inputs at 4 bits)."
+            "With checkpoint_bits: how a checkpointed layer's input is rounded. 'rotated': "
+            "stochastic rounding after fixed random signs and a 128-point Hadamard rotation, "
+            "which spreads outlier features so that blocks round finer (4x less error on "
+            "MiniLM's layer inputs at 4 bits). 'uniform': the same bytes, unrotated."
         ),
     )
     compress_checkpointed: bool = field(
@@ -328,7 +327,8 @@ class ActQConfig:
         "alam": ALAM as published: average quantization at ``bits`` on average (default 1),
         spread over the slots by sensitivity (``adaptive=False`` spreads it evenly).
         "checkpoint": packed activation checkpointing: each layer keeps only its input, at
-        ``bits`` (default 4; ``checkpoint_bits`` of the config), and is recomputed in backward;
+        ``bits`` (default 4; ``checkpoint_bits`` of the config; rotated before rounding unless
+        ``checkpoint_codec="uniform"``), and is recomputed in backward;
         the layers run stock inside and the rest of the model (embeddings, pooler, heads) is
         kept at 8 bits."""
         if name == "fewbit":

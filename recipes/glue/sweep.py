@@ -39,8 +39,10 @@ RECIPES = {
     "alam-1": ["--recipe", "alam", "--bits", "1"],
     "alam-1-even": ["--recipe", "alam", "--bits", "1", "--adaptive", "false"],
     # Packed activation checkpointing: each layer keeps its input at 4 bits and is recomputed.
-    "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4"],
-    # Not in the default grid: the same bytes, Hadamard-rotated before rounding.
+    # Unrotated (the recipe's codec until rotation became its default).
+    "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "uniform"],
+    # Not in the default grid: the same bytes, Hadamard-rotated before rounding (the checkpoint
+    # recipe's default).
     "uniform-4-rotated": ["--recipe", "uniform", "--bits", "4", "--codec", "rotated"],
     "checkpoint-4-rotated": [
         "--recipe",

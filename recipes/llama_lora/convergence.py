@@ -94,7 +94,8 @@ RECIPES = {
     "fewbit-3": ["--recipe", "fewbit", "--bits", "3"],
     "uniform-4": ["--recipe", "uniform", "--bits", "4"],
     "alam-1": ["--recipe", "alam", "--bits", "1"],
-    "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4"],
+    # Unrotated: the recipe's codec when these runs were made (rotation is its default now).
+    "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "uniform"],
 }
 COLOURS = {
     "baseline": "black",

@@ -68,9 +68,10 @@ def test_recipe_labels_name_the_bits_that_define_each_recipe():
     assert recipe_label(_parse("--recipe", "fewbit", "--bits", "3")) == "fewbit-3"
     assert recipe_label(_parse("--recipe", "alam", "--adaptive", "false")) == "alam-1-even"
     # The checkpoint recipe keeps its other slots at 8 bits; its label names the layers' inputs.
-    assert recipe_label(_parse("--recipe", "checkpoint", "--bits", "4")) == "checkpoint-4"
-    rotated = _parse("--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "rotated")
+    rotated = _parse("--recipe", "checkpoint", "--bits", "4")  # rotated inputs by default
     assert (rotated.checkpoint_bits, rotated.checkpoint_codec) == (4, "rotated")
     assert recipe_label(rotated) == "checkpoint-4-rotated"
+    plain = _parse("--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "uniform")
+    assert recipe_label(plain) == "checkpoint-4"
     uniform = _parse("--recipe", "uniform", "--bits", "4", "--codec", "rotated")
     assert recipe_label(uniform) == "uniform-4-rotated"

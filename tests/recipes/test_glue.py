@@ -139,7 +139,7 @@ def test_run_with_the_checkpoint_recipe(tiny_model, glue_dir, tmp_path):
     result = run.main(
         _arguments(tiny_model, glue_dir, tmp_path / "ckpt", "rte", "--recipe", "checkpoint")
     )
-    assert result["recipe"] == "checkpoint-4" and result["actq"]["checkpoint_bits"] == 4
+    assert result["recipe"] == "checkpoint-4-rotated" and result["actq"]["checkpoint_bits"] == 4
     assert result["steps"] == 6 and 0 <= result["metric"]["value"] <= 1
     assert 0 < result["activation_bytes_step0"] < baseline["activation_bytes_step0"] / 4
 
