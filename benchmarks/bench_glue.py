@@ -106,7 +106,7 @@ def batches(tokenizer, rows, batch_size, shuffle_seed=None):
         chunk = [rows[i] for i in order[start : start + batch_size]]
         enc = tokenizer(
             [r[0] for r in chunk],
-            [r[1] for r in chunk],
+            None if chunk[0][1] is None else [r[1] for r in chunk],  # single sentences
             padding=True,
             truncation=True,
             max_length=128,

@@ -37,7 +37,6 @@ import functools
 import json
 import logging
 import os
-import random
 import re
 import sys
 import warnings
@@ -107,17 +106,23 @@ def minilm_batch(glue_dir: str, rows: int = 32, device: str = "cpu"):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def minilm_model(device: str = "cpu"):
+def minilm_model(device: str = "cpu", train_without_dropout: bool = False):
     """The pretrained MiniLM with a fresh 2-label head (seeded), in eval mode: no dropout, so
     gradients differ by compression alone (the ops compress whenever autograd records them;
-    dropout masks drawn after rounding seeds would differ)."""
+    dropout masks drawn after rounding seeds would differ). ``train_without_dropout``: train
+    mode (HF checkpoints only in training) with every dropout at 0 instead."""
     import bench_glue
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     path = bench_glue.minilm_path()
     net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-    return net.to(device).eval()
+    if not train_without_dropout:
+        return net.to(device).eval()
+    for module in net.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return net.to(device).train()
 
 
 def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
@@ -183,11 +188,7 @@ def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu"
     batch = minilm_batch(glue_dir, device=device)
 
     def model():
-        net = minilm_model(device).train()
-        for module in net.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-        return net
+        return minilm_model(device, train_without_dropout=True)
 
     def step(net, seed):
         net.zero_grad()
@@ -292,18 +293,6 @@ def _task_rows(glue_dir: str, task: str) -> list[tuple]:
         return [(r[3], None, int(r[1])) for r in rows if len(r) > 3]
 
 
-def _task_batches(tokenizer, rows, batch_size, count):
-    """``count`` batches of ``rows`` in bench_glue's order (shuffled with seed 0)."""
-    order = list(range(len(rows)))
-    random.Random(0).shuffle(order)
-    for start in range(0, count * batch_size, batch_size):
-        chunk = [rows[i] for i in order[start : start + batch_size]]
-        second = None if chunk[0][1] is None else [r[1] for r in chunk]
-        enc = tokenizer([r[0] for r in chunk], second, padding=True, truncation=True,
-                        max_length=128, return_tensors="pt")  # fmt: skip
-        yield dict(enc, labels=torch.tensor([r[2] for r in chunk]))
-
-
 def _parameter_group(name: str) -> str:
     """``bert.encoder.layer.3.attention.self.query.weight`` -> ``attention.self.query.weight``:
     the same parameter of every layer is one group."""
@@ -330,18 +319,12 @@ def measure_minilm_groups(
 
     recipes = recipes or DEFAULT_GROUP_RECIPES
     tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
-    stream = _task_batches(tokenizer, _task_rows(glue_dir, task), 32, batches)
-    data = [{k: v.to(device) for k, v in b.items()} for b in stream]
+    stream = bench_glue.batches(tokenizer, _task_rows(glue_dir, task), 32, shuffle_seed=0)
+    data = [{k: v.to(device) for k, v in next(stream).items()} for _ in range(batches)]
     train_mode = any(recipe.startswith("checkpoint") for recipe in recipes)
 
     def model():
-        net = minilm_model(device)
-        if train_mode:
-            net.train()
-            for module in net.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-        return net
+        return minilm_model(device, train_without_dropout=train_mode)
 
     def gradients(net, batch, seed):
         net.zero_grad()
