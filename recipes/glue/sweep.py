@@ -168,8 +168,8 @@ def _mean_std(values: list[float]) -> tuple[float, float | None]:
     return mean, statistics.stdev(values) if len(values) > 1 else None
 
 
-def _fmt(mean, std) -> str:
-    return f"{mean:.1f}" if std is None else f"{mean:.1f} ± {std:.1f}"
+def _fmt(mean, std, spec: str = ".1f") -> str:
+    return f"{mean:{spec}}" if std is None else f"{mean:{spec}} ± {std:{spec}}"
 
 
 def _ratio(runs, baseline_by_seed, key) -> float | None:
@@ -209,9 +209,10 @@ def render(results: list[dict]) -> str:
         metric = next(r["metric"]["name"] for (t, _), rs in by_key.items() if t == task for r in rs)
         lines += [
             f"\n**{task.upper()}** (dev {METRIC_NAMES.get(metric, metric)} x 100)\n",
-            "| recipe | seeds | device | metric | Δ vs baseline | activation MiB (step 0) | "
-            "activation compression | step peak vs baseline | step time vs baseline | papers |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+            "| recipe | seeds | device | metric | Δ vs baseline | dev loss | "
+            "activation MiB (step 0) | activation compression | step peak vs baseline | "
+            "step time vs baseline | papers |",
+            "|---|---:|---|---|---:|---|---:|---:|---:|---:|---|",
         ]
         base_mean = None
         if baseline:
@@ -220,6 +221,10 @@ def render(results: list[dict]) -> str:
             runs = by_key[(task, recipe)]
             mean, std = _mean_std([100 * r["metric"]["value"] for r in runs])
             summary.setdefault(recipe, {})[task] = (mean, std, len(runs))
+            # Beside the metric: a dev accuracy can move by a few examples crossing the
+            # decision threshold while the model fits the dev set as well (or better).
+            losses = [r["eval"]["eval_loss"] for r in runs if "eval_loss" in r.get("eval", {})]
+            loss = _fmt(*_mean_std(losses), spec=".3f") if losses else ""
             activation = statistics.fmean(r["activation_bytes_step0"] for r in runs) / 2**20
             compression = _ratio(runs, baseline, "activation_bytes_step0")
             peak = _ratio(runs, baseline, "step_peak_bytes")
@@ -227,7 +232,8 @@ def render(results: list[dict]) -> str:
             lines.append(
                 f"| {recipe} | {len(runs)} | {', '.join(sorted({r['device'] for r in runs}))} "
                 f"| {_fmt(mean, std)} | "
-                f"{'' if base_mean is None else f'{mean - base_mean:+.1f}'} | {activation:.1f} | "
+                f"{'' if base_mean is None else f'{mean - base_mean:+.1f}'} | "
+                f"{loss} | {activation:.1f} | "
                 f"{'' if compression is None else f'{1 / compression:.1f}x'} | "
                 f"{'' if peak is None else f'{peak:.2f}x'} | "
                 f"{'' if seconds is None else f'{seconds:.2f}x'} | {_paper(task, recipe)} |"

@@ -222,20 +222,27 @@ def test_sweep_grid_and_table_statistics():
         ("rte", "baseline", 1), ("cola", "fewbit-1", 0), ("rte", "fewbit-1", 0),
     ]  # fmt: skip
 
-    def result(recipe, seed, value, activation):
+    def result(recipe, seed, value, activation, loss):
         return {
             "task": "rte", "sweep_recipe": recipe, "seed": seed, "device": "cpu",
-            "metric": {"name": "accuracy", "value": value},
+            "metric": {"name": "accuracy", "value": value}, "eval": {"eval_loss": loss},
             "activation_bytes_step0": activation * 2**20, "step_peak_bytes": 2 * activation,
             "step_seconds_median": 1.0 + activation / 100,
         }  # fmt: skip
 
-    results = [result("baseline", 0, 0.60, 100), result("baseline", 1, 0.70, 100)]
-    results += [result("uniform-4", 0, 0.62, 10), result("uniform-4", 1, 0.64, 10)]
+    results = [result("baseline", 0, 0.60, 100, 0.5), result("baseline", 1, 0.70, 100, 0.6)]
+    results += [result("uniform-4", 0, 0.62, 10, 0.4), result("uniform-4", 1, 0.64, 10, 0.4)]
     table = sweep.render(results)
-    # mean 65.0, sample std 7.1; uniform-4: 63.0 ± 1.4, -2.0, 10x less, peak 0.10x, time 1.1/2.
-    assert "| baseline | 2 | cpu | 65.0 ± 7.1 | +0.0 | 100.0 | 1.0x | 1.00x | 1.00x |" in table
-    assert "| uniform-4 | 2 | cpu | 63.0 ± 1.4 | -2.0 | 10.0 | 10.0x | 0.10x | 0.55x |" in table
+    # mean 65.0, sample std 7.1, dev loss 0.550 ± 0.071; uniform-4: 63.0 ± 1.4, -2.0,
+    # 0.400 ± 0.000, 10x less, peak 0.10x, time 1.1/2.
+    assert (
+        "| baseline | 2 | cpu | 65.0 ± 7.1 | +0.0 | 0.550 ± 0.071 | 100.0 | 1.0x | 1.00x | 1.00x |"
+        in table
+    )
+    assert (
+        "| uniform-4 | 2 | cpu | 63.0 ± 1.4 | -2.0 | 0.400 ± 0.000 | 10.0 | 10.0x | 0.10x | 0.55x |"
+        in table
+    )
     assert "| uniform-4 | 63.0 | -2.0 | yes (std 7.1) |" in table
 
 
@@ -270,10 +277,6 @@ def test_pretrained_minilm_trains_on_a_slice_of_rte(tmp_path):
         assert len(losses) == 6 and losses[-1] < losses[0], (recipe, losses)
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
-
-
 def test_plot_gives_a_recipe_one_colour_in_every_panel():
     # RTE lacks uniform-4: with matplotlib's per-panel colour cycle MRPC's recipes after it
     # would take other colours than the shared legend shows.
@@ -296,3 +299,7 @@ def test_plot_gives_a_recipe_one_colour_in_every_panel():
     assert len(set(colours.values())) == 3
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert legend == ["baseline", "uniform-4", "alam-1"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
