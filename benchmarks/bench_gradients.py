@@ -24,14 +24,13 @@ over 4 rounding draws each (``--device cuda`` where there is a GPU).
 
 breaks the MiniLM comparison down by parameter group over 6 real MRPC batches (each cell:
 cosine / length ratio / compression noise over minibatch noise; ``measure_minilm_groups``);
-``--task cola --recipes uniform-4 checkpoint-4 checkpoint-4-rotated`` picks the batches and
+``--task cola|sst2|rte --recipes uniform-4 checkpoint-4 checkpoint-4-rotated`` picks the batches and
 columns.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import functools
 import json
@@ -283,14 +282,15 @@ DEFAULT_GROUP_RECIPES = [r for r in GROUP_RECIPES if "checkpoint" not in r and "
 
 
 def _task_rows(glue_dir: str, task: str) -> list[tuple]:
-    """MRPC's training pairs (bench_glue's reader) or CoLA's sentences (no header row)."""
-    import bench_glue
+    """A GLUE task's training rows as ``(text_a, text_b or None, label)``, read by the GLUE
+    recipe's reader."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes" / "glue"))
+    import run as glue_recipe
 
-    if task == "mrpc":
-        return bench_glue.read_split(Path(glue_dir), "mrpc", "train")
-    with open(Path(glue_dir) / "CoLA" / "train.tsv", encoding="utf-8") as file:
-        rows = csv.reader(file, delimiter="\t", quoting=csv.QUOTE_NONE)
-        return [(r[3], None, int(r[1])) for r in rows if len(r) > 3]
+    spec = glue_recipe.TASKS[task]
+    columns = glue_recipe.read_glue_tsv(Path(glue_dir) / spec.directory / "train.tsv", spec)
+    second = columns.get("text_b", [None] * len(columns["label"]))
+    return list(zip(columns["text_a"], second, columns["label"]))
 
 
 def _parameter_group(name: str) -> str:
@@ -370,7 +370,9 @@ def main() -> None:
         action="store_true",
         help="MiniLM, per parameter group: cosine, length and noise against minibatch noise",
     )
-    parser.add_argument("--task", choices=["mrpc", "cola"], default="mrpc", help="--minilm-groups")
+    parser.add_argument(
+        "--task", choices=["mrpc", "cola", "sst2", "rte"], default="mrpc", help="--minilm-groups"
+    )
     parser.add_argument(
         "--recipes", nargs="+", choices=list(GROUP_RECIPES), help="--minilm-groups' columns"
     )
