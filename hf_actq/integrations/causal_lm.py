@@ -26,13 +26,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from hf_actq.integrations.patching import bind_forward
 from hf_actq.ops.linear_cross_entropy import causal_lm_loss
-from hf_actq.ops.state import OpState, state_of
+from hf_actq.ops.state import STATE, OpState, state_of
 
 DESCRIPTION = "lm_loss chunked linear + cross-entropy (exact; no logits kept)"
 
 
 def fused_causal_lm_forward(self, *args, **kwargs):
     """The causal LM's forward with the head and loss fused; see the module docstring."""
+    if STATE not in self.__dict__:
+        return stock_forward_after_revert(self, args, kwargs)
     state = state_of(self)
     head = self.get_output_embeddings()
     fused = (
@@ -78,6 +80,15 @@ def fused_causal_lm_forward(self, *args, **kwargs):
         attentions=getattr(outputs, "attentions", None),
     )
     return output.to_tuple() if return_dict is False else output
+
+
+def stock_forward_after_revert(model, args, kwargs):
+    """Called once ``model`` was reverted: a wrapper installed after apply (accelerate's
+    mixed-precision forward, which ``Trainer`` installs with ``bf16=True``; TRL's fused LM head)
+    still holds the patched forward, and revert cannot take it out of the wrapper. The stock
+    forward runs instead, so the reverted model works under its wrappers."""
+    kwargs.pop("return_logits", None)
+    return type(model).forward(model, *args, **kwargs)
 
 
 def bound_arguments(model, args, kwargs) -> tuple[dict, dict]:

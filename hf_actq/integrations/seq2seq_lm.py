@@ -26,10 +26,10 @@ import functools
 import torch
 from torch import nn
 
-from hf_actq.integrations.causal_lm import bound_arguments
+from hf_actq.integrations.causal_lm import bound_arguments, stock_forward_after_revert
 from hf_actq.integrations.patching import bind_forward
 from hf_actq.ops.linear_cross_entropy import linear_cross_entropy
-from hf_actq.ops.state import OpState, state_of
+from hf_actq.ops.state import STATE, OpState, state_of
 
 DESCRIPTION = "seq2seq lm_loss chunked linear + cross-entropy (exact; no logits kept)"
 
@@ -51,6 +51,8 @@ class _HeadInput(nn.Module):
 
 def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
     """The encoder-decoder LM's forward with the head and loss fused; see the module docstring."""
+    if STATE not in self.__dict__:
+        return stock_forward_after_revert(self, args, kwargs)
     state = state_of(self)
     head = getattr(self, head_name)
     fused = (

@@ -115,3 +115,40 @@ def test_an_unknown_instance_forward_is_left_alone_with_a_warning(caplog):
     assert "instance-level forward" in caplog.text
     handle.revert()
     assert mine.forward is wrapped
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_a_model_forward_wrapped_after_apply_runs_stock_once_reverted(name):
+    """``Trainer(bf16=True)`` has accelerate wrap ``model.forward`` (autocast, fp32 outputs)
+    after ``ActQCallback`` applied, and TRL's SFTTrainer wraps it with its fused LM head:
+    revert cannot take hf_actq's loss forward out of such a wrapper, so that forward must run
+    the stock one from then on (it raised a KeyError before)."""
+    import copy
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from test_more_models import _build
+
+    if name == "llama":
+        model = _llama()
+        ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+        batch = dict(input_ids=ids, labels=ids)
+    else:
+        model, batch = _build("bart")
+    reference = copy.deepcopy(model)
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        reference = accelerator.prepare(reference)
+        expected = reference(**batch)
+        handle = hf_actq.apply(model, bits=4)
+        model = accelerator.prepare(model)
+        assert "forward" in model.__dict__  # the wrapper, around hf_actq's forward
+        patched = model(**batch)
+        assert patched.logits is None  # the fused loss ran inside the wrapper
+        patched.loss.backward()
+        handle.revert()
+        reverted = model(**batch)
+        assert torch.equal(reverted.loss, expected.loss)
+        assert torch.equal(reverted.logits, expected.logits)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
