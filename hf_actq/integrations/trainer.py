@@ -17,10 +17,14 @@ first step and again after ``recalibrate_at`` of the steps (ALAM re-plans after 
 when sensitivities have settled), on ``calibration_examples`` examples collated from the training
 set (the Trainer's own data loader and RNG are not touched), logs a per-kind summary of the bits
 and writes the plan to ``<output_dir>/actq_plan.json``.
+
+Under TRL's ``SFTTrainer`` (an ``SFTConfig``) it leaves the head and loss to TRL
+(``fused_loss=False``): TRL reads the logits in training, or fuses its own LM head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -33,6 +37,17 @@ from hf_actq.integrations.transformers import _HANDLE, apply, unwrap
 from hf_actq.memory.meter import ActivationMonitor
 
 logger = logging.getLogger("hf_actq")
+
+
+def _reads_training_logits(args) -> bool:
+    """TRL's ``SFTTrainer`` (its ``SFTConfig`` and subclasses) reads ``outputs.logits`` in
+    training for its entropy and token-accuracy metrics (TRL 0.x, 1.0), where the fused loss
+    leaves them None; later versions compute the loss with a fused LM head of their own, around
+    the model's forward, so hf_actq's would not run anyway. Told by name: TRL is not imported."""
+    return any(
+        cls.__name__ == "SFTConfig" and cls.__module__.startswith("trl.")
+        for cls in type(args).__mro__
+    )
 
 
 class ActQCallback(TrainerCallback):
@@ -51,7 +66,7 @@ class ActQCallback(TrainerCallback):
         self.plans: list = []  # the BitPlans computed, in order
         self._dataloader = None
 
-    def _ensure_patched(self, state, model) -> None:
+    def _ensure_patched(self, args, state, model) -> None:
         if model is None:
             return
         base = unwrap(model)
@@ -59,15 +74,22 @@ class ActQCallback(TrainerCallback):
         if current is not None:
             self.handle = current
             return
+        if self.config.fused_loss and _reads_training_logits(args):
+            logger.info(
+                "hf_actq: TRL's %s computes its metrics from the logits (or the loss with its "
+                "own fused LM head): fused_loss is off",
+                type(args).__name__,
+            )
+            self.config = dataclasses.replace(self.config, fused_loss=False)
         self.handle = apply(base, self.config)
         if state is None or state.is_world_process_zero:
             logger.info("hf_actq: patched %s (%s)", self.handle.summary() or "nothing", self.config)
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
-        self._ensure_patched(state, model)
+        self._ensure_patched(args, state, model)
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
-        self._ensure_patched(state, model)
+        self._ensure_patched(args, state, model)
         if self.handle is not None and self.handle.checkpointed:
             # Trainer(gradient_checkpointing=True) turned checkpointing on again after init,
             # which put the stock function back.
