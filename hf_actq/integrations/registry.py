@@ -63,6 +63,27 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen3": _SDPA,
     "phi3": _SDPA,
     "gemma": _SDPA,  # its (1 + w) RMSNorm fails the LLaMA-formula check and stays exact
+    # LLaMA-like decoders whose attention calls AttentionInterface with q, k, v, the mask and
+    # scalar options only (a sliding window is in the mask; StableLM's position_ids are not
+    # used by SDPA).
+    "ministral": _SDPA,
+    "smollm3": _SDPA,
+    "olmo": _SDPA,
+    "olmo2": _SDPA,
+    "starcoder2": _SDPA,
+    "stablelm": _SDPA,
+    "phi": _SDPA,
+    "glm": _SDPA,
+    "exaone4": _SDPA,
+    "gemma3_text": ModelLayout(
+        "sdpa",
+        (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
+        causal_lm_loss=True,
+    ),
+    # Their heads scale the logits (Granite divides by logits_scaling, Cohere multiplies by
+    # logit_scale), which the fused loss does not: attention only, the stock head and loss.
+    "granite": ModelLayout("sdpa"),
+    "cohere": ModelLayout("sdpa"),
     # Mixture-of-experts decoders: their experts are found by structure (patch_experts).
     "mixtral": _SDPA,
     "qwen2_moe": _SDPA,

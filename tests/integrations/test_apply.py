@@ -87,6 +87,25 @@ SMALL = {
         intermediate_size=64,
     ),
 }
+# Decoders registered by layout alone (the LLaMA shape above; a 4-token sliding window where
+# the model has one, so that the 12-token batches see it).
+_DECODER = dict(SMALL["llama"], head_dim=8)
+SMALL.update(
+    {
+        "ministral": dict(_DECODER, sliding_window=4),
+        "smollm3": _DECODER,
+        "olmo": _DECODER,
+        "olmo2": _DECODER,
+        "starcoder2": dict(_DECODER, sliding_window=4),
+        "stablelm": _DECODER,
+        "phi": _DECODER,
+        "glm": _DECODER,
+        "exaone4": dict(_DECODER, sliding_window=4),
+        "gemma3_text": dict(_DECODER, sliding_window=4),
+        "granite": _DECODER,
+        "cohere": _DECODER,
+    }
+)
 ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2"}
 NO_DROPOUT = {
     "hidden_dropout_prob": 0.0,
@@ -98,6 +117,8 @@ NO_DROPOUT = {
     "attn_pdrop": 0.0,
     "seq_classif_dropout": 0.0,
     "hidden_dropout": 0.0,
+    "residual_dropout": 0.0,
+    "embedding_dropout": 0.0,
 }
 
 
