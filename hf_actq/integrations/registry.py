@@ -44,6 +44,11 @@ class ModelLayout:
 _EAGER = ModelLayout("eager")
 _EAGER_DECODER = ModelLayout("eager", causal_lm_loss=True)
 _SDPA = ModelLayout("sdpa", causal_lm_loss=True)
+_SDPA_SOFTCAPPED = ModelLayout(
+    "sdpa",
+    (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
+    causal_lm_loss=True,
+)
 
 MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "bert": _EAGER,
@@ -75,11 +80,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "phi": _SDPA,
     "glm": _SDPA,
     "exaone4": _SDPA,
-    "gemma3_text": ModelLayout(
-        "sdpa",
-        (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
-        causal_lm_loss=True,
-    ),
+    "gemma3_text": _SDPA_SOFTCAPPED,
     # Their heads scale the logits (Granite divides by logits_scaling, Cohere multiplies by
     # logit_scale), which the fused loss does not: attention only, the stock head and loss.
     "granite": ModelLayout("sdpa"),
@@ -89,11 +90,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen2_moe": _SDPA,
     "qwen3_moe": _SDPA,
     "olmoe": _SDPA,
-    "gemma2": ModelLayout(
-        "sdpa",
-        (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
-        causal_lm_loss=True,
-    ),
+    "gemma2": _SDPA_SOFTCAPPED,
     # Vision and multimodal encoders and BART (self- and cross-attention) call their attention
     # through AttentionInterface like BERT does.
     "vit": _EAGER,
