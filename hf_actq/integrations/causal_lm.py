@@ -31,8 +31,9 @@ from hf_actq.ops.state import STATE, OpState, state_of
 DESCRIPTION = "lm_loss chunked linear + cross-entropy (exact; no logits kept)"
 
 
-def fused_causal_lm_forward(self, *args, **kwargs):
-    """The causal LM's forward with the head and loss fused; see the module docstring."""
+def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
+    """The causal LM's forward with the head and loss fused; see the module docstring.
+    ``logit_scale_of(config)`` is what the stock head multiplies its logits by (None: 1)."""
     if STATE not in self.__dict__:
         return stock_forward_after_revert(self, args, kwargs)
     state = state_of(self)
@@ -70,6 +71,7 @@ def fused_causal_lm_forward(self, *args, **kwargs):
         head.bias,
         shift_labels=shift_labels,
         softcap=getattr(self.config, "final_logit_softcapping", None),
+        logit_scale=1.0 if logit_scale_of is None else logit_scale_of(self.config),
         num_items_in_batch=num_items_in_batch,
     )
     output = CausalLMOutputWithPast(
@@ -108,9 +110,10 @@ def _forward_signature(cls) -> tuple[inspect.Signature, str | None]:
     return signature, kinds.get(inspect.Parameter.VAR_KEYWORD)
 
 
-def patch_causal_lm_loss(model: nn.Module, handle) -> bool:
+def patch_causal_lm_loss(model: nn.Module, handle, logit_scale_of=None) -> bool:
     """Bind the fused head and loss onto ``model`` when it is a causal LM (``...ForCausalLM``,
-    ``...LMHeadModel``; not multi-task heads such as GPT-2's double heads) with a linear head."""
+    ``...LMHeadModel``; not multi-task heads such as GPT-2's double heads) with a linear head;
+    ``logit_scale_of(config)`` is what its stock head multiplies the logits by."""
     if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
         return False
     head = model.get_output_embeddings()
@@ -119,6 +122,8 @@ def patch_causal_lm_loss(model: nn.Module, handle) -> bool:
     # The stock forward's signature stays visible (Trainer picks the dataset columns to keep
     # from it, and would drop ``input_ids`` for a bare ``*args, **kwargs``).
     forward = functools.wraps(type(model).forward)(
-        lambda self, *args, **kwargs: fused_causal_lm_forward(self, *args, **kwargs)
+        lambda self, *args, **kwargs: fused_causal_lm_forward(
+            self, *args, logit_scale_of=logit_scale_of, **kwargs
+        )
     )
     return bind_forward(model, forward, OpState(path=""), "", lambda: DESCRIPTION, handle)

@@ -9,6 +9,7 @@ entry to support a new architecture (``fn(model, config, handle)``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -37,6 +38,8 @@ class ModelLayout:
     # The causal-LM head's forward is the stock pattern (base model, lm_head, optional final
     # soft-capping, loss_function), so the fused linear + cross-entropy replaces it exactly.
     causal_lm_loss: bool = False
+    # What that head multiplies its logits by, from the model's config (None: 1).
+    logit_scale: Callable[[object], float] | None = None
     # The encoder-decoder head (T5, BART): see hf_actq.integrations.seq2seq_lm.
     seq2seq_lm_loss: bool = False
 
@@ -81,10 +84,13 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "glm": _SDPA,
     "exaone4": _SDPA,
     "gemma3_text": _SDPA_SOFTCAPPED,
-    # Their heads scale the logits (Granite divides by logits_scaling, Cohere multiplies by
-    # logit_scale), which the fused loss does not: attention only, the stock head and loss.
-    "granite": ModelLayout("sdpa"),
-    "cohere": ModelLayout("sdpa"),
+    # Heads that scale their logits.
+    "granite": ModelLayout(
+        "sdpa", causal_lm_loss=True, logit_scale=lambda config: 1 / config.logits_scaling
+    ),
+    "cohere": ModelLayout(
+        "sdpa", causal_lm_loss=True, logit_scale=lambda config: config.logit_scale
+    ),
     # Mixture-of-experts decoders: their experts are found by structure (patch_experts).
     "mixtral": _SDPA,
     "qwen2_moe": _SDPA,
@@ -116,7 +122,7 @@ def apply_generic(
     registered causal LM's head and loss (``config.fused_loss``)."""
     exclude = patch_experts(model, config, handle)
     fused = config.fused_loss and (
-        (layout.causal_lm_loss and patch_causal_lm_loss(model, handle))
+        (layout.causal_lm_loss and patch_causal_lm_loss(model, handle, layout.logit_scale))
         or (layout.seq2seq_lm_loss and patch_seq2seq_lm_loss(model, handle))
     )
     if fused:

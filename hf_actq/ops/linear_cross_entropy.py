@@ -36,10 +36,15 @@ def chunk_tokens_for(tokens: int, hidden: int, vocab: int) -> int:
     return max(1, min(tokens, -(-tokens * hidden // vocab)))
 
 
-def _chunk_loss_and_grad(h, weight, bias, target, keep, softcap, smoothing, scale, want_grad):
+def _chunk_loss_and_grad(
+    h, weight, bias, target, keep, softcap, logit_scale, smoothing, scale, want_grad
+):
     """One chunk: the sum of its tokens' losses (fp32) and, with ``want_grad``, d(loss)/d(logits)
-    times ``scale`` in the model dtype (softmax minus the smoothed one-hot, 0 where ignored)."""
+    times ``scale`` in the model dtype (softmax minus the smoothed one-hot, 0 where ignored).
+    The logits are ``linear(h, weight, bias) * logit_scale``, then soft-capped."""
     logits = F.linear(h, weight, bias)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
     capped = None
     if softcap is not None:
         capped = torch.tanh(logits / softcap)
@@ -58,7 +63,7 @@ def _chunk_loss_and_grad(h, weight, bias, target, keep, softcap, smoothing, scal
     grad.scatter_add_(1, safe_target[:, None], torch.full_like(grad[:, :1], smoothing - 1))
     if smoothing:
         grad -= smoothing / weight.shape[0]
-    grad *= keep[:, None] * scale
+    grad *= keep[:, None] * (scale * logit_scale)
     if capped is not None:
         grad *= 1 - capped.float().square()
     return total, grad.to(h.dtype)
@@ -77,6 +82,7 @@ def recompute_gradients(
     valid: torch.Tensor,
     scale: torch.Tensor,
     softcap: float | None,
+    logit_scale: float,
     smoothing: float,
     chunk: int,
     need_hidden: bool,
@@ -94,8 +100,9 @@ def recompute_gradients(
         part = slice(start, start + chunk)
         h = hidden[part]
         _, grad = _chunk_loss_and_grad(
-            h, weight, bias, targets[part], valid[part], softcap, smoothing, scale, True
-        )
+            h, weight, bias, targets[part], valid[part], softcap, logit_scale, smoothing, scale,
+            True,
+        )  # fmt: skip
         if need_hidden:
             grad_hidden[part] = grad @ weight
         if need_weight:  # accumulated in fp32 across chunks
@@ -113,8 +120,8 @@ def recompute_gradients(
 
 
 @recompute_gradients.register_fake
-def _(hidden, weight, bias, targets, valid, scale, softcap, smoothing, chunk, need_hidden,
-      need_weight, need_bias):  # fmt: skip
+def _(hidden, weight, bias, targets, valid, scale, softcap, logit_scale, smoothing, chunk,
+      need_hidden, need_weight, need_bias):  # fmt: skip
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
         torch.empty_like(weight) if need_weight else weight.new_empty(0),
@@ -133,8 +140,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, bias, targets, ignore_index, smoothing, softcap, num_items_in_batch,
-        chunk_tokens,
+        ctx, hidden, weight, bias, targets, ignore_index, smoothing, softcap, logit_scale,
+        num_items_in_batch, chunk_tokens,
     ):  # fmt: skip
         valid = targets != ignore_index
         if num_items_in_batch is None:
@@ -148,12 +155,12 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if grad_now else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunk = chunk_tokens or chunk_tokens_for(hidden.shape[0], hidden.shape[1], weight.shape[0])
-        ctx.settings = (softcap, smoothing, chunk)
+        ctx.settings = (softcap, logit_scale, smoothing, chunk)
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             loss, grad = _chunk_loss_and_grad(
-                hidden[part], weight, bias, targets[part], valid[part], softcap, smoothing,
-                scale, grad_now,
+                hidden[part], weight, bias, targets[part], valid[part], softcap, logit_scale,
+                smoothing, scale, grad_now,
             )  # fmt: skip
             total += loss
             if grad_now:
@@ -172,19 +179,20 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden = (
                 None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
             )
-            return grad_hidden, None, None, None, None, None, None, None, None
+            return grad_hidden, None, None, None, None, None, None, None, None, None
         hidden, weight, bias, targets, valid, scale = ctx.saved_tensors
-        softcap, smoothing, chunk = ctx.settings
+        softcap, logit_scale, smoothing, chunk = ctx.settings
         need_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden, grad_weight, grad_bias = recompute_gradients(
-            hidden, weight, bias, targets, valid, scale * grad_loss.float(), softcap, smoothing,
-            chunk, ctx.needs_input_grad[0], ctx.needs_input_grad[1], need_bias,
+            hidden, weight, bias, targets, valid, scale * grad_loss.float(), softcap,
+            logit_scale, smoothing, chunk, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            need_bias,
         )  # fmt: skip
         return (
             grad_hidden if ctx.needs_input_grad[0] else None,
             grad_weight if ctx.needs_input_grad[1] else None,
             grad_bias if need_bias else None,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -197,12 +205,15 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     label_smoothing: float = 0.0,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
     num_items_in_batch: int | torch.Tensor | None = None,
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(linear(hidden, weight, bias).float(), targets)`` over any leading shape
     of ``hidden`` (``[..., hidden]``, ``targets`` ``[...]``), computed chunk by chunk; the mean
-    over non-ignored targets, or their sum over ``num_items_in_batch`` when given."""
+    over non-ignored targets, or their sum over ``num_items_in_batch`` when given. The logits
+    are multiplied by ``logit_scale`` (Cohere's ``logit_scale``, Granite's
+    ``1 / logits_scaling``), then soft-capped at ``softcap`` (Gemma 2)."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"hidden states {tuple(hidden.shape)} and targets {tuple(targets.shape)} must agree "
@@ -219,7 +230,7 @@ def linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     return LinearCrossEntropyFunction.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), ignore_index,
-        float(label_smoothing), softcap, num_items_in_batch, chunk_tokens,
+        float(label_smoothing), softcap, float(logit_scale), num_items_in_batch, chunk_tokens,
     )  # fmt: skip
 
 
@@ -232,6 +243,7 @@ def causal_lm_loss(
     shift_labels: torch.Tensor | None = None,
     ignore_index: int = IGNORE_INDEX,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` from the hidden states ``[batch, seq, hidden]``: the
@@ -240,5 +252,5 @@ def causal_lm_loss(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     return linear_cross_entropy(
         hidden, weight, shift_labels.to(hidden.device), bias, ignore_index=ignore_index,
-        softcap=softcap, num_items_in_batch=num_items_in_batch,
+        softcap=softcap, logit_scale=logit_scale, num_items_in_batch=num_items_in_batch,
     )  # fmt: skip

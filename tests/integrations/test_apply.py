@@ -102,7 +102,8 @@ SMALL.update(
         "glm": _DECODER,
         "exaone4": dict(_DECODER, sliding_window=4),
         "gemma3_text": dict(_DECODER, sliding_window=4),
-        "granite": _DECODER,
+        # Heads that scale their logits (Cohere by logit_scale, 0.0625 by default).
+        "granite": dict(_DECODER, logits_scaling=4.0),
         "cohere": _DECODER,
     }
 )
