@@ -11,102 +11,42 @@ from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.memory.meter import graph_saved_bytes
 from hf_actq.ops import dedup
 
+_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_DECODER = dict(_ENCODER, num_key_value_heads=2)
+# head_dim given where the config's default is not hidden_size / heads (Qwen3 128, Gemma 256).
+_DECODER_8 = dict(_DECODER, head_dim=8)
 SMALL = {
-    "bert": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64),
-    "roberta": dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    ),
-    "xlm-roberta": dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    ),
-    "electra": dict(
-        hidden_size=32,
-        embedding_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-    ),
+    "bert": _ENCODER,
+    "roberta": _ENCODER,
+    "xlm-roberta": _ENCODER,
+    "electra": dict(_ENCODER, embedding_size=32),
     "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
-    "deberta-v2": dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    ),
+    "deberta-v2": _ENCODER,
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
-    "gpt_neox": dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
-    ),
-    "llama": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    ),
-    "mistral": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    ),
-    "qwen2": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    ),
-    "qwen3": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        head_dim=8,
-    ),
-    "gemma": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        head_dim=8,
-    ),
-    "gemma2": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        head_dim=8,
-    ),
-    "phi3": dict(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-    ),
+    "gpt_neox": _ENCODER,
+    "llama": _DECODER,
+    "mistral": _DECODER,
+    "qwen2": _DECODER,
+    "phi3": _DECODER,
+    "qwen3": _DECODER_8,
+    "gemma": _DECODER_8,
+    "gemma2": _DECODER_8,
+    # Decoders registered by layout alone; a 4-token sliding window where the model has one,
+    # so that the 12-token batches see it.
+    "ministral": dict(_DECODER_8, sliding_window=4),
+    "smollm3": _DECODER_8,
+    "olmo": _DECODER_8,
+    "olmo2": _DECODER_8,
+    "starcoder2": dict(_DECODER_8, sliding_window=4),
+    "stablelm": _DECODER_8,
+    "phi": _DECODER_8,
+    "glm": _DECODER_8,
+    "exaone4": dict(_DECODER_8, sliding_window=4),
+    "gemma3_text": dict(_DECODER_8, sliding_window=4),
+    # Heads that scale their logits (Cohere by logit_scale, 0.0625 by default).
+    "granite": dict(_DECODER_8, logits_scaling=4.0),
+    "cohere": _DECODER_8,
 }
-# Decoders registered by layout alone (the LLaMA shape above; a 4-token sliding window where
-# the model has one, so that the 12-token batches see it).
-_DECODER = dict(SMALL["llama"], head_dim=8)
-SMALL.update(
-    {
-        "ministral": dict(_DECODER, sliding_window=4),
-        "smollm3": _DECODER,
-        "olmo": _DECODER,
-        "olmo2": _DECODER,
-        "starcoder2": dict(_DECODER, sliding_window=4),
-        "stablelm": _DECODER,
-        "phi": _DECODER,
-        "glm": _DECODER,
-        "exaone4": dict(_DECODER, sliding_window=4),
-        "gemma3_text": dict(_DECODER, sliding_window=4),
-        # Heads that scale their logits (Cohere by logit_scale, 0.0625 by default).
-        "granite": dict(_DECODER, logits_scaling=4.0),
-        "cohere": _DECODER,
-    }
-)
 ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2"}
 NO_DROPOUT = {
     "hidden_dropout_prob": 0.0,
