@@ -139,6 +139,8 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
         raise ValueError("pass either an ActQConfig or keyword arguments, not both")
     if not isinstance(config, ActQConfig):
         raise ValueError(f"config must be an ActQConfig, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     base = unwrap(model)
     if getattr(base, _HANDLE, None) is not None:
         raise ValueError(

@@ -440,6 +440,8 @@ def test_apply_twice_is_an_error_and_print_shows_patches():
     hf_actq.revert(model)
     assert "hf_actq" not in repr(model)
     assert handle.patched == {}
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        hf_actq.apply("bert-base-uncased", bits=4)  # a name, not a model
 
 
 def test_unknown_model_type_goes_generic_with_a_warning(caplog):
