@@ -1,5 +1,5 @@
 """Patching the per-module slots of a model: linear layers (and GPT-2's Conv1D), LayerNorm and
-LLaMA-form RMSNorm, dropout, pointwise activations and gated MLPs.
+RMSNorm in LLaMA's or Gemma's form, dropout, pointwise activations and gated MLPs.
 
 Each patch binds the ``forward`` of the matching op class in ``hf_actq.ops`` onto the module
 instance (see :mod:`hf_actq.integrations.patching`), so patched models and standalone ops share
@@ -32,8 +32,8 @@ from hf_actq.ops.linear import CompressedConv1D, CompressedLinear
 from hf_actq.ops.norm import (
     CompressedLayerNorm,
     CompressedRMSNorm,
-    computes_llama_rms_norm,
     rms_norm_eps,
+    rms_norm_offset,
 )
 from hf_actq.ops.state import OpState
 
@@ -182,9 +182,13 @@ def patch_layers(
         elif type(module) is nn.LayerNorm and norms and len(module.normalized_shape) == 1:
             bind(module, CompressedLayerNorm.forward, path, *norm_slots, **norm_fields)
         elif norms and type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
-            if computes_llama_rms_norm(module):
+            offset = rms_norm_offset(module)
+            if offset is not None:
                 eps = rms_norm_eps(module)
-                bind(module, CompressedRMSNorm.forward, path, *norm_slots, eps=eps, **norm_fields)
+                bind(
+                    module, CompressedRMSNorm.forward, path, *norm_slots, eps=eps,
+                    norm_offset=offset, **norm_fields,
+                )  # fmt: skip
             else:
                 handle.skipped[path] = "RMSNorm with a different formula (kept exact)"
         elif type(module) is nn.Dropout and config.dropout:

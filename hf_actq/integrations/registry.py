@@ -70,7 +70,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen2": _SDPA,
     "qwen3": _SDPA,
     "phi3": _SDPA,
-    "gemma": _SDPA,  # its (1 + w) RMSNorm fails the LLaMA-formula check and stays exact
+    "gemma": _SDPA,  # its RMSNorm scales by (1 + w) in fp32: found by norm.rms_norm_offset
     # LLaMA-like decoders whose attention calls AttentionInterface with q, k, v, the mask and
     # scalar options only (a sliding window is in the mask; StableLM's position_ids are not
     # used by SDPA).
@@ -103,6 +103,11 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "clip": _EAGER,
     "clip_text_model": _EAGER,
     "clip_vision_model": _EAGER,
+    # Vision-language models: both towers' attention goes through AttentionInterface (their
+    # attention modules carry the sub-configs, which patch_attention points at the op). Their
+    # heads are the stock ones (the fused loss binds to ...ForCausalLM classes).
+    "gemma3": ModelLayout("sdpa"),
+    "llava": ModelLayout("sdpa"),
     "bart": ModelLayout("eager", seq2seq_lm_loss=True),
     # T5 passes its relative position bias to the attention function, which takes its gradient;
     # only SDPA is patched (the compressed eager op has no bias input).

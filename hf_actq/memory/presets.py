@@ -111,6 +111,25 @@ PRESETS: dict[str, Preset] = {
         dtype=torch.bfloat16,
     ),
     "mistral-7b": Preset("mistral", dict(_MISTRAL_7B, sliding_window=4096), dtype=torch.bfloat16),
+    # Gemma 3 1B (text): (1 + w) RMSNorms, four per layer and on q and k, a 512-token sliding
+    # window on five layers in six, a 262k-token vocabulary.
+    "gemma3-1b": Preset(
+        "gemma3_text",
+        dict(
+            vocab_size=262144,
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=512,
+            rope_theta=1e6,
+            max_position_embeddings=32768,
+        ),
+        dtype=torch.bfloat16,
+    ),
     # Mistral-7B's shapes with eight experts per layer, two per token.
     "mixtral-8x7b": Preset(
         "mixtral",

@@ -57,23 +57,25 @@ def _layer_norm_statistics(x, eps):
 
 # id(weight) -> (a weak reference to it, its version, whether it has no zero): checked once per
 # weight update, so a GPU pays one sync per norm per optimizer step, not one per forward.
-_NONZERO_CHECKED: dict[int, tuple[weakref.ref, int, bool]] = {}
+_NONZERO_CHECKED: dict[int, tuple[weakref.ref, int, float, bool]] = {}
 
 
-def _divisible(weight: torch.Tensor | None) -> bool:
+def _divisible(weight: torch.Tensor | None, offset: float = 0.0) -> bool:
+    """Whether no element of ``weight + offset`` (what the output was scaled by) is zero."""
     if weight is None:
         return True
     cached = _NONZERO_CHECKED.get(id(weight))
-    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
+    if cached is None or cached[0]() is not weight or cached[1:3] != (weight._version, offset):
         key = id(weight)
         reference = weakref.ref(weight, lambda _: _NONZERO_CHECKED.pop(key, None))
-        cached = (reference, weight._version, bool((weight != 0).all()))
+        cached = (reference, weight._version, offset, bool((weight != -offset).all()))
         _NONZERO_CHECKED[key] = cached
-    return cached[2]
+    return cached[3]
 
 
-def _x_hat_from_output(y, weight, bias):
-    """``(y - bias) / weight`` in ``y``'s dtype, computed in fp32 a chunk of rows at a time."""
+def _x_hat_from_output(y, weight, bias, offset=0.0):
+    """``(y - bias) / (weight + offset)`` in ``y``'s dtype, computed in fp32 a chunk of rows at
+    a time."""
     width = y.shape[-1]
     rows_y = y.reshape(-1, width)
     x_hat = torch.empty(rows_y.shape, dtype=y.dtype, device=y.device)
@@ -81,14 +83,15 @@ def _x_hat_from_output(y, weight, bias):
         value = rows_y[rows].float()
         if bias is not None:
             value = value - bias.float()
-        x_hat[rows] = value if weight is None else value / weight.float()
+        x_hat[rows] = value if weight is None else value / (weight.float() + offset)
     return x_hat.view(y.shape)
 
 
 @dataclass(frozen=True)
 class NormOutputPacked(Packed):
     """A norm's output rebuilt from the norm's own packed ``x_hat``: ``w * x_hat`` (RMSNorm, in
-    ``x_hat``'s dtype as HF computes it) or ``x_hat * w + b`` (LayerNorm, in fp32). ``tensors``
+    ``x_hat``'s dtype as HF computes it; Gemma's, ``offset`` 1: ``x_hat * (1 + w)`` in fp32) or
+    ``x_hat * w + b`` (LayerNorm, in fp32). ``tensors``
     are the source's buffers, then copies of the weight and bias (hidden-sized), which the norm
     saves in place of the parameters themselves (see :func:`_keep`).
 
@@ -100,6 +103,7 @@ class NormOutputPacked(Packed):
     rms: bool = False
     has_weight: bool = True
     has_bias: bool = False
+    offset: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +118,9 @@ class NormOutputPacked(Packed):
         x_hat = self.source.with_tensors(self.tensors[:split]).unpack()
         weight = self.tensors[split] if self.has_weight else None
         bias = self.tensors[-1] if self.has_bias else None
-        if self.rms:
+        if self.rms and self.offset:
+            y = x_hat.float() * (weight.float() + self.offset)
+        elif self.rms:
             y = x_hat.to(self.source.dtype)
             y = y if weight is None else weight * y
         else:
@@ -142,9 +148,10 @@ def _offers_output(state) -> bool:
 def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
     """Save what backward needs: ``y`` (memory sharing), else ``x_hat`` packed by the slot's
     codec, or exact when the norm has no codec (an exact norm whose weight has a zero)."""
+    ctx.offset = offset = state.norm_offset
     # Under torch.compile the zero check (data-dependent) cannot be traced: x_hat is kept.
     ctx.from_output = (
-        state.norm_from_output and not torch.compiler.is_compiling() and _divisible(weight)
+        state.norm_from_output and not torch.compiler.is_compiling() and _divisible(weight, offset)
     )
     if ctx.from_output:
         ctx.save_for_backward(rstd, weight, bias, y)
@@ -172,6 +179,7 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
             rms=rms,
             has_weight=weight is not None,
             has_bias=bias is not None,
+            offset=offset,
         )
         state.cache.offer(y, rebuilt, state.slot_id("input"))
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
@@ -180,7 +188,7 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
 def _saved_x_hat(ctx):
     rstd, weight, bias, *buffers = ctx.saved_tensors
     if ctx.from_output:
-        return rstd, weight, _x_hat_from_output(buffers[0], weight, bias)
+        return rstd, weight, _x_hat_from_output(buffers[0], weight, bias, ctx.offset)
     if ctx.header is None:
         return rstd, weight, buffers[0]
     return rstd, weight, ctx.header.with_tensors(buffers).unpack()
@@ -209,22 +217,32 @@ class CompressedLayerNormFunction(torch.autograd.Function):
 
 
 class CompressedRMSNormFunction(torch.autograd.Function):
-    """HF's RMSNorm (LLaMA, Mistral, Qwen): ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``."""
+    """HF's RMSNorm (LLaMA, Mistral, Qwen): ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``;
+    with ``state.norm_offset`` 1, Gemma's: ``(x * rsqrt(mean(x^2) + eps) * (1 + w))`` in fp32,
+    then cast. Backward is the same with ``1 + w`` for ``w``."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, state):
         # HF's arithmetic row by row (the same bits), a chunk of rows at a time: HF makes three
         # full-size fp32 temporaries of a half-precision input here.
+        offset = state.norm_offset
         width = x.shape[-1]
         rows_x = x.reshape(-1, width)
         normed = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
+        y = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device) if offset else None
+        scale = weight.float() + offset if offset else None
         for rows in row_chunks(rows_x.shape[0], width):
             hidden = rows_x[rows].to(torch.float32)
             rstd[rows] = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-            normed[rows] = hidden * rstd[rows]
+            if offset:  # Gemma scales in fp32 and casts the product
+                hidden = hidden * rstd[rows]
+                normed[rows] = hidden
+                y[rows] = hidden * scale
+            else:
+                normed[rows] = hidden * rstd[rows]
         normed = normed.view(x.shape)
-        y = weight * normed
+        y = y.view(x.shape) if offset else weight * normed
         _keep(ctx, state, lambda: normed, y, weight, None, rstd, rms=True)
         return y
 
@@ -232,7 +250,8 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         rstd, weight, x_hat = _saved_x_hat(ctx)
-        grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, weight, centered=False)
+        scale = weight.float() + ctx.offset if ctx.offset else weight
+        grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, scale, centered=False)
         return grad_x, grad_w.to(weight.dtype), None, None
 
 
@@ -244,19 +263,21 @@ def rms_norm_eps(module: nn.Module) -> float | None:
     return None if eps is None else float(eps)
 
 
-def computes_llama_rms_norm(module: nn.Module) -> bool:
-    """Whether ``module`` computes ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama, Mistral,
-    Qwen), checked bit for bit on a random input with a random weight.
+def rms_norm_offset(module: nn.Module) -> float | None:
+    """0 when ``module`` computes LLaMA's ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama,
+    Mistral, Qwen), 1 when it computes Gemma's ``(x * rsqrt(mean(x^2) + eps) * (1 + w))`` in
+    fp32, cast at the end; None for anything else. Checked bit for bit on a random input with a
+    random weight.
 
-    Gemma's ``(1 + w)`` in fp32 and other variants fail the check and stay exact. The module's
-    own parameters are not used (under FSDP2 they are DTensor shards, and an all-ones weight
-    would not tell ``w`` from ``1 + w`` apart), its hooks do not run, and the global RNG is
-    left alone (moving it would change, e.g., LoRA weights initialised after patching).
+    The module's own parameters are not used (under FSDP2 they are DTensor shards, and an
+    all-ones weight would not tell ``w`` from ``1 + w`` apart), its hooks do not run, and the
+    global RNG is left alone (moving it would change, e.g., LoRA weights initialised after
+    patching).
     """
     eps = rms_norm_eps(module)
     weight = getattr(module, "weight", None)
     if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
-        return False
+        return None
     generator = torch.Generator().manual_seed(0)
     sample, probe_weight = (
         torch.randn(shape, generator=generator, device="cpu").to(weight.dtype).to(weight.device)
@@ -267,8 +288,12 @@ def computes_llama_rms_norm(module: nn.Module) -> bool:
     with torch.no_grad():
         got = type(module).forward(probe, sample)
         hidden = sample.float()
-        normed = (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)).to(sample.dtype)
-        return torch.equal(got, probe_weight * normed)
+        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+        if torch.equal(got, probe_weight * normed.to(sample.dtype)):
+            return 0.0
+        if torch.equal(got, (normed * (1.0 + probe_weight.float())).to(sample.dtype)):
+            return 1.0
+    return None
 
 
 class CompressedLayerNorm(nn.LayerNorm):
@@ -300,10 +325,10 @@ class CompressedLayerNorm(nn.LayerNorm):
 
 
 class CompressedRMSNorm(nn.Module):
-    """A LLaMA-style RMSNorm sharing the weight of ``norm``:
-    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` as in Llama, Mistral and Qwen (checked
-    bit for bit when built). Gemma's ``(1 + weight)`` computed in fp32 is a different function.
-    """
+    """An RMSNorm sharing the weight of ``norm``: LLaMA's
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama, Mistral, Qwen) or Gemma's
+    ``(1 + weight)`` form computed in fp32, whichever ``norm`` computes (checked bit for bit
+    when built)."""
 
     def __init__(
         self, norm: nn.Module, codec: Codec | None = None, cache=None, share_output=False
@@ -315,14 +340,18 @@ class CompressedRMSNorm(nn.Module):
                 f"CompressedRMSNorm needs a module with weight and variance_epsilon (or eps), "
                 f"got {type(norm).__name__}"
             )
-        if not computes_llama_rms_norm(norm):
+        offset = rms_norm_offset(norm)
+        if offset is None:
             raise ValueError(
-                f"CompressedRMSNorm: {type(norm).__name__} does not compute LLaMA's RMSNorm "
-                "weight * (x * rsqrt(mean(x^2) + eps)).to(dtype); keep it as it is"
+                f"CompressedRMSNorm: {type(norm).__name__} computes neither LLaMA's RMSNorm "
+                "weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) nor Gemma's (1 + weight) form; "
+                "keep it as it is"
             )
         super().__init__()
         self.weight = norm.weight
-        state = default_state(norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm))
+        state = default_state(
+            norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm), norm_offset=offset
+        )
         state.norm_from_output = share_output
         set_state(self, state)
 

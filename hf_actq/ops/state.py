@@ -45,8 +45,10 @@ class OpState:
     # Few-bit activations and gated MLPs: the activation and its derivative table (the "act"
     # slot).
     activation: object | None = None
-    # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``).
+    # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``), and what
+    # its output is scaled by besides the weight: 1 for Gemma's ``(1 + w)``.
     eps: float | None = None
+    norm_offset: float = 0.0
     # Dropout: "seed" or "mask".
     dropout_mode: str = "seed"
     # Gated MLPs patched with plain nn.Linear projections (the fused path), and whether the

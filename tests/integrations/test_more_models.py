@@ -14,6 +14,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageClassification,
+    AutoModelForImageTextToText,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     CLIPConfig,
@@ -144,6 +145,51 @@ def _deberta(dropout=0.0):
     return AutoModelForSequenceClassification.from_config(config), batch
 
 
+# Vision-language models: a 32x32 image in 8x8 patches, its tokens at positions 2.. of a
+# 128-token vocabulary (image token 120), the loss on the text tokens.
+_LANGUAGE = dict(TOWER, num_key_value_heads=2, head_dim=8, vocab_size=128)
+_VISION = dict(TOWER, image_size=32, patch_size=8)
+
+
+def _image_batch(image_tokens: int, token_types: bool) -> dict:
+    ids = torch.randint(3, 100, (2, 10 + image_tokens))
+    ids[:, 2 : 2 + image_tokens] = 120
+    labels = torch.where(ids == 120, -100, ids)
+    batch = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), labels=labels)
+    if token_types:  # Gemma 3: image tokens attend to each other both ways
+        batch["token_type_ids"] = (ids == 120).long()
+    return batch
+
+
+def _gemma3():
+    # SigLIP vision tower, its patches pooled to 4 tokens, a sliding-window Gemma 3 decoder.
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=dict(_LANGUAGE, sliding_window=4),
+        vision_config=_VISION,
+        mm_tokens_per_image=4,
+        image_token_id=120,
+        boi_token_id=121,
+        eoi_token_id=122,
+    )
+    model = AutoModelForImageTextToText.from_config(config)
+    # transformers initialises the projection at zero; a trained one is not (at zero, every
+    # image token reaches the decoder's RMSNorm as 0, whose derivative there is 1/sqrt(eps)).
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
+    return model, _image_batch(4, token_types=True)
+
+
+def _llava():
+    # A CLIP vision tower (its 16 patch features, CLS dropped) into a LLaMA decoder.
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=dict(_LANGUAGE, model_type="llama"),
+        vision_config=dict(_VISION, model_type="clip_vision_model"),
+        image_token_id=120,
+    )
+    return AutoModelForImageTextToText.from_config(config), _image_batch(16, token_types=False)
+
+
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 BUILDERS = {
@@ -154,6 +200,8 @@ BUILDERS = {
     "bart": _bart,
     "t5": lambda: _t5("gated-gelu"),
     "t5-relu": lambda: _t5("relu"),
+    "gemma3": _gemma3,
+    "llava": _llava,
 }
 
 

@@ -136,6 +136,8 @@ def test_a_model_forward_wrapped_after_apply_runs_stock_once_reverted(name):
     else:
         model, batch = _build("bart")
     reference = copy.deepcopy(model)
+    # A process-wide state: an earlier test's (without mixed precision) would refuse bf16.
+    AcceleratorState._reset_state(reset_partial_state=True)
     try:
         accelerator = Accelerator(cpu=True, mixed_precision="bf16")
         reference = accelerator.prepare(reference)

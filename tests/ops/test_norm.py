@@ -1,6 +1,7 @@
 import pytest
 import torch
 from torch import nn
+from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_actq import SavedTensorMeter
@@ -62,9 +63,11 @@ def test_layer_norm_without_affine():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_llama_rms_norm(dtype):
+@pytest.mark.parametrize("form", [LlamaRMSNorm, Gemma3RMSNorm], ids=lambda c: c.__name__)
+def test_rms_norm(dtype, form):
+    # LLaMA's w * x_hat cast first, Gemma's (1 + w) * x_hat in fp32: each bit for bit.
     torch.manual_seed(0)
-    norm = LlamaRMSNorm(64, eps=1e-6)
+    norm = form(64, eps=1e-6)
     nn.init.normal_(norm.weight)
     norm = norm.to(dtype)
     codec = uniform(8, stochastic=False)
@@ -81,7 +84,7 @@ def test_llama_rms_norm(dtype):
         assert (got.float() - want).abs().max().item() <= 0.02 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm", "gemma_rms_norm"])
 def test_norms_work_in_row_chunks_without_full_size_fp32_copies(kind):
     """A bf16 input three chunks and a bit long: the forward is still the stock module's bit for
     bit, exact codes give the stock gradients, and no allocation in forward or backward is larger
@@ -93,7 +96,7 @@ def test_norms_work_in_row_chunks_without_full_size_fp32_copies(kind):
         norm = _layer_norm(width).to(torch.bfloat16)
         module = CompressedLayerNorm(norm, ExactCodec(), PackCache())
     else:
-        norm = LlamaRMSNorm(width, eps=1e-6)
+        norm = (LlamaRMSNorm if kind == "rms_norm" else Gemma3RMSNorm)(width, eps=1e-6)
         nn.init.normal_(norm.weight)
         norm = norm.to(torch.bfloat16)
         module = CompressedRMSNorm(norm, ExactCodec(), PackCache())
@@ -127,6 +130,11 @@ def _norm_of(kind, width, dtype):
             norm.weight.uniform_(0.5, 1.5)
             norm.bias.uniform_(-0.5, 0.5)
         return norm
+    if kind == "gemma":  # scales by 1 + w, near 1 as trained Gemma weights are near 0
+        norm = Gemma3RMSNorm(width).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(-0.5, 0.5)
+        return norm
     norm = LlamaRMSNorm(width).to(dtype)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
@@ -141,7 +149,7 @@ def _next_layer_grads(module, x, *params):
     return y, torch.autograd.grad(loss, (x, *params))
 
 
-@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("kind", ["layer", "rms", "gemma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_memory_sharing_norms_keep_their_output_and_rebuild_the_input(kind, dtype):
     norm = _norm_of(kind, 64, dtype)
@@ -164,12 +172,14 @@ def test_memory_sharing_norms_keep_their_output_and_rebuild_the_input(kind, dtyp
         assert error < tolerance, error
 
 
-def test_memory_sharing_norm_with_a_zero_weight_keeps_the_input_exactly():
-    norm = _norm_of("rms", 32, torch.float32)
+@pytest.mark.parametrize("kind", ["rms", "gemma"])
+def test_memory_sharing_norm_with_a_zero_weight_keeps_the_input_exactly(kind):
+    norm = _norm_of(kind, 32, torch.float32)
     x = torch.randn(6, 32, requires_grad=True)
     shared = CompressedRMSNorm(norm, codec=ExactCodec(), share_output=True)
     with torch.no_grad():
-        norm.weight[3] = 0.0  # y / w is undefined there; the check sees the new version
+        # y / w (Gemma: y / (1 + w)) is undefined there; the check sees the new version
+        norm.weight[3] = 0.0 if kind == "rms" else -1.0
     stock_y, stock_grads = _next_layer_grads(norm, x, norm.weight)
     with SavedTensorMeter(exclude=[norm.weight]) as meter:
         shared(x)
@@ -181,7 +191,7 @@ def test_memory_sharing_norm_with_a_zero_weight_keeps_the_input_exactly():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("kind", ["layer", "rms", "gemma"])
 def test_compressed_norm_offers_its_output_to_the_next_linear(kind):
     # The next linear (same codec, same cache) takes the norm's output as rebuilt from the norm's
     # packed x_hat: w * x_hat (+ b), with no second packed copy of its own.
@@ -213,7 +223,11 @@ def test_compressed_norm_offers_its_output_to_the_next_linear(kind):
     rebuilt = entry.reuse(y, codec)
     assert isinstance(rebuilt, NormOutputPacked)
     x_hat = rebuilt.source.with_tensors(rebuilt.tensors[: rebuilt._split]).unpack()
-    want = norm.weight * x_hat if kind == "rms" else x_hat * norm.weight + norm.bias
+    want = {
+        "rms": lambda: norm.weight * x_hat,
+        "gemma": lambda: x_hat * (1 + norm.weight),
+        "layer": lambda: x_hat * norm.weight + norm.bias,
+    }[kind]()
     torch.testing.assert_close(rebuilt.unpack(), want.detach())
     assert (rebuilt.unpack() - y).abs().max() < 0.2 * y.abs().max()  # 4-bit rounding of x_hat
     out.sum().backward()  # backward runs through the shared buffers
