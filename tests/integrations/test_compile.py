@@ -289,11 +289,12 @@ def test_compiled_packed_checkpointing_keeps_the_packed_inputs():
     assert saved["packed", True] < 0.6 * saved["stock", True]
 
 
-@pytest.mark.parametrize("name", ["t5", "bart", "deberta-v2", "mixtral"])
+@pytest.mark.parametrize("name", ["t5", "bart", "deberta-v2", "mixtral", "gemma3"])
 def test_more_model_types_add_no_graph_break(name):
     # T5's attention with its position bias, the seq2seq fused loss, DeBERTa (whose attention
-    # runs the stock module under compile) and the MoE experts op: the patched model breaks no
-    # more often than the stock one (DeBERTa's own relative-position code breaks once).
+    # runs the stock module under compile), the MoE experts op and Gemma 3's (1 + w) norms in a
+    # vision-language model: the patched model breaks no more often than the stock one
+    # (DeBERTa's own relative-position code breaks once, Gemma 3's image merging three times).
     from test_more_models import _build
 
     breaks = {}
