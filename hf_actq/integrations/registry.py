@@ -108,6 +108,8 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # heads are the stock ones (the fused loss binds to ...ForCausalLM classes).
     "gemma3": ModelLayout("sdpa"),
     "llava": ModelLayout("sdpa"),
+    "qwen2_vl": ModelLayout("sdpa"),  # its vision attention calls the op one image at a time
+    "qwen2_5_vl": ModelLayout("sdpa"),
     "bart": ModelLayout("eager", seq2seq_lm_loss=True),
     # T5 passes its relative position bias to the attention function, which takes its gradient;
     # only SDPA is patched (the compressed eager op has no bias input).

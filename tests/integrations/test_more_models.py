@@ -190,6 +190,23 @@ def _llava():
     return AutoModelForImageTextToText.from_config(config), _image_batch(16, token_types=False)
 
 
+def _qwen_vl(model_type, vision):
+    # Qwen2-VL / Qwen2.5-VL: two 16x16 images in 4x4 patches (the vision attention runs one
+    # image at a time), 2x2 patches merged into each of an image's 4 tokens, M-RoPE.
+    text = dict(_LANGUAGE, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})
+    text.pop("head_dim")
+    vision = dict(vision, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    config = AutoConfig.for_model(
+        model_type, text_config=text, vision_config=vision, image_token_id=120,
+        video_token_id=121, vision_start_token_id=122,
+    )  # fmt: skip
+    batch = _image_batch(4, token_types=False)
+    batch["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4)
+    batch["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
+    batch["mm_token_type_ids"] = (batch["input_ids"] == 120).long()
+    return AutoModelForImageTextToText.from_config(config), batch
+
+
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 BUILDERS = {
@@ -202,6 +219,21 @@ BUILDERS = {
     "t5-relu": lambda: _t5("relu"),
     "gemma3": _gemma3,
     "llava": _llava,
+    "qwen2_vl": lambda: _qwen_vl(
+        "qwen2_vl", dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2)
+    ),
+    "qwen2_5_vl": lambda: _qwen_vl(
+        "qwen2_5_vl",
+        dict(
+            depth=2,
+            hidden_size=32,
+            out_hidden_size=32,
+            num_heads=4,
+            intermediate_size=64,
+            window_size=8,
+            fullatt_block_indexes=[1],
+        ),
+    ),  # fmt: skip
 }
 
 
