@@ -13,6 +13,12 @@ chunk (one extra head matmul) rather than hold a weight-sized gradient from the 
 Either way what is kept is one [tokens, hidden] tensor in the model dtype, the size of the
 hidden states the stock head keeps anyway, plus a few bytes per token.
 
+A trained head's weight gradient is summed over the token chunks in fp32, a [vocab, hidden]
+buffer twice the size of a half-precision gradient (and alive beside it at the cast): for
+half-precision heads with more words than tokens, backward walks the vocabulary in blocks
+instead, from each token's log-sum-exp kept by the forward, writing each block's weight
+gradient once in the model dtype and summing the [tokens, hidden] input gradient in fp32.
+
 The arithmetic follows transformers' ``ForCausalLMLoss``: logits in the model dtype, optional
 soft-capping ``cap * tanh(logits / cap)`` in the model dtype (Gemma 2), fp32 log-softmax, the
 mean over tokens whose label is not ``ignore_index`` or the sum over ``num_items_in_batch``
@@ -36,12 +42,9 @@ def chunk_tokens_for(tokens: int, hidden: int, vocab: int) -> int:
     return max(1, min(tokens, -(-tokens * hidden // vocab)))
 
 
-def _chunk_loss_and_grad(
-    h, weight, bias, target, keep, softcap, logit_scale, smoothing, scale, want_grad
-):
-    """One chunk: the sum of its tokens' losses (fp32) and, with ``want_grad``, d(loss)/d(logits)
-    times ``scale`` in the model dtype (softmax minus the smoothed one-hot, 0 where ignored).
-    The logits are ``linear(h, weight, bias) * logit_scale``, then soft-capped."""
+def _scaled_logits(h, weight, bias, softcap, logit_scale):
+    """The head's logits as the stock forward computes them (model dtype), and the tanh of the
+    soft-capping (None without it)."""
     logits = F.linear(h, weight, bias)
     if logit_scale != 1.0:
         logits = logits * logit_scale
@@ -49,6 +52,19 @@ def _chunk_loss_and_grad(
     if softcap is not None:
         capped = torch.tanh(logits / softcap)
         logits = capped * softcap
+    return logits, capped
+
+
+def _chunk_loss_and_grad(
+    h, weight, bias, target, keep, softcap, logit_scale, smoothing, scale, want_grad, lse=None
+):
+    """One chunk: the sum of its tokens' losses (fp32) and, with ``want_grad``, d(loss)/d(logits)
+    times ``scale`` in the model dtype (softmax minus the smoothed one-hot, 0 where ignored).
+    The logits are ``linear(h, weight, bias) * logit_scale``, then soft-capped. ``lse``, a list,
+    receives each token's fp32 log-sum-exp of the logits when given."""
+    logits, capped = _scaled_logits(h, weight, bias, softcap, logit_scale)
+    if lse is not None:
+        lse.append(torch.logsumexp(logits.float(), dim=-1))
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     del logits
     safe_target = torch.where(keep, target, 0)
@@ -69,6 +85,58 @@ def _chunk_loss_and_grad(
     return total, grad.to(h.dtype)
 
 
+def _by_vocabulary_block(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a trained head's backward walks the vocabulary: a half-precision weight (whose
+    fp32 gradient sum over token chunks would be twice its gradient) with more words than
+    tokens (so the fp32 input-gradient sum this takes instead is the smaller one)."""
+    return weight.dtype != torch.float32 and hidden.shape[0] < weight.shape[0]
+
+
+def _gradients_by_vocabulary_block(
+    hidden, weight, bias, targets, valid, scale, lse, softcap, logit_scale, smoothing,
+    need_hidden, need_weight, need_bias,
+):  # fmt: skip
+    """:func:`recompute_gradients` a block of words at a time: each block's logits for every
+    token, their softmax from the forward's ``lse``, the block's weight (and bias) gradient
+    written once in the model dtype, the hidden states' gradient summed in fp32. A block's
+    [tokens, block] logits are about the size of the hidden states."""
+    tokens, width = hidden.shape
+    vocab = weight.shape[0]
+    block = max(1, min(vocab, width))
+    grad_hidden = torch.zeros(tokens, width, dtype=torch.float32, device=hidden.device)
+    grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
+    grad_bias = torch.empty_like(bias) if need_bias else weight.new_empty(0)
+    factor = valid[:, None] * (scale * logit_scale)
+    rows = valid.nonzero().squeeze(1)
+    for start in range(0, vocab, block):
+        end = min(start + block, vocab)
+        part = weight[start:end]
+        logits, capped = _scaled_logits(
+            hidden, part, None if bias is None else bias[start:end], softcap, logit_scale
+        )
+        grad = torch.exp(logits.float() - lse[:, None])
+        del logits
+        target = targets[rows]
+        hit = (target >= start) & (target < end)
+        grad[rows[hit], target[hit] - start] += smoothing - 1
+        if smoothing:
+            grad -= smoothing / vocab
+        grad *= factor
+        if capped is not None:
+            grad *= 1 - capped.float().square()
+        if need_weight:
+            grad_weight[start:end] = grad.to(hidden.dtype).t() @ hidden
+        if need_bias:
+            grad_bias[start:end] = grad.sum(0)
+        if need_hidden:
+            grad_hidden.addmm_(grad, part.float())
+    return (
+        grad_hidden.to(hidden.dtype) if need_hidden else hidden.new_empty(0),
+        grad_weight,
+        grad_bias,
+    )
+
+
 # One opaque operator for the trained head's backward. Traced op by op, torch.compile would see
 # that backward recomputes the very logits forward computed, merge the two, and keep every
 # chunk's fp32 log-probabilities from forward to backward: a [tokens, vocab] fp32 tensor, the
@@ -81,6 +149,7 @@ def recompute_gradients(
     targets: torch.Tensor,
     valid: torch.Tensor,
     scale: torch.Tensor,
+    lse: torch.Tensor | None,
     softcap: float | None,
     logit_scale: float,
     smoothing: float,
@@ -90,8 +159,14 @@ def recompute_gradients(
     need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``scale`` times the summed loss with respect to the hidden states, the
-    head's weight and its bias, the logits recomputed chunk by chunk; an empty tensor for each
-    gradient not asked for."""
+    head's weight and its bias, the logits recomputed chunk by chunk (by vocabulary block when
+    the forward kept each token's log-sum-exp ``lse``); an empty tensor for each gradient not
+    asked for."""
+    if lse is not None:
+        return _gradients_by_vocabulary_block(
+            hidden, weight, bias, targets, valid, scale, lse, softcap, logit_scale, smoothing,
+            need_hidden, need_weight, need_bias,
+        )  # fmt: skip
     fp32 = dict(dtype=torch.float32, device=weight.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else hidden.new_empty(0)
     grad_weight = torch.zeros(weight.shape, **fp32) if need_weight else None
@@ -120,7 +195,7 @@ def recompute_gradients(
 
 
 @recompute_gradients.register_fake
-def _(hidden, weight, bias, targets, valid, scale, softcap, logit_scale, smoothing, chunk,
+def _(hidden, weight, bias, targets, valid, scale, lse, softcap, logit_scale, smoothing, chunk,
       need_hidden, need_weight, need_bias):  # fmt: skip
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
@@ -156,17 +231,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunk = chunk_tokens or chunk_tokens_for(hidden.shape[0], hidden.shape[1], weight.shape[0])
         ctx.settings = (softcap, logit_scale, smoothing, chunk)
+        # Each token's log-sum-exp, for a backward by vocabulary block (a list joined once: a
+        # trace would copy a whole buffer per chunk written into).
+        lse = [] if ctx.recompute and _by_vocabulary_block(hidden, weight) else None
         for start in range(0, hidden.shape[0], chunk):
             part = slice(start, start + chunk)
             loss, grad = _chunk_loss_and_grad(
                 hidden[part], weight, bias, targets[part], valid[part], softcap, logit_scale,
-                smoothing, scale, grad_now,
+                smoothing, scale, grad_now, lse,
             )  # fmt: skip
             total += loss
             if grad_now:
                 grad_hidden[part] = grad @ weight
+        lse = None if lse is None else torch.cat(lse)
         if ctx.recompute:
-            ctx.save_for_backward(hidden, weight, bias, targets, valid, scale)
+            ctx.save_for_backward(hidden, weight, bias, targets, valid, scale, lse)
         else:
             ctx.save_for_backward(grad_hidden)
         return total / normalizer
@@ -180,11 +259,11 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
             )
             return grad_hidden, None, None, None, None, None, None, None, None, None
-        hidden, weight, bias, targets, valid, scale = ctx.saved_tensors
+        hidden, weight, bias, targets, valid, scale, lse = ctx.saved_tensors
         softcap, logit_scale, smoothing, chunk = ctx.settings
         need_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden, grad_weight, grad_bias = recompute_gradients(
-            hidden, weight, bias, targets, valid, scale * grad_loss.float(), softcap,
+            hidden, weight, bias, targets, valid, scale * grad_loss.float(), lse, softcap,
             logit_scale, smoothing, chunk, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
             need_bias,
         )  # fmt: skip
