@@ -55,7 +55,8 @@ def _layer_norm_statistics(x, eps):
     return mean, rstd
 
 
-# id(weight) -> (a weak reference to it, its version, whether it has no zero): checked once per
+# id(weight) -> (a weak reference to it, its version, the offset, whether weight + offset has no
+# zero): checked once per
 # weight update, so a GPU pays one sync per norm per optimizer step, not one per forward.
 _NONZERO_CHECKED: dict[int, tuple[weakref.ref, int, float, bool]] = {}
 
