@@ -56,8 +56,8 @@ def _layer_norm_statistics(x, eps):
 
 
 # id(weight) -> (a weak reference to it, its version, the offset, whether weight + offset has no
-# zero): checked once per
-# weight update, so a GPU pays one sync per norm per optimizer step, not one per forward.
+# zero): checked once per weight update, so a GPU pays one sync per norm per optimizer step,
+# not one per forward.
 _NONZERO_CHECKED: dict[int, tuple[weakref.ref, int, float, bool]] = {}
 
 
