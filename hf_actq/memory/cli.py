@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers",
         choices=("auto", "all", "scaled"),
         default="auto",
-        help="all: build every layer; scaled: measure 1 and 2 layers and extrapolate; "
+        help="all: build every layer; scaled: measure 1 and 2 layers and extrapolate (the "
+        "peak: each phase's on its own, the largest taken); "
         "auto: all when it fits comfortably in memory",
     )
     parser.add_argument(

@@ -12,9 +12,15 @@ one forward, backward and AdamW step, measuring:
 - peak memory of the step (:class:`PeakMemory`: allocator events on CPU, CUDA's counters on GPU)
   plus the memory live when the step began.
 
+The peak is measured per phase of the step (forward, the head's backward, the layers', the
+embeddings', the optimizer step), and the report says in which phase it falls.
+
 Models too large for this machine are measured with 1 and 2 layers and every figure is
 extrapolated linearly to the full depth (layers are identical, so the per-layer difference is
-exact for activations and model state; the peak is an estimate), and the report says so. The
+exact for activations and model state), and the report says so. The peak is an estimate: each
+phase's peak is extrapolated on its own and the largest taken, because the phase holding the
+peak can change with depth (a large vocabulary's head backward at 1 and 2 layers, the optimizer
+step at 26), where extrapolating the step's peak itself would follow the wrong phase's slope. The
 largest batch that fits a GPU follows the few-bit paper's App. B:
 ``floor((gpu_memory - model_state) / activation_per_sample)``.
 """
@@ -61,10 +67,18 @@ class Measurement:
     optimizer_bytes: int
     peak_bytes: int
     by_kind: dict[str, int] = field(default_factory=dict)
+    peak_by_phase: dict[str, int] = field(default_factory=dict)  # model state included
 
     @property
     def model_state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_phase(self) -> str | None:
+        """The phase of the step whose peak is the step's."""
+        if not self.peak_by_phase:
+            return None
+        return max(self.peak_by_phase, key=self.peak_by_phase.__getitem__)
 
 
 @dataclass
@@ -118,6 +132,7 @@ class MemoryReport:
                     "activation_saved": 1 - m.activation_bytes / max(base.activation_bytes, 1),
                     "model_state_bytes": m.model_state_bytes,
                     "peak_bytes": m.peak_bytes,
+                    "peak_phase": m.peak_phase,
                     "max_batch_size": max(0, math.floor(room / per_sample)) if per_sample else 0,
                     "by_kind": m.by_kind,
                     "patched_modules": result.patched_modules,
@@ -142,7 +157,8 @@ class MemoryReport:
             lines += [
                 f"Measured with {' and '.join(map(str, self.measured_layers))} layers and "
                 f"extrapolated linearly to {self.num_layers} (activations and model state are "
-                "exact per layer; the peak is an estimate).",
+                "exact per layer; the peak is an estimate, the largest of each phase's peak "
+                "extrapolated on its own).",
                 "",
             ]
         peak_label = "peak (estimated)" if self.scaled else "peak (measured)"
@@ -163,10 +179,11 @@ class MemoryReport:
             flag = " **above baseline**" if row["peak_bytes"] > base_peak * 1.001 else ""
             if flag:
                 above.append(row["recipe"])
+            phase = f" ({row['peak_phase']})" if row["peak_phase"] else ""
             lines.append(
                 f"| {row['recipe']} | {_fmt(row['activation_bytes'])} | "
                 f"{row['compression']:.2f}x | {100 * row['activation_saved']:.1f}% | "
-                f"{_fmt(row['model_state_bytes'])} | {_fmt(row['peak_bytes'])}{flag} | "
+                f"{_fmt(row['model_state_bytes'])} | {_fmt(row['peak_bytes'])}{phase}{flag} | "
                 f"{batch}{gain} |"
             )
         if above:
@@ -486,7 +503,13 @@ def _extrapolate(one: Measurement, two: Measurement, num_layers: int) -> Measure
     figures = {name: scale(getattr(one, name), getattr(two, name)) for name in _FIGURES}
     kinds = set(one.by_kind) | set(two.by_kind)
     by_kind = {k: scale(one.by_kind.get(k, 0), two.by_kind.get(k, 0)) for k in kinds}
-    return Measurement(**figures, by_kind=by_kind)
+    by_phase = {}
+    if one.peak_by_phase and one.peak_by_phase.keys() == two.peak_by_phase.keys():
+        # Each phase grows at its own rate; the step's peak is the largest at full depth. (Phases
+        # marked at one depth only leave the step's peak extrapolated as it is.)
+        by_phase = {p: scale(one.peak_by_phase[p], two.peak_by_phase[p]) for p in two.peak_by_phase}
+        figures["peak_bytes"] = max(by_phase.values())
+    return Measurement(**figures, by_kind=by_kind, peak_by_phase=by_phase)
 
 
 def _fits(config, task, dtype, device) -> bool:
@@ -632,28 +655,73 @@ def _measure_step(
     model_bytes = _distinct_bytes(_model_tensors(model))
     optimizer_bytes = _distinct_bytes(_optimizer_tensors(optimizer))
 
-    with PeakMemory(device) as peak:
+    with PeakMemory(device, phase="forward") as peak, _layer_phase_marks(model, peak):
         with SavedTensorMeter(exclude=params, model=model) as meter:
             loss = model(**inputs).loss
         graph_bytes = graph_saved_bytes(loss, exclude=params)
+        peak.mark("head backward")
         loss.backward()
         grad_bytes = _distinct_bytes(p.grad for p in trainable if p.grad is not None)
+        peak.mark("optimizer step")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    state_bytes = model_bytes + optimizer_bytes
     measurement = Measurement(
         activation_bytes=meter.nbytes,
         graph_bytes=graph_bytes,
         param_bytes=model_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
-        peak_bytes=model_bytes + optimizer_bytes + peak.peak_bytes,
+        peak_bytes=state_bytes + peak.peak_bytes,
         by_kind=meter.by_kind(),
+        peak_by_phase={phase: state_bytes + b for phase, b in peak.phase_peaks.items()},
     )
     del model, optimizer, loss, meter
     # Patched forwards are bound methods on their module (a reference cycle): collect now, or
     # the next recipe's model is built while this one is still in memory.
     gc.collect()
     return measurement, patched, plan, kinds
+
+
+@contextlib.contextmanager
+def _layer_phase_marks(model, peak: PeakMemory):
+    """Marks the backward's phases at the layer stack's ends: "layer backward" when the last
+    layer's output gradient arrives, "embedding backward" when the first layer's input gradient
+    does. Hooks are set on the first forward only; a layer whose output or input needs no
+    gradient there (frozen embeddings, layers checkpointed inside an autograd.Function) leaves
+    its mark out, and its phase runs into the one before. Encoder-decoders are left unmarked: a
+    phase would span both stacks."""
+    from hf_actq.integrations.checkpointing import checkpointed_layers
+
+    layers = list(checkpointed_layers(model).values())
+    if not layers or getattr(model.config, "is_encoder_decoder", False):
+        yield
+        return
+
+    def mark_on_gradient(tensor, phase):
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(lambda grad: peak.mark(phase))
+
+    def on_last_output(module, args, output):
+        handles.pop("last").remove()
+        mark_on_gradient(
+            output if isinstance(output, torch.Tensor) else output[0], "layer backward"
+        )
+
+    def on_first_input(module, args, kwargs):
+        handles.pop("first").remove()
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        mark_on_gradient(hidden, "embedding backward")
+
+    handles = {
+        "last": layers[-1].register_forward_hook(on_last_output),
+        "first": layers[0].register_forward_pre_hook(on_first_input, with_kwargs=True),
+    }
+    try:
+        yield
+    finally:
+        for handle in handles.values():
+            handle.remove()
 
 
 @contextlib.contextmanager

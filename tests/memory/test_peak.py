@@ -40,3 +40,23 @@ def test_a_free_is_sized_only_from_an_allocation_seen_in_the_region():
             del before
             kept = torch.empty(1_000_000)
         assert peak.peak_bytes == peak.end_bytes == kept.untyped_storage().nbytes()
+
+
+def test_phases_split_the_peak_where_they_were_marked():
+    with PeakMemory("cpu", phase="first") as peak:
+        kept = torch.empty(1_000_000)  # 4 MB, live through every later phase
+        transient = torch.empty(10_000_000)  # 40 MB, only in the first phase
+        del transient
+        peak.mark("second")
+        second = torch.empty(2_000_000)  # 8 MB
+        del second
+        peak.mark("third")  # nothing allocated: its peak is what was live when it began
+        peak.mark("first")  # a phase marked again keeps its larger peak
+    size = kept.untyped_storage().nbytes()
+    assert list(peak.phase_peaks) == ["first", "second", "third"]
+    assert 44_000_000 <= peak.phase_peaks["first"] < 44_000_000 + 1_000
+    assert 12_000_000 <= peak.phase_peaks["second"] < 12_000_000 + 1_000
+    assert peak.phase_peaks["third"] == size
+    assert peak.peak_bytes == max(peak.phase_peaks.values())
+    peak.mark("outside")  # after the region: ignored
+    assert "outside" not in peak.phase_peaks

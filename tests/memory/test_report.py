@@ -55,6 +55,35 @@ def test_layer_extrapolation_matches_the_whole_model():
     assert "extrapolated linearly to 4" in scaled.to_markdown()
 
 
+def test_the_peak_is_extrapolated_per_phase_when_its_phase_changes_with_depth():
+    """Stock logits of a large vocabulary hold the peak at the head's backward in 1 and 2
+    layers; 4-bit activations grow by less per layer than the gradients the optimizer step
+    holds, so at 24 layers the peak is the optimizer step's. Extrapolating the step's peak
+    follows the head's slope (9% low here); each phase extrapolated on its own does not."""
+    config = preset_config("tiny-llama")
+    config.vocab_size, config.intermediate_size, config.tie_word_embeddings = 64000, 8192, True
+    recipe = "uniform:bits=4,fused_loss=false"
+    kwargs = dict(batch_size=1, seq_len=256)
+
+    def measured(depth):
+        config.num_hidden_layers = depth
+        return measure_model(config, [recipe], layers="all", **kwargs).results[1].measurement
+
+    one, two, whole = measured(1), measured(2), measured(24)
+    assert one.peak_phase == two.peak_phase == "head backward"
+    assert whole.peak_phase == "optimizer step"
+    step_peak_extrapolated = one.peak_bytes + 23 * (two.peak_bytes - one.peak_bytes)
+    assert step_peak_extrapolated < 0.95 * whole.peak_bytes  # the estimate this replaces
+    scaled = measure_model(config, [recipe], layers="scaled", **kwargs)
+    estimate = scaled.results[1].measurement
+    assert scaled.measured_layers == [1, 2] and estimate.peak_phase == "optimizer step"
+    assert estimate.peak_bytes == pytest.approx(whole.peak_bytes, rel=0.01)
+    assert set(estimate.peak_by_phase) == {
+        "forward", "head backward", "layer backward", "embedding backward", "optimizer step"
+    }  # fmt: skip
+    assert "(optimizer step)" in scaled.to_markdown()
+
+
 def test_scaled_adaptive_recipes_extrapolate_one_plan(tmp_path):
     """The 1-layer model takes the 2-layer model's plan, so the extrapolation is the bytes of
     the full model under that plan with every later layer set like layer 1."""
