@@ -1,28 +1,34 @@
 """A registered causal LM's head and loss as one chunked linear + cross-entropy
 (:mod:`hf_actq.ops.linear_cross_entropy`), bound onto the model instance's ``forward``.
 
-The stock forward of every registered decoder is: base model, hidden states of the kept
-positions, ``lm_head``, optional final soft-capping, ``self.loss_function``. While training
+The stock forward of every registered decoder, and of the registered vision-language models'
+``...ForConditionalGeneration``, is: base model, hidden states of the kept positions,
+``lm_head``, optional final soft-capping, ``self.loss_function``. While training
 with labels (grad enabled, ``model.training``), the bound forward runs the base model with the
 same arguments and computes the loss from the hidden states directly, so no [tokens, vocab]
 tensor is kept or materialised; the output's ``logits`` is None then. Everywhere else (eval,
 ``no_grad``, no labels: generation, Trainer's label smoothing, which calls the model without
 labels) and for heads it cannot read exactly (a head that is not a plain ``nn.Linear``, such as a
 LoRA-adapted or 4-bit head; a head with an accelerate hook, which may move or load its weight;
-a custom ``loss_type``), the stock forward runs unchanged. Plain torch hooks on the head do not
-run while the fused loss is in use, since the head module itself is not called. Set
+a loss other than transformers' ``ForCausalLMLoss``: a custom ``loss_type`` or
+``loss_function``), the stock forward runs unchanged. Plain torch hooks on the head do not run
+while the fused loss is in use, since the head module itself is not called. Set
 ``ActQConfig(fused_loss=False)``, or pass ``return_logits=True`` to a call, where a training loop
 needs the logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import typing
 
 import torch
 from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import ModelOutput
 
 from hf_actq.integrations.patching import bind_forward
 from hf_actq.ops.linear_cross_entropy import causal_lm_loss
@@ -45,7 +51,7 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         and type(head) is nn.Linear  # a patched nn.Linear keeps its class
         # accelerate's hooks may move or load the head's weight in its forward: run it.
         and not hasattr(head, "_hf_hook")
-        and getattr(self, "loss_type", None) in (None, "ForCausalLM")
+        and self.loss_function is ForCausalLMLoss  # what the fused loss computes
     )
     if not fused:
         return state.plain(*args, **kwargs)
@@ -63,7 +69,10 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
     if return_dict is None:  # the stock forward's default
         return_dict = getattr(self.config, "return_dict", True)
     num_items_in_batch = extra.get("num_items_in_batch")
-    outputs = getattr(self, self.base_model_prefix)(**arguments, **extra)
+    base = getattr(self, self.base_model_prefix)
+    if "labels" in _forward_signature(type(base))[0].parameters:
+        arguments["labels"] = labels  # Gemma 3's stock head passes them on to its base model
+    outputs = base(**arguments, **extra)
     loss = causal_lm_loss(
         outputs[0],
         head.weight,
@@ -74,14 +83,28 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         logit_scale=1.0 if logit_scale_of is None else logit_scale_of(self.config),
         num_items_in_batch=num_items_in_batch,
     )
-    output = CausalLMOutputWithPast(
-        loss=loss,
-        logits=None,
-        past_key_values=getattr(outputs, "past_key_values", None),
-        hidden_states=getattr(outputs, "hidden_states", None),
-        attentions=getattr(outputs, "attentions", None),
-    )
+    output_class = _output_class(type(self))
+    # Every other field (cache, hidden states, a vision-language model's image outputs) is the
+    # base model's, as in the stock forward.
+    passed = {
+        field.name: getattr(outputs, field.name, None)
+        for field in dataclasses.fields(output_class)
+        if field.name not in ("loss", "logits")
+    }
+    output = output_class(loss=loss, logits=None, **passed)
     return output.to_tuple() if return_dict is False else output
+
+
+@functools.cache
+def _output_class(cls) -> type[ModelOutput]:
+    """The output class the stock forward returns (from its annotation, ``tuple | ...``)."""
+    annotation = inspect.signature(cls.forward).return_annotation
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
+            names = {field.name for field in dataclasses.fields(candidate)}
+            if {"loss", "logits"} <= names:
+                return candidate
+    return CausalLMOutputWithPast
 
 
 def stock_forward_after_revert(model, args, kwargs):
@@ -112,9 +135,14 @@ def _forward_signature(cls) -> tuple[inspect.Signature, str | None]:
 
 def patch_causal_lm_loss(model: nn.Module, handle, logit_scale_of=None) -> bool:
     """Bind the fused head and loss onto ``model`` when it is a causal LM (``...ForCausalLM``,
-    ``...LMHeadModel``; not multi-task heads such as GPT-2's double heads) with a linear head;
+    ``...LMHeadModel``; not multi-task heads such as GPT-2's double heads; a decoder-only
+    ``...ForConditionalGeneration``: a vision-language model) with a linear head;
     ``logit_scale_of(config)`` is what its stock head multiplies the logits by."""
-    if not type(model).__name__.endswith(("ForCausalLM", "LMHeadModel")):
+    name = type(model).__name__
+    vision_language = name.endswith("ForConditionalGeneration") and not getattr(
+        model.config, "is_encoder_decoder", False
+    )
+    if not (name.endswith(("ForCausalLM", "LMHeadModel")) or vision_language):
         return False
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear) or not hasattr(model, model.base_model_prefix or "-"):

@@ -105,11 +105,12 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "clip_vision_model": _EAGER,
     # Vision-language models: both towers' attention goes through AttentionInterface (their
     # attention modules carry the sub-configs, which patch_attention points at the op). Their
-    # heads are the stock ones (the fused loss binds to ...ForCausalLM classes).
-    "gemma3": ModelLayout("sdpa"),
-    "llava": ModelLayout("sdpa"),
-    "qwen2_vl": ModelLayout("sdpa"),  # its vision attention calls the op one image at a time
-    "qwen2_5_vl": ModelLayout("sdpa"),
+    # ...ForConditionalGeneration heads are the stock pattern (Gemma 3's without soft-capping,
+    # whose composite config has none at its top level, where the fused loss reads it).
+    "gemma3": _SDPA,
+    "llava": _SDPA,
+    "qwen2_vl": _SDPA,  # its vision attention calls the op one image at a time
+    "qwen2_5_vl": _SDPA,
     "bart": ModelLayout("eager", seq2seq_lm_loss=True),
     # T5 passes its relative position bias to the attention function, which takes its gradient;
     # only SDPA is patched (the compressed eager op has no bias input).

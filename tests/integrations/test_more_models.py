@@ -286,6 +286,37 @@ def test_fewbit_keeps_the_loss_bit_identical_with_fewer_bytes_and_reverts(name):
     assert all(torch.equal(a, b) for a, b in zip(reverted_grads, grads))
 
 
+@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_vl", "qwen2_5_vl"])
+def test_vision_language_heads_take_the_fused_loss(name):
+    model, batch = _build(name)
+    stock = model(**batch)
+    stock.loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]  # unused ones have none
+    stock_grads = [p.grad.clone() for p in params]
+    model.zero_grad()
+    # The loss alone: its own effect against the stock head.
+    off = dict(activations=False, linear=False, norm=False, gated_mlp=False, attention=False)
+    handle = hf_actq.apply(model, ActQConfig(**off, dropout=False))
+    assert handle.patched[""].startswith("lm_loss")
+    with SavedTensorMeter(exclude=params, model=model) as meter:
+        fused = model(**batch)
+    fused.loss.backward()
+    assert fused.logits is None and type(fused) is type(stock)
+    for field in stock.keys() - {"loss", "logits"}:  # the image outputs, the cache
+        assert (getattr(fused, field) is None) == (getattr(stock, field) is None), field
+    torch.testing.assert_close(fused.loss, stock.loss, rtol=1e-6, atol=1e-6)
+    for p, want in zip(params, stock_grads):
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6)
+    tokens = batch["input_ids"].numel()
+    assert meter.by_kind().get("lm_loss", 0) < tokens * model.config.text_config.vocab_size * 4
+    # A loss of the user's own: the stock head and that loss run.
+    model.loss_function = lambda logits, labels, **kwargs: logits.float().square().mean()
+    custom = model(**batch)
+    assert custom.logits is not None
+    torch.testing.assert_close(custom.loss, stock.logits.float().square().mean())
+    handle.revert()
+
+
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_uniform_8_bits_keeps_every_gradient_close_with_fewer_bytes(name):
     model, batch = _build(name)
