@@ -105,6 +105,7 @@ class MemoryReport:
     device: str
     gpu_memory_bytes: int
     results: list[RecipeResult]
+    note: str = ""  # what the measurement leaves out, said under the heading
 
     @property
     def scaled(self) -> bool:
@@ -153,6 +154,8 @@ class MemoryReport:
             f" sequence {self.seq_len}, {self.dtype}, PEFT: {self.peft}, device: {self.device}.",
             "",
         ]
+        if self.note:
+            lines += [self.note, ""]
         if self.scaled:
             lines += [
                 f"Measured with {' and '.join(map(str, self.measured_layers))} layers and "
@@ -441,7 +444,7 @@ def measure_model(
     parsed = [("baseline", None)]
     parsed += [item for item in map(parse_recipe, recipes) if item[1] is not None]
     device = torch.device(device)
-    num_layers = config.num_hidden_layers
+    num_layers = _text_config(config).num_hidden_layers
     if layers == "auto":
         layers = "all" if _fits(config, task, dtype, device) else "scaled"
     if _decoder_layers(config) not in (None, num_layers):
@@ -486,11 +489,17 @@ def measure_model(
         device=str(device),
         gpu_memory_bytes=gpu_memory_bytes,
         results=results,
+        note=(
+            "A vision-language model, measured on text alone: its vision tower's weights are in "
+            "the model state, its activations (images) are not measured."
+            if _is_vision_language(config)
+            else ""
+        ),
     )
 
 
 def _max_positions(config) -> int | None:
-    limit = getattr(config, "max_position_embeddings", None)
+    limit = getattr(_text_config(config), "max_position_embeddings", None)
     if limit is not None and config.model_type in ("roberta", "xlm-roberta"):
         limit -= config.pad_token_id + 1  # RoBERTa's positions start after the padding index
     return limit
@@ -514,7 +523,7 @@ def _extrapolate(one: Measurement, two: Measurement, num_layers: int) -> Measure
 
 def _fits(config, task, dtype, device) -> bool:
     with torch.device("meta"):
-        model = _model_class(task).from_config(config, dtype=dtype)
+        model = _model_class(task, config).from_config(config, dtype=dtype)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     on_gpu = device.type == "cuda"
     available = torch.cuda.mem_get_info(device)[0] if on_gpu else _available_ram()
@@ -532,17 +541,27 @@ def _available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _model_class(task):
+def _model_class(task, config):
     import transformers
 
-    return getattr(
-        transformers,
-        {
-            "causal-lm": "AutoModelForCausalLM",
-            "classification": "AutoModelForSequenceClassification",
-            "seq2seq-lm": "AutoModelForSeq2SeqLM",
-        }[task],
-    )
+    name = {
+        "causal-lm": "AutoModelForCausalLM",
+        "classification": "AutoModelForSequenceClassification",
+        "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    }[task]
+    if task == "causal-lm" and _is_vision_language(config):
+        name = "AutoModelForImageTextToText"  # LLaVA and Qwen-VL have no causal-LM auto class
+    return getattr(transformers, name)
+
+
+def _text_config(config):
+    """The config that holds the language model's depth, vocabulary and positions: a
+    vision-language model's ``text_config``, any other model's own."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _is_vision_language(config) -> bool:
+    return not getattr(config, "is_encoder_decoder", False) and _text_config(config) is not config
 
 
 # Where encoder-decoder configs keep their decoder's depth (T5, BART).
@@ -559,7 +578,10 @@ def build_model(config, num_layers, dtype, peft, task, device, attn_implementati
     """The architecture with ``num_layers`` layers (in each stack of an encoder-decoder) and
     random weights (seed 0), PEFT-wrapped."""
     config = copy.deepcopy(config)
-    config.num_hidden_layers = num_layers
+    text = _text_config(config)
+    text.num_hidden_layers = num_layers
+    if isinstance(getattr(text, "layer_types", None), list):  # per-layer attention kinds
+        text.layer_types = text.layer_types[:num_layers]
     for name in _DECODER_DEPTH:
         if getattr(config, "is_encoder_decoder", False) and hasattr(config, name):
             setattr(config, name, num_layers)
@@ -567,7 +589,7 @@ def build_model(config, num_layers, dtype, peft, task, device, attn_implementati
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     torch.manual_seed(0)
-    model = _model_class(task).from_config(config, **kwargs)
+    model = _model_class(task, config).from_config(config, **kwargs)
     if peft == "none":
         return model.to(device)
     import peft as peft_lib
@@ -601,10 +623,11 @@ def _quantize_nf4(model, dtype, task, device, kwargs):
     quantization = BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
     )
+    model_class = _model_class(task, model.config)
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
         del model
-        return _model_class(task).from_pretrained(
+        return model_class.from_pretrained(
             directory, quantization_config=quantization, device_map={"": str(device)}, **kwargs
         )
 
@@ -754,16 +777,15 @@ def _create_optimizer_state(optimizer, trainable) -> None:
 
 def _inputs(config, task, batch_size, seq_len, device) -> dict:
     generator = torch.Generator().manual_seed(0)
-    low = min(4, config.vocab_size - 1)  # keep clear of special ids
-    ids = torch.randint(
-        low, config.vocab_size, (batch_size, seq_len), generator=generator, device="cpu"
-    )
+    vocab_size = _text_config(config).vocab_size
+    low = min(4, vocab_size - 1)  # keep clear of special ids
+    ids = torch.randint(low, vocab_size, (batch_size, seq_len), generator=generator, device="cpu")
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if task == "causal-lm":
         inputs["labels"] = ids
     elif task == "seq2seq-lm":  # a target as long as the source
         inputs["labels"] = torch.randint(
-            low, config.vocab_size, (batch_size, seq_len), generator=generator, device="cpu"
+            low, vocab_size, (batch_size, seq_len), generator=generator, device="cpu"
         )
     else:
         labels = torch.randint(

@@ -84,6 +84,30 @@ def test_the_peak_is_extrapolated_per_phase_when_its_phase_changes_with_depth():
     assert "(optimizer step)" in scaled.to_markdown()
 
 
+def test_a_vision_language_model_is_measured_on_its_text_tower():
+    # Its depth, vocabulary and positions are in text_config; LLaVA has no causal-LM auto class.
+    from transformers import AutoConfig
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=dict(tower, model_type="llama", num_hidden_layers=4, vocab_size=128),
+        vision_config=dict(tower, model_type="clip_vision_model", image_size=32, patch_size=8),
+        image_token_id=120,
+    )
+    kwargs = dict(batch_size=2, seq_len=16)
+    whole = measure_model(config, ["uniform:bits=4"], layers="all", **kwargs)
+    scaled = measure_model(config, ["uniform:bits=4"], layers="scaled", **kwargs)
+    assert whole.num_layers == 4 and scaled.measured_layers == [1, 2]
+    for a, b in zip(whole.results, scaled.results):
+        assert a.measurement.activation_bytes == b.measurement.activation_bytes > 0
+        assert a.measurement.param_bytes == b.measurement.param_bytes
+    # The fused loss is bound to its head: no [tokens, vocab] log-probabilities kept.
+    base, uniform = (r.measurement.by_kind["lm_loss"] for r in whole.results)
+    assert base >= 2 * 16 * 128 * 4 > uniform
+    assert "measured on text alone" in whole.to_markdown()
+
+
 def test_scaled_adaptive_recipes_extrapolate_one_plan(tmp_path):
     """The 1-layer model takes the 2-layer model's plan, so the extrapolation is the bytes of
     the full model under that plan with every later layer set like layer 1."""
