@@ -61,9 +61,10 @@ def test_the_peak_is_extrapolated_per_phase_when_its_phase_changes_with_depth():
     holds, so at 24 layers the peak is the optimizer step's. Extrapolating the step's peak
     follows the head's slope (9% low here); each phase extrapolated on its own does not."""
     config = preset_config("tiny-llama")
-    config.vocab_size, config.intermediate_size, config.tie_word_embeddings = 64000, 8192, True
+    config.hidden_size, config.head_dim, config.intermediate_size = 64, 16, 4096
+    config.vocab_size, config.tie_word_embeddings = 32000, True
     recipe = "uniform:bits=4,fused_loss=false"
-    kwargs = dict(batch_size=1, seq_len=256)
+    kwargs = dict(batch_size=1, seq_len=128)
 
     def measured(depth):
         config.num_hidden_layers = depth
