@@ -713,13 +713,17 @@ def _layer_phase_marks(model, peak: PeakMemory):
     does. Hooks are set on the first forward only; a layer whose output or input needs no
     gradient there (frozen embeddings, layers checkpointed inside an autograd.Function) leaves
     its mark out, and its phase runs into the one before. Encoder-decoders are left unmarked: a
-    phase would span both stacks."""
+    phase would span both stacks. Of several stacks (a vision-language model's towers) the
+    language model's is marked: the last stack in module order."""
     from hf_actq.integrations.checkpointing import checkpointed_layers
 
-    layers = list(checkpointed_layers(model).values())
-    if not layers or getattr(model.config, "is_encoder_decoder", False):
+    stacks: dict[str, list] = {}
+    for path, layer in checkpointed_layers(model).items():
+        stacks.setdefault(path.rpartition(".")[0], []).append(layer)
+    if not stacks or getattr(model.config, "is_encoder_decoder", False):
         yield
         return
+    layers = list(stacks.values())[-1]
 
     def mark_on_gradient(tensor, phase):
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

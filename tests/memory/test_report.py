@@ -107,6 +107,8 @@ def test_a_vision_language_model_is_measured_on_its_text_tower():
     base, uniform = (r.measurement.by_kind["lm_loss"] for r in whole.results)
     assert base >= 2 * 16 * 128 * 4 > uniform
     assert "measured on text alone" in whole.to_markdown()
+    # The phases are marked on the language model's layers, not the vision tower's.
+    assert "embedding backward" in whole.results[0].measurement.peak_by_phase
 
 
 def test_scaled_adaptive_recipes_extrapolate_one_plan(tmp_path):
