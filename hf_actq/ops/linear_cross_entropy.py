@@ -108,6 +108,7 @@ def _gradients_by_vocabulary_block(
     grad_bias = torch.empty_like(bias) if need_bias else weight.new_empty(0)
     factor = valid[:, None] * (scale * logit_scale)
     rows = valid.nonzero().squeeze(1)
+    target = targets[rows]
     for start in range(0, vocab, block):
         end = min(start + block, vocab)
         part = weight[start:end]
@@ -116,7 +117,6 @@ def _gradients_by_vocabulary_block(
         )
         grad = torch.exp(logits.float() - lse[:, None])
         del logits
-        target = targets[rows]
         hit = (target >= start) & (target < end)
         grad[rows[hit], target[hit] - start] += smoothing - 1
         if smoothing:
