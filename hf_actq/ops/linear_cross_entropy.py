@@ -63,10 +63,15 @@ def _chunk_loss_and_grad(
     The logits are ``linear(h, weight, bias) * logit_scale``, then soft-capped. ``lse``, a list,
     receives each token's fp32 log-sum-exp of the logits when given."""
     logits, capped = _scaled_logits(h, weight, bias, softcap, logit_scale)
-    if lse is not None:
-        lse.append(torch.logsumexp(logits.float(), dim=-1))
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    upcast = logits.float()
     del logits
+    if lse is None:
+        log_probs = torch.log_softmax(upcast, dim=-1)
+    else:
+        # One pass for both: the log-probabilities are the logits less their log-sum-exp.
+        lse.append(torch.logsumexp(upcast, dim=-1))
+        log_probs = upcast.sub_(lse[-1][:, None])
+    del upcast
     safe_target = torch.where(keep, target, 0)
     nll = -log_probs.gather(1, safe_target[:, None]).squeeze(1)
     if smoothing:
