@@ -8,10 +8,15 @@ Accelerate's hooks (``add_hook_to_module``, which ``from_pretrained(..., device_
 ``dispatch_model`` use) replace the instance's ``forward`` with a wrapper that calls
 ``_old_forward``; the op is bound there instead, so the hook keeps running around it. Any other
 instance-level ``forward`` is a wrapper we cannot see into, and the module is left alone.
+
+``nn.DataParallel`` copies each module's instance dict into its per-device replicas, so a forward
+bound to the original would compute with the first device's weights (or fail on another
+device); :func:`support_data_parallel` rebinds them per replica.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import types
@@ -115,3 +120,54 @@ def _unbind(module, attribute: str, previous, bound, state: OpState, path: str) 
     unbind_forward(module, attribute, previous, bound, state.plain, path)
     for name in (STATE, DESCRIBE, "extra_repr"):
         module.__dict__.pop(name, None)
+
+
+# What ``torch.nn.parallel.replicate`` calls on each module, per device.
+REPLICATE = "_replicate_for_data_parallel"
+
+
+def support_data_parallel(model: nn.Module, handle) -> None:
+    """Give every module of ``model`` that holds something bound to itself (an op's forward,
+    its state's stock forward, a partial over it) a replication that binds those to the
+    replica instead (:func:`replicate_patched`), undone with the handle."""
+    for module in model.modules():
+        if REPLICATE in module.__dict__:
+            continue
+        if any(_bound_to(value, module) for value in module.__dict__.values()):
+            module.__dict__[REPLICATE] = functools.partial(replicate_patched, module)
+            handle._undo.append(functools.partial(_stop_replicating, module))
+
+
+def _stop_replicating(module: nn.Module) -> None:
+    module.__dict__.pop(REPLICATE, None)
+
+
+def replicate_patched(module: nn.Module) -> nn.Module:
+    """``nn.DataParallel``'s replica of a patched module (torch then gives it the device's
+    parameters and child replicas): the stock replica, whose instance dict is a copy of
+    ``module``'s, with what was bound to ``module`` bound to the replica."""
+    replica = type(module)._replicate_for_data_parallel(module)
+    for name, value in module.__dict__.items():
+        rebound = _rebound(value, module, replica)
+        if rebound is not value and name != REPLICATE:
+            replica.__dict__[name] = rebound
+    return replica
+
+
+def _bound_to(value, module: nn.Module) -> bool:
+    if isinstance(value, types.MethodType):
+        return value.__self__ is module
+    if isinstance(value, functools.partial):
+        return bool(value.args) and value.args[0] is module
+    return isinstance(value, OpState) and _bound_to(value.plain, module)
+
+
+def _rebound(value, original: nn.Module, replica: nn.Module):
+    """``value`` bound to ``replica`` where it is bound to ``original``; else ``value`` itself."""
+    if not _bound_to(value, original):
+        return value
+    if isinstance(value, types.MethodType):
+        return types.MethodType(value.__func__, replica)
+    if isinstance(value, functools.partial):
+        return functools.partial(value.func, replica, *value.args[1:], **value.keywords)
+    return dataclasses.replace(value, plain=_rebound(value.plain, original, replica))

@@ -21,7 +21,12 @@ from hf_actq.adaptive.plan import BitPlan
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.integrations import checkpointing
-from hf_actq.integrations.patching import MISSING, _forward_attribute, unbind_forward
+from hf_actq.integrations.patching import (
+    MISSING,
+    _forward_attribute,
+    support_data_parallel,
+    unbind_forward,
+)
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
 from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
@@ -157,6 +162,7 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
             patch_config = config.replace(skip_modules=[*config.skip_modules, skip])
     MODEL_TYPE_TO_APPLY_FN.get(model_type, apply_generic)(base, patch_config, handle)
     _advance_step_seed_per_forward(base, handle)
+    support_data_parallel(base, handle)
     if plan is not None:
         try:
             handle.set_plan(plan)

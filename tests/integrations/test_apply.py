@@ -1,13 +1,17 @@
 import copy
 import logging
+import sys
+from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
+from hf_actq.integrations.patching import REPLICATE
 from hf_actq.memory.meter import graph_saved_bytes
 from hf_actq.ops import dedup
 
@@ -672,6 +676,70 @@ def test_a_deepcopy_of_a_patched_model_runs_and_reverts_on_its_own(model_type, r
     assert _step(model, batch)[2] < nbytes
     handle.revert()
     assert _patch_traces(model) == unpatched
+
+
+def _replicate_with_distinct_weights(model, replicas=2):
+    """``nn.DataParallel``'s own replication (``torch.nn.parallel.replicate``) on CPU: its
+    per-device broadcast (CUDA only) stood in for by copies that stay differentiable and differ
+    per replica, so that a replica computing with another's weights shows in its output."""
+    module = sys.modules["torch.nn.parallel.replicate"]
+
+    def broadcast(tensors, devices, detach=False):
+        def copy(t, index):
+            t = t.detach() if detach else t
+            return t + 0.01 * (index + 1) if t.is_floating_point() else t.clone()
+
+        return [[copy(t, index) for t in tensors] for index in range(len(devices))]
+
+    with mock.patch.object(module, "_broadcast_coalesced_reshape", broadcast):
+        return module.replicate(model, list(range(replicas)))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "recipe"), [("llama", "uniform"), ("bert", "checkpoint"), ("gpt2", "fewbit")]
+)
+def test_data_parallel_replicas_compute_with_their_own_weights(model_type, recipe):
+    """``nn.DataParallel`` (what ``Trainer`` wraps a model in when it sees several GPUs in one
+    process) copies each module's instance dict into the replicas: forwards bound to the
+    original computed with the first device's weights (failing on the others)."""
+    stock = _model(model_type)
+    model = _model(model_type)
+    batch = _batch(model_type)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe))
+    stock_replicas = _replicate_with_distinct_weights(stock)
+    replicas = _replicate_with_distinct_weights(model)
+    losses, stock_losses, outputs = [], [], []
+    for replica, stock_replica in zip(replicas, stock_replicas):
+        with torch.no_grad():  # the stock forward each patched module keeps for eval
+            torch.testing.assert_close(replica(**batch).loss, stock_replica(**batch).loss)
+        with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+            out = replica(**batch, output_hidden_states=True)
+        with SavedTensorMeter(exclude=list(stock.parameters())) as stock_meter:
+            stock_out = stock_replica(**batch, output_hidden_states=True)
+        assert meter.nbytes < stock_meter.nbytes  # the replica keeps compressed tensors
+        torch.testing.assert_close(out.hidden_states[-1], stock_out.hidden_states[-1])
+        torch.testing.assert_close(out.loss, stock_out.loss)  # the fused loss rounds anew
+        outputs.append(out.hidden_states[-1])
+        losses.append(out.loss)
+        stock_losses.append(stock_out.loss)
+    assert (outputs[0] - outputs[1]).abs().max() > 1e-3
+    # Backward reaches the original parameters through each replica's copies.
+    sum(losses).backward()
+    sum(stock_losses).backward()
+    grads = [
+        (p.grad, q.grad)
+        for p, q in zip(model.parameters(), stock.parameters())
+        if q.grad is not None
+    ]
+    assert all(grad is not None for grad, _ in grads)
+    cosine = F.cosine_similarity(
+        torch.cat([g.flatten() for g, _ in grads]),
+        torch.cat([g.flatten() for _, g in grads]),
+        dim=0,
+    )
+    assert cosine > 0.9
+    handle.revert()
+    assert not any(REPLICATE in module.__dict__ for module in model.modules())
 
 
 def test_apply_to_a_compiled_model_patches_the_model_it_wraps():
