@@ -1,6 +1,9 @@
 """The tiny LLaMA the tests train (tests/ is on sys.path through its conftest; the script that
 ``accelerate launch`` runs adds it)."""
 
+import sys
+from unittest import mock
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,3 +41,20 @@ def tiny_bert(**overrides):
     )
     torch.manual_seed(0)
     return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))
+
+
+def replicate_with_distinct_weights(model, replicas=2):
+    """``nn.DataParallel``'s own replication (``torch.nn.parallel.replicate``) on CPU: its
+    per-device broadcast (CUDA only) stood in for by copies that stay differentiable and differ
+    per replica, so that a replica computing with another's weights shows in its output."""
+    module = sys.modules["torch.nn.parallel.replicate"]
+
+    def broadcast(tensors, devices, detach=False):
+        def copy(t, index):
+            t = t.detach() if detach else t
+            return t + 0.01 * (index + 1) if t.is_floating_point() else t.clone()
+
+        return [[copy(t, index) for t in tensors] for index in range(len(devices))]
+
+    with mock.patch.object(module, "_broadcast_coalesced_reshape", broadcast):
+        return module.replicate(model, list(range(replicas)))

@@ -14,6 +14,7 @@ the hooks: a Python number multiplied into a tensor, like PEFT LoRA's ``* scalin
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 
 import torch
@@ -207,11 +208,16 @@ class ActivationMonitor:
     ``monitor.max_bytes`` is the most bytes one forward left for backward (with gradient
     accumulation, the largest micro-batch; activations of one micro-batch are freed by its
     backward before the next forward). Only training-mode forwards with grad enabled count.
-    ``remove()`` detaches it. Used by ``ActQCallback`` for its per-step logging."""
+    ``remove()`` detaches it. Used by ``ActQCallback`` for its per-step logging.
+
+    Under ``nn.DataParallel`` each replica runs in a thread of its own, with the hooks (shared
+    by the replicas) and saved-tensor hooks of that thread: each is metered on its own, without
+    its device's weight copies, so ``max_bytes`` is the largest replica's, one device's share."""
 
     def __init__(self, model: nn.Module):
         self._model = model
-        self._meter: SavedTensorMeter | None = None
+        self._meters: dict[int, SavedTensorMeter] = {}  # by thread
+        self._lock = threading.Lock()
         self.armed = False
         self.max_bytes = 0
         self.forwards = 0
@@ -231,20 +237,36 @@ class ActivationMonitor:
         # not metered (benchmarks/bench_compile.py reads a compiled graph's saved bytes).
         if torch.compiler.is_compiling():
             return
-        if self.armed and self._meter is None and module.training and torch.is_grad_enabled():
-            # FSDP2 parameters are DTensors: their local shards are what the step holds.
-            params = [getattr(p, "_local_tensor", p) for p in module.parameters()]
-            self._meter = SavedTensorMeter(exclude=params)
-            self._meter.__enter__()
+        thread = threading.get_ident()
+        if (
+            self.armed
+            and thread not in self._meters
+            and module.training
+            and torch.is_grad_enabled()
+        ):
+            meter = SavedTensorMeter(exclude=_parameters_read(module))
+            meter.__enter__()
+            self._meters[thread] = meter
 
     def _stop(self, module, args, output) -> None:
-        if self._meter is not None:
-            self._meter.__exit__(None, None, None)
-            self.max_bytes = max(self.max_bytes, self._meter.nbytes)
-            self.forwards += 1
-            self._meter = None
+        meter = self._meters.pop(threading.get_ident(), None)
+        if meter is not None:
+            meter.__exit__(None, None, None)
+            with self._lock:
+                self.max_bytes = max(self.max_bytes, meter.nbytes)
+                self.forwards += 1
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _parameters_read(module: nn.Module) -> list[torch.Tensor]:
+    """What a forward of ``module`` reads as its weights: its parameters (FSDP2's DTensors by
+    their local shards), and on an ``nn.DataParallel`` replica, which holds none, the device
+    copies torch's ``replicate`` gives each of its modules."""
+    params = [getattr(p, "_local_tensor", p) for p in module.parameters()]
+    for inner in module.modules():
+        params.extend(t for t in getattr(inner, "_former_parameters", {}).values() if t is not None)
+    return params

@@ -1,11 +1,10 @@
 import copy
 import logging
-import sys
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import replicate_with_distinct_weights
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -678,23 +677,6 @@ def test_a_deepcopy_of_a_patched_model_runs_and_reverts_on_its_own(model_type, r
     assert _patch_traces(model) == unpatched
 
 
-def _replicate_with_distinct_weights(model, replicas=2):
-    """``nn.DataParallel``'s own replication (``torch.nn.parallel.replicate``) on CPU: its
-    per-device broadcast (CUDA only) stood in for by copies that stay differentiable and differ
-    per replica, so that a replica computing with another's weights shows in its output."""
-    module = sys.modules["torch.nn.parallel.replicate"]
-
-    def broadcast(tensors, devices, detach=False):
-        def copy(t, index):
-            t = t.detach() if detach else t
-            return t + 0.01 * (index + 1) if t.is_floating_point() else t.clone()
-
-        return [[copy(t, index) for t in tensors] for index in range(len(devices))]
-
-    with mock.patch.object(module, "_broadcast_coalesced_reshape", broadcast):
-        return module.replicate(model, list(range(replicas)))
-
-
 @pytest.mark.parametrize(
     ("model_type", "recipe"), [("llama", "uniform"), ("bert", "checkpoint"), ("gpt2", "fewbit")]
 )
@@ -706,8 +688,8 @@ def test_data_parallel_replicas_compute_with_their_own_weights(model_type, recip
     model = _model(model_type)
     batch = _batch(model_type)
     handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe))
-    stock_replicas = _replicate_with_distinct_weights(stock)
-    replicas = _replicate_with_distinct_weights(model)
+    stock_replicas = replicate_with_distinct_weights(stock)
+    replicas = replicate_with_distinct_weights(model)
     losses, stock_losses, outputs = [], [], []
     for replica, stock_replica in zip(replicas, stock_replicas):
         with torch.no_grad():  # the stock forward each patched module keeps for eval

@@ -1,11 +1,15 @@
 """SavedTensorMeter and the independent graph walk count the same bytes, by storage."""
 
+import threading
+
 import pytest
 import torch
+from tiny_models import replicate_with_distinct_weights, tiny_llama
 from torch import nn
 
 import hf_actq
 from hf_actq.memory import OP_KINDS, SavedTensorMeter, graph_saved_bytes, op_kind
+from hf_actq.memory.meter import ActivationMonitor
 from hf_actq.memory.presets import preset_config
 from hf_actq.memory.report import build_model
 
@@ -67,3 +71,41 @@ def test_op_kinds_of_common_modules():
     assert op_kind("model.layers.0.self_attn", nn.Module()) == "attention"
     assert op_kind("model.layers.0.mlp", nn.Module()) == "mlp"
     assert op_kind("model.layers.0", nn.Module()) == "other"
+
+
+@pytest.mark.parametrize("patched", [False, True], ids=["stock", "uniform"])
+def test_the_monitor_meters_each_data_parallel_replica_in_its_own_thread(patched):
+    """``nn.DataParallel`` runs its replicas at once, one thread each, through the model's
+    hooks (which the replicas share): each replica is metered in its thread, without its
+    device's weight copies. Before, one thread's meter was closed by another's forward, the
+    weight copies counted as activations, and a meter was left open on the model."""
+    model = tiny_llama().train()
+    if patched:
+        hf_actq.apply(model, bits=4)
+    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    halves = (ids[:2], ids[2:])
+    alone = []
+    for half in halves:
+        with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+            model(input_ids=half, labels=half)
+        alone.append(meter.nbytes)
+    monitor = ActivationMonitor(model)
+    monitor.arm()
+    replicas = replicate_with_distinct_weights(model)
+    both_started = threading.Barrier(2)
+
+    def run(replica, half):
+        both_started.wait()
+        replica(input_ids=half, labels=half).loss.backward()
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(replicas, halves)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert monitor.forwards == 2 and monitor.max_bytes == max(alone)
+    monitor.disarm()
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        model(input_ids=halves[0], labels=halves[0])
+    assert meter.nbytes == alone[0]  # nothing of the monitor's left on this thread
+    monitor.remove()
