@@ -149,7 +149,7 @@ def replicate_patched(module: nn.Module) -> nn.Module:
     replica = type(module)._replicate_for_data_parallel(module)
     for name, value in module.__dict__.items():
         rebound = _rebound(value, module, replica)
-        if rebound is not value and name != REPLICATE:
+        if rebound is not value:
             replica.__dict__[name] = rebound
     return replica
 
