@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from hf_actq.codecs import AverageQuantCodec, SignPreservingCodec, SmaQCodec
@@ -19,6 +22,19 @@ CODECS = ("uniform", "aq", "blpa", "smaq", "rotated")
 SETTING_KEYS = ("codec", "bits", "group_size", "block_size")
 DROPOUT_MODES = ("seed", "mask")
 RECIPES = ("fewbit", "uniform", "alam", "checkpoint")
+# The fields that are True or False.
+SWITCHES = (
+    "activations",
+    "linear",
+    "norm",
+    "gated_mlp",
+    "attention",
+    "dropout",
+    "share_norm_outputs",
+    "fused_loss",
+    "adaptive",
+    "compress_checkpointed",
+)
 
 
 def _help(text: str, **extra):
@@ -170,7 +186,11 @@ class ActQConfig:
         metadata=_help("Fraction of training at which ActQCallback re-plans (0: never)."),
     )
     recipe: Literal["fewbit", "uniform", "alam", "checkpoint"] | None = field(
-        default=None, metadata=_help("The named recipe this config came from.")
+        default=None,
+        metadata=_help(
+            "A named recipe (fewbit, uniform, alam, checkpoint): the config starts from it and "
+            "the fields given explicitly override it (ActQConfig.from_recipe)."
+        ),
     )
 
     def __post_init__(self):
@@ -188,7 +208,9 @@ class ActQConfig:
             raise ValueError(
                 f"activation_bits must be an integer in 1..4, got {self.activation_bits!r}"
             )
-        if self.group_size is not None and self.group_size not in (1, 2, 4, 8, 16):
+        if self.group_size is not None and (
+            isinstance(self.group_size, bool) or self.group_size not in (1, 2, 4, 8, 16)
+        ):
             raise ValueError(
                 f"group_size must be one of 1, 2, 4, 8, 16 or None, got {self.group_size!r}"
             )
@@ -203,6 +225,13 @@ class ActQConfig:
             )
         if isinstance(self.skip_modules, str):
             self.skip_modules = [self.skip_modules]
+        if not isinstance(self.skip_modules, (list, tuple)) or not all(
+            isinstance(pattern, str) for pattern in self.skip_modules
+        ):
+            raise ValueError(
+                f"skip_modules must be a list of regexes on module paths, got {self.skip_modules!r}"
+            )
+        self.skip_modules = list(self.skip_modules)
         for pattern in self.skip_modules:
             try:
                 re.compile(pattern)
@@ -210,13 +239,11 @@ class ActQConfig:
                 raise ValueError(
                     f"skip_modules: {pattern!r} is not a valid regex ({error})"
                 ) from error
-        for name in ("activations", "linear", "norm", "gated_mlp", "attention", "dropout"):
+        for name in SWITCHES:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
-        if not isinstance(self.adaptive, bool):
-            raise ValueError(f"adaptive must be True or False, got {self.adaptive!r}")
         if self.sensitivity not in ("gradvar", "gradnormvar"):
             raise ValueError(
                 f"sensitivity must be 'gradvar' or 'gradnormvar', got {self.sensitivity!r}"
@@ -241,10 +268,6 @@ class ActQConfig:
             raise ValueError(
                 f"checkpoint_codec must be 'uniform' or 'rotated', got {self.checkpoint_codec!r}"
             )
-        if not isinstance(self.compress_checkpointed, bool):
-            raise ValueError(
-                f"compress_checkpointed must be True or False, got {self.compress_checkpointed!r}"
-            )
         if self.codec == "rotated" and self.adaptive:
             raise ValueError(
                 "codec='rotated' is for fixed bits: an adaptive plan picks each slot's codec "
@@ -262,11 +285,20 @@ class ActQConfig:
             raise ValueError(
                 f"calibration_examples must be a positive integer, got {self.calibration_examples!r}"
             )
-        if not isinstance(self.calibration_seconds, (int, float)) or self.calibration_seconds <= 0:
+        if (
+            isinstance(self.calibration_seconds, bool)
+            or not isinstance(self.calibration_seconds, (int, float))
+            or not self.calibration_seconds > 0  # NaN too
+        ):
             raise ValueError(
-                f"calibration_seconds must be a positive number, got {self.calibration_seconds!r}"
+                "calibration_seconds must be a positive number of seconds (math.inf: no cap), "
+                f"got {self.calibration_seconds!r}"
             )
-        if not isinstance(self.recalibrate_at, (int, float)) or not 0 <= self.recalibrate_at < 1:
+        if (
+            isinstance(self.recalibrate_at, bool)
+            or not isinstance(self.recalibrate_at, (int, float))
+            or not 0 <= self.recalibrate_at < 1
+        ):
             raise ValueError(f"recalibrate_at must be in [0, 1), got {self.recalibrate_at!r}")
         if self.slots is None:
             self.slots = {}
@@ -306,23 +338,33 @@ class ActQConfig:
                 f"slots: {key!r} is not a slot id ('<module path>:<slot>', e.g. "
                 "'model.layers.0.mlp:up') or a 're:<regex>'"
             )
+        try:
+            if key.endswith(":act"):
+                check_activation_setting(setting)
+            else:
+                self.check_setting(setting)
+        except ValueError as error:
+            raise ValueError(f"slots[{key!r}]: {error}") from None
+
+    def check_setting(self, setting) -> None:
+        """ValueError unless ``setting`` is a codec slot's setting this config can build."""
         unknown = set(setting) - set(SETTING_KEYS) if isinstance(setting, dict) else None
         if unknown is None or unknown:
             raise ValueError(
-                f"slots[{key!r}] must be a dict with keys among {', '.join(SETTING_KEYS)}, "
+                f"a setting must be a dict with keys among {', '.join(SETTING_KEYS)}, "
                 f"got {setting!r}"
             )
-        if setting.get("codec") == "exact":
-            return
-        try:
-            self.codec_for_setting(setting)
-        except ValueError as error:
-            raise ValueError(f"slots[{key!r}]: {error}") from error
+        if setting.get("codec") not in (None, "exact", *CODECS):
+            raise ValueError(
+                f"codec must be one of exact, {', '.join(CODECS)}, got {setting['codec']!r}"
+            )
+        self.codec_for_setting(setting)
 
     # Recipes -----------------------------------------------------------------------------------
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> ActQConfig:
-        """ "fewbit": few-bit activation derivatives only (the paper's setting; logits unchanged).
+        """ "fewbit": few-bit activation derivatives only (the paper's setting; the outputs,
+        logits included, are the stock model's bit for bit).
         "uniform": every slot at ``bits``-bit stochastic rounding, activations few-bit.
         "alam": ALAM as published: average quantization at ``bits`` on average (default 1),
         spread over the slots by sensitivity (``adaptive=False`` spreads it evenly).
@@ -330,22 +372,11 @@ class ActQConfig:
         ``bits`` (default 4; ``checkpoint_bits`` of the config; rotated before rounding unless
         ``checkpoint_codec="uniform"``), and is recomputed in backward;
         the layers run stock inside and the rest of the model (embeddings, pooler, heads) is
-        kept at 8 bits."""
-        if name == "fewbit":
-            base = dict(linear=False, norm=False, gated_mlp=False, attention=False, dropout=False)
-        elif name == "uniform":
-            base = {}
-        elif name == "alam":
-            base = dict(codec="aq", bits=1, adaptive=True)
-        elif name == "checkpoint":
-            # The other slots are few and outside the repeated layers (embeddings, pooler,
-            # heads): 8 bits costs little there, and at 4 bits they alone cost MiniLM's
-            # gradient 0.05 of cosine.
-            base = dict(bits=8, checkpoint_bits=overrides.pop("bits", 4))
-            base["compress_checkpointed"] = False
-        else:
-            raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-        return cls(**{**base, **overrides, "recipe": name})
+        kept at 8 bits.
+
+        The same as ``ActQConfig(recipe=name, **overrides)``: the fields given override the
+        recipe's."""
+        return cls(recipe=name, **overrides)
 
     # Dict round trip ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -356,10 +387,10 @@ class ActQConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> ActQConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown ActQConfig fields {sorted(unknown)}; known: {sorted(known)}")
+        """The config of ``to_dict()``'s output, or of any dict of fields (a recipe it names
+        starts it, as in ``ActQConfig(**data)``)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"from_dict takes a dict of ActQConfig fields, got {data!r}")
         return cls(**data)
 
     def replace(self, **changes) -> ActQConfig:
@@ -427,6 +458,70 @@ class ActQConfig:
         if "codec" in changes and "group_size" not in changes:
             changes["group_size"] = None
         return replace(self, slots={}, plan=None, adaptive=False, **changes).make_codec()
+
+
+def check_activation_setting(setting) -> None:
+    """ValueError unless ``setting`` is a few-bit slot's (``...:act``) setting: ``{"bits": 1..4}``."""
+    if not isinstance(setting, dict) or set(setting) != {"bits"}:
+        raise ValueError(f"a few-bit slot's setting is {{'bits': 1..4}}, got {setting!r}")
+    bits = setting["bits"]
+    if isinstance(bits, bool) or bits not in (1, 2, 3, 4):
+        raise ValueError(f"a few-bit slot's bits must be an integer in 1..4, got {bits!r}")
+
+
+def _with_recipe(name, given: dict) -> dict:
+    """The fields of recipe ``name`` with the ``given`` ones over them."""
+    if name == "fewbit":
+        # Nothing but the activation derivatives changes: no fused loss (it drops the logits).
+        off = ("linear", "norm", "gated_mlp", "attention", "dropout", "fused_loss")
+        return {**dict.fromkeys(off, False), **given}
+    if name == "uniform":
+        return dict(given)
+    if name == "alam":
+        return {"codec": "aq", "bits": 1, "adaptive": True, **given}
+    if name == "checkpoint":
+        # ``bits`` is the checkpointed inputs' precision unless checkpoint_bits is given. The
+        # other slots are few and outside the repeated layers (embeddings, pooler, heads): 8
+        # bits costs little there, and at 4 bits they alone cost MiniLM's gradient 0.05 of
+        # cosine.
+        given = dict(given)
+        layers = given.pop("bits", 4) if "checkpoint_bits" not in given else 4
+        return {"bits": 8, "checkpoint_bits": layers, "compress_checkpointed": False, **given}
+    raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+
+
+def _resolving_recipes(generated_init):
+    """Wrap the dataclass ``__init__`` so that a named recipe is that recipe wherever the config
+    is built (``ActQConfig(recipe=...)``, ``from_dict``, ``ActQCallback(recipe=...)``): the
+    recipe's fields first, the ones given explicitly over them. ``dataclasses.replace`` and
+    ``from_dict(to_dict())`` give every field, so they change nothing. An unknown field is a
+    ValueError that names it."""
+    signature = inspect.signature(generated_init)
+    known = [name for name in signature.parameters if name != "self"]
+
+    @functools.wraps(generated_init)
+    def __init__(self, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"unknown ActQConfig field {unknown[0]!r}{hint}; the fields are {', '.join(known)}"
+            )
+        if len(args) > len(known):
+            raise ValueError(f"ActQConfig takes at most {len(known)} positional fields")
+        given = {**dict(zip(known, args)), **kwargs}
+        recipe = given.get("recipe")
+        if recipe is not None:
+            if not isinstance(recipe, str):
+                raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {recipe!r}")
+            given = _with_recipe(recipe, given)
+        generated_init(self, **given)
+
+    return __init__
+
+
+ActQConfig.__init__ = _resolving_recipes(ActQConfig.__init__)
 
 
 def _group_for(bits: float) -> int:

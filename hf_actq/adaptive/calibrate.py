@@ -36,6 +36,7 @@ and the sensitivities are averaged, so all ranks get the same plan.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import zlib
@@ -212,6 +213,19 @@ def _default_loss(model, batch):
     return loss
 
 
+def _check_measurable(loss) -> None:
+    """ValueError unless ``loss`` is finite: a batch with no supervised token (every label
+    ignored) has a NaN loss and zero gradients, from which no sensitivity can be measured."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"calibration needs a scalar loss, got {loss!r}")
+    if not torch.isfinite(loss.detach()).item():
+        raise ValueError(
+            f"calibration: the loss on this batch is {loss.item()}, so no slot's effect on the "
+            "gradient can be measured (a batch whose labels are all ignored, -100, has a NaN "
+            "loss); calibrate on a batch with supervised tokens and finite inputs"
+        )
+
+
 def _norm(grad: torch.Tensor) -> torch.Tensor:
     norm = torch.linalg.vector_norm(grad.float())
     if hasattr(norm, "full_tensor"):  # FSDP2: a sharded gradient's norm is a collective
@@ -310,10 +324,17 @@ def calibrate(
         def run(seed_for) -> torch.Tensor:
             torch.manual_seed(rng_seed)  # the same dropout masks in every pass
             with slot_seeds(seed_for):
-                loss_fn(model, batch).backward()
+                loss = loss_fn(model, batch)
+                _check_measurable(loss)
+                loss.backward()
             fingerprint = _fingerprint(params, config.sensitivity)
             for p in params:
                 p.grad = None
+            if not torch.isfinite(fingerprint).all():
+                raise ValueError(
+                    "calibration: this batch gives non-finite gradients; calibrate on another "
+                    "batch (or find the overflow: a loss scale, a half-precision model)"
+                )
             return fingerprint
 
         try:
@@ -322,6 +343,12 @@ def calibrate(
             recorder = _Recorder(handle, measure=True)
             with observe(recorder):
                 h0 = run(_seeds(1))
+            if not h0.any():
+                raise ValueError(
+                    "calibration: this batch gives a zero gradient to every trainable "
+                    "parameter, so no slot's effect can be measured; calibrate on a batch with "
+                    "supervised tokens"
+                )
             sensitivity, measured = _measure(handle, recorder, run, h0, start, seconds)
         finally:
             for p, grad in zip(params, saved_grads):
@@ -375,6 +402,12 @@ def _measure(handle, recorder, run, h0, start, seconds):
     # stop above was agreed, so every rank measured the same slots).
     values = _average_across_ranks([sensitivity[s] for s in measured])
     sensitivity = dict(zip(measured, values))
+    for slot, value in sensitivity.items():
+        if not math.isfinite(value):
+            raise ValueError(
+                f"calibration: the sensitivity of slot {slot!r} came out {value}; no plan was "
+                "installed. Calibrate on another batch"
+            )
     flat = [e for s in items for e in (*recorder.errors[s][0], recorder.errors[s][1])]
     flat = _average_across_ranks(flat)
     for slot in items:

@@ -122,6 +122,10 @@ class RotatedSampleCodec(Codec):
         check_floating(x, self)
         if seed is None and self.uses_rng:
             seed = draw_seed()
+        with _exact_products(x.device):
+            return self._pack(x, seed)
+
+    def _pack(self, x: torch.Tensor, seed: int | None) -> Packed:
         if self.group_size == 1:
             return self._pack_whole(x, seed)
         flat = x.detach().reshape(-1)
@@ -183,6 +187,10 @@ class RotatedSampleCodec(Codec):
         return out.view(packed.shape)
 
     def unpack(self, packed: Packed) -> torch.Tensor:
+        with _exact_products(packed.tensors[0].device):
+            return self._unpack(packed)
+
+    def _unpack(self, packed: Packed) -> torch.Tensor:
         if self.group_size == 1:
             return self._unpack_whole(packed)
         data, mins, scales, seed_tensor = packed.tensors
@@ -209,6 +217,12 @@ class RotatedSampleCodec(Codec):
             piece = out[start * ROTATION : stop * ROTATION]
             piece.copy_(slab.view(-1)[: piece.numel()])
         return out.view(packed.shape)
+
+
+def _exact_products(device: torch.device):
+    """Autocast off around the rotations: it would run them in bf16 or fp16 whatever the
+    coefficients' dtype, and rotate back with other rounding than the forward's."""
+    return torch.autocast(device.type, enabled=False)
 
 
 def _coeff_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -6,16 +6,17 @@ recipe (as PEFT's ``LoraConfig`` does).
         (ModelArguments, DataArguments, ActQConfig, TrainingArguments)
     )
 
-``--recipe fewbit|uniform|alam|checkpoint`` starts from that named recipe (``ActQConfig.from_recipe``) and
-the fields given explicitly on the command line override it (``--recipe alam --bits 2``);
-without ``--recipe`` the fields are taken as given. A single ``.json`` argument holds all
-fields instead (its keys are the explicit ones).
+``--recipe fewbit|uniform|alam|checkpoint`` starts from that named recipe and the fields given
+explicitly on the command line override it (``--recipe alam --bits 0.5``), as in
+``ActQConfig(recipe=..., **given)``; without ``--recipe`` the fields are taken as given. A single
+``.json`` argument holds all fields instead (its keys are the explicit ones).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -25,11 +26,15 @@ from hf_actq.config import ActQConfig
 
 def parse_arguments(dataclass_types: Sequence[type], args: Sequence[str] | None = None) -> tuple:
     """The parsed instances of ``dataclass_types`` (one of them ``ActQConfig``), in order; the
-    ``ActQConfig`` resolved against its ``recipe`` as described above."""
+    ``ActQConfig`` built from the fields given, as described above."""
     from transformers import HfArgumentParser
 
     args = list(sys.argv[1:] if args is None else args)
-    parser = HfArgumentParser(dataclass_types)
+    # The parser fills every field with its default; the config is built from the given ones
+    # alone, so it parses a twin without validation (a recipe's own values, such as alam's
+    # fractional bits, would not pass beside the defaults of the other fields).
+    types = [_unvalidated() if t is ActQConfig else t for t in dataclass_types]
+    parser = HfArgumentParser(types)
     if len(args) == 1 and args[0].endswith(".json"):
         with open(args[0], encoding="utf-8") as file:
             data = json.load(file)
@@ -37,8 +42,30 @@ def parse_arguments(dataclass_types: Sequence[type], args: Sequence[str] | None 
         given = set(data)
     else:
         parsed = parser.parse_args_into_dataclasses(args=args)
-        given = _given_fields(ActQConfig, args)
-    return tuple(_resolve_recipe(p, given) if isinstance(p, ActQConfig) else p for p in parsed)
+        given = _given_fields(_unvalidated(), args)
+    return tuple(
+        ActQConfig(**{name: getattr(p, name) for name in given if hasattr(p, name)})
+        if isinstance(p, _unvalidated())
+        else p
+        for p in parsed
+    )
+
+
+@functools.cache
+def _unvalidated() -> type:
+    """``ActQConfig``'s fields (names, types, defaults, help) as a plain dataclass."""
+    twin = dataclasses.make_dataclass(
+        "ActQConfig",
+        [(f.name, f.type, _copied(f)) for f in dataclasses.fields(ActQConfig)],
+    )
+    twin.__module__ = ActQConfig.__module__  # where the parser resolves the type hints
+    return twin
+
+
+def _copied(f: dataclasses.Field) -> dataclasses.Field:
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=f.metadata)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
 def _given_fields(dataclass_type: type, args: Sequence[str]) -> set[str]:
@@ -51,11 +78,3 @@ def _given_fields(dataclass_type: type, args: Sequence[str]) -> set[str]:
         action.default = argparse.SUPPRESS
     namespace, _ = probe.parse_known_args(list(args))
     return set(vars(namespace))
-
-
-def _resolve_recipe(config: ActQConfig, given: set[str]) -> ActQConfig:
-    if config.recipe is None:
-        return config
-    names = {f.name for f in dataclasses.fields(ActQConfig)} - {"recipe"}
-    overrides = {name: getattr(config, name) for name in given & names}
-    return ActQConfig.from_recipe(config.recipe, **overrides)

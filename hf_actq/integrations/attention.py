@@ -77,12 +77,12 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         for slot in slots:
             setting = config.setting_for(state.slot_id(slot)) if codec is not None else None
             state.codecs[slot] = codec if setting is None else config.codec_for_setting(setting)
+        handle._undo.append(functools.partial(remove_state, module))
         set_state(module, state)
         describe = functools.partial(_describe, kind, state)
         handle.describers[path] = describe
         handle.patched[path] = describe()
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
-        handle._undo.append(functools.partial(remove_state, module))
         own_config = getattr(module, "config", None)
         if own_config is not None and hasattr(own_config, "_attn_implementation"):
             configs.setdefault(id(own_config), own_config)

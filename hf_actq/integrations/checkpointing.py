@@ -70,24 +70,23 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
     if not any(layer.gradient_checkpointing for layer in layers.values()):
         hook_attributes = {name: model.__dict__.get(name, MISSING) for name in _HOOK_ATTRIBUTES}
         hooks_before = list(getattr(model, "_require_grads_hooks", None) or ())
-        turn_on = getattr(model, "activation_checkpointing_enable", None)
-        if turn_on is not None:
-            turn_on(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
         # Turning checkpointing on may make the input embeddings require grad (hooks); revert
-        # removes those, and only those.
-        added = [
-            hook
-            for hook in getattr(model, "_require_grads_hooks", None) or ()
-            if hook not in hooks_before
-        ]
-        if added:
-            handle._undo.append(
-                functools.partial(_remove_input_grad_hooks, model, added, hook_attributes)
-            )
+        # removes those, and only those (filled in below, even if turning on fails).
+        added: list = []
+        handle._undo.append(
+            functools.partial(_remove_input_grad_hooks, model, added, hook_attributes)
+        )
+        turn_on = getattr(model, "activation_checkpointing_enable", None)
+        try:
+            if turn_on is not None:
+                turn_on(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
+        finally:
+            hooks = getattr(model, "_require_grads_hooks", None) or ()
+            added.extend(hook for hook in hooks if hook not in hooks_before)
     if not config.compress_checkpointed:
         # PEFT's LoRA dropouts replay their masks in the traced form (torch.compile).
         handle._undo.extend(make_dropouts_replayable(layer) for layer in layers.values())

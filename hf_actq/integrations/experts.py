@@ -47,12 +47,12 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
         state.activation = slot_activation(found, config, state.slot_id("act"))
         for slot in ("gate", "up"):
             state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec)
+        handle._undo.append(functools.partial(remove_state, module))
         set_state(module, state)
         describe = functools.partial(_describe, state)
         handle.describers[path] = describe
         handle.patched[path] = describe()
         handle.add_slots(state, {"act": "activation", "gate": "mlp", "up": "mlp"})
-        handle._undo.append(functools.partial(remove_state, module))
         configs.setdefault(id(module.config), module.config)
         claimed[module.act_fn] = "the MoE experts op computes it"
     if not configs:

@@ -30,13 +30,19 @@ import os
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 
+from hf_actq.adaptive.plan import BitPlan
 from hf_actq.config import ActQConfig
 from hf_actq.integrations import checkpointing
 from hf_actq.integrations.transformers import _HANDLE, apply, unwrap
 from hf_actq.memory.meter import ActivationMonitor
 
 logger = logging.getLogger("hf_actq")
+
+PLAN_FILE = "actq_plan.json"
+# Blocks of examples a calibration tries before it gives up.
+CALIBRATION_ATTEMPTS = 8
 
 
 def _reads_training_logits(args) -> bool:
@@ -50,12 +56,14 @@ def _reads_training_logits(args) -> bool:
     )
 
 
-class ActQCallback(TrainerCallback):
+class ActQCallback(TrainerCallback, ExportableState):
     def __init__(
-        self, config: ActQConfig | None = None, *, log_memory: bool = True, **kwargs
+        self, config: ActQConfig | dict | None = None, *, log_memory: bool = True, **kwargs
     ) -> None:
         if config is not None and kwargs:
             raise ValueError("pass either an ActQConfig or keyword arguments, not both")
+        if isinstance(config, dict):  # as the checkpoint's state() holds it
+            config = ActQConfig.from_dict(config)
         self.config = config if config is not None else ActQConfig(**kwargs)
         self.handle = None
         self.log_memory = log_memory
@@ -64,6 +72,7 @@ class ActQCallback(TrainerCallback):
         self._pending: dict | None = None
         self.calibrated_at: list[int] = []  # the steps before which a plan was computed
         self.plans: list = []  # the BitPlans computed, in order
+        self.resumed_plan: dict | None = None  # a checkpoint's plan, until it is installed
         self._dataloader = None
 
     def _ensure_patched(self, args, state, model) -> None:
@@ -95,7 +104,7 @@ class ActQCallback(TrainerCallback):
             # which put the stock function back.
             checkpointing.install(self.handle.checkpointed, self.config)
         self._dataloader = train_dataloader
-        if self._adaptive():
+        if self._adaptive() and not self._resume_plan(state):
             self._calibrate(args, state)
         if self.log_memory and model is not None:
             if self._monitor is not None:
@@ -145,20 +154,86 @@ class ActQCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(figures)
 
+    def state(self) -> dict:
+        """What a Trainer checkpoint keeps of this callback (``trainer_state.json``): the plan
+        in force and when plans were made, so that a resumed run goes on with them."""
+        plan = None if self.handle is None or self.handle.plan is None else self.handle.plan
+        return {
+            "args": {"config": self.config.to_dict(), "log_memory": self.log_memory},
+            "attributes": {
+                "calibrated_at": list(self.calibrated_at),
+                "resumed_plan": None if plan is None else plan.to_dict(),
+            },
+        }
+
+    def _resume_plan(self, state) -> bool:
+        """On a run resumed from a checkpoint, install the plan it was training with (and
+        remember when plans were made) instead of calibrating again; whether it did."""
+        if state.global_step == 0:
+            return False
+        # Trainer(restore_callback_states_from_checkpoint=True) set these attributes on a new
+        # callback; otherwise they are read from the checkpoint's trainer state.
+        attributes = {"resumed_plan": self.resumed_plan, "calibrated_at": self.calibrated_at}
+        stored = (state.stateful_callbacks or {}).get(type(self).__name__)
+        if self.resumed_plan is None and isinstance(stored, dict):
+            attributes = stored.get("attributes") or {}
+        self.resumed_plan = None
+        if attributes.get("resumed_plan") is None:
+            return False
+        plan = BitPlan.from_dict(attributes["resumed_plan"])
+        self.handle.set_plan(plan)
+        self.plans.append(plan)
+        self.calibrated_at = list(attributes.get("calibrated_at") or [])
+        if state.is_world_process_zero:
+            logger.info(
+                "hf_actq: resumed at step %d with the checkpoint's plan (%d slots)",
+                state.global_step,
+                len(plan.slots),
+            )
+        return True
+
+    def on_save(self, args, state, control, **kwargs):
+        plan = None if self.handle is None else self.handle.plan
+        folder = os.path.join(args.output_dir or "", f"checkpoint-{state.global_step}")
+        if plan is not None and state.is_world_process_zero and os.path.isdir(folder):
+            plan.save(os.path.join(folder, PLAN_FILE))  # beside the model, for people to read
+
     def _adaptive(self) -> bool:
         config = self.handle.config if self.handle is not None else self.config
         return config.adaptive and config.plan is None and self._dataloader is not None
 
     def _calibrate(self, args, state) -> None:
         examples = self.handle.config.calibration_examples
-        batch = calibration_batch(self._dataloader, examples, offset=len(self.calibrated_at))
-        plan = self.handle.calibrate(batch)
+        plan = None
+        for attempt in range(CALIBRATION_ATTEMPTS):
+            # The n-th calibration's block of examples, then the blocks after it.
+            offset = len(self.calibrated_at) + attempt
+            batch = calibration_batch(self._dataloader, examples, offset=offset)
+            try:
+                plan = self.handle.calibrate(batch)
+                break
+            except ValueError as error:
+                logger.warning(
+                    "hf_actq: calibration batch %d of %d could not be measured (%s); trying "
+                    "the next one",
+                    attempt + 1,
+                    CALIBRATION_ATTEMPTS,
+                    error,
+                )
         self.calibrated_at.append(state.global_step)
+        if plan is None:
+            logger.warning(
+                "hf_actq: no calibration batch of %d could be measured; the slots keep their "
+                "current settings (%s)",
+                CALIBRATION_ATTEMPTS,
+                "the last plan" if self.plans else f"the even spread of {self.config.bits} bits",
+            )
+            return
         self.plans.append(plan)
         if state.is_world_process_zero:
             if args.output_dir:
                 os.makedirs(args.output_dir, exist_ok=True)
-                plan.save(os.path.join(args.output_dir, "actq_plan.json"))
+                plan.save(os.path.join(args.output_dir, PLAN_FILE))
             summary = "; ".join(
                 f"{kind}: " + ", ".join(f"{label} x{n}" for label, n in sorted(counts.items()))
                 for kind, counts in sorted(plan.summary(self.handle.slots).items())

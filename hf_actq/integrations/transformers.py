@@ -19,7 +19,7 @@ from torch import nn
 
 from hf_actq.adaptive.plan import BitPlan
 from hf_actq.codecs.packed import ExactCodec
-from hf_actq.config import ActQConfig
+from hf_actq.config import ActQConfig, check_activation_setting
 from hf_actq.integrations import checkpointing
 from hf_actq.integrations.patching import (
     MISSING,
@@ -30,7 +30,7 @@ from hf_actq.integrations.patching import (
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
 from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
-from hf_actq.ops.state import OpState
+from hf_actq.ops.state import NOT_PICKLABLE, OpState
 
 logger = logging.getLogger("hf_actq")
 
@@ -67,19 +67,30 @@ class ActQHandle:
             self._states[state.slot_id(slot)] = (state, slot)
 
     def set_plan(self, plan: BitPlan) -> None:
-        """Give every slot the setting ``plan`` names (ValueError if it does not name exactly
-        this model's slots)."""
+        """Give every slot the setting ``plan`` names. A ValueError (a plan that does not name
+        exactly this model's slots, or a setting a slot cannot take, named) changes nothing."""
         plan.check_slots(self.slots)
+        changes = []
         for slot_id, setting in plan.slots.items():
             state, slot = self._states[slot_id]
+            try:
+                if slot == "act":
+                    check_activation_setting(setting)
+                    act = state.activation
+                    value = ActivationTable(act.spec.name, setting["bits"], act.params)
+                else:
+                    self.config.check_setting(setting)
+                    value = self.config.codec_for_setting(setting)
+                    if value is None and self.slots[slot_id] != "attention":
+                        value = ExactCodec()  # attention keeps an exact slot as the tensor
+            except ValueError as error:
+                raise ValueError(f"bit plan: slot {slot_id!r}: {error}") from None
+            changes.append((state, slot, value))
+        for state, slot, value in changes:
             if slot == "act":
-                act = state.activation
-                state.activation = ActivationTable(act.spec.name, setting["bits"], act.params)
-                continue
-            codec = self.config.codec_for_setting(setting)
-            if codec is None and self.slots[slot_id] != "attention":
-                codec = ExactCodec()  # attention keeps an exact slot as the tensor itself
-            state.codecs[slot] = codec
+                state.activation = value
+            else:
+                state.codecs[slot] = value
         self.plan = plan
         for path, describe in self.describers.items():
             self.patched[path] = describe()
@@ -151,9 +162,28 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
         raise ValueError(
             "hf_actq is already applied to this model; call handle.revert() before applying again"
         )
-    plan = _load_plan(config.plan)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     handle = ActQHandle(base, config)
+    # All or nothing: whatever fails part-way (a bad plan, an error inside a patcher, an
+    # interrupt), what was done is undone and the model is as it was.
+    try:
+        _patch(base, config, handle, model_type)
+    except BaseException:
+        handle.revert()
+        raise
+    if model_type not in MODEL_TYPE_TO_APPLY_FN:
+        logger.warning(
+            "hf_actq: model type %r has no registered patcher; the generic path patched %s",
+            model_type,
+            handle.summary() or "nothing",
+        )
+    return handle
+
+
+def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) -> None:
+    plan = _load_plan(config.plan)
+    guard = base.register_forward_pre_hook(_PickleGuard())
+    handle._undo.append(guard.remove)
     patch_config = config
     if config.checkpoint_bits is not None:
         handle.checkpointed = checkpointing.enable(base, config, handle)
@@ -164,11 +194,7 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
     _advance_step_seed_per_forward(base, handle)
     support_data_parallel(base, handle)
     if plan is not None:
-        try:
-            handle.set_plan(plan)
-        except ValueError:
-            handle.revert()
-            raise
+        handle.set_plan(plan)
     elif config.adaptive:
         logger.warning(
             "hf_actq: adaptive precision needs a calibration batch: call "
@@ -176,14 +202,23 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
             "every slot keeps the even spread of %s bits",
             config.bits,
         )
-    if model_type not in MODEL_TYPE_TO_APPLY_FN:
-        logger.warning(
-            "hf_actq: model type %r has no registered patcher; the generic path patched %s",
-            model_type,
-            handle.summary() or "nothing",
-        )
     setattr(base, _HANDLE, handle)
-    return handle
+
+
+class _PickleGuard:
+    """A forward pre-hook that does nothing but refuse pickling with a message that says what
+    to do. A module's hooks are pickled before its submodules, so this is met before anything
+    else a patched model holds that cannot be pickled (an op's weak references, transformers'
+    own checkpointing hook)."""
+
+    def __call__(self, module, args) -> None:
+        return None
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(NOT_PICKLABLE)
+
+    def __deepcopy__(self, memo) -> _PickleGuard:
+        return _PickleGuard()
 
 
 def _load_plan(plan) -> BitPlan | None:
@@ -221,13 +256,13 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
         if previous is not MISSING
         else types.MethodType(type(embedding).forward, embedding)
     )
-    embedding.__dict__[dedup.INNER_FORWARD] = inner
     # Bound methods and partials, not closures: deepcopy rebinds them to the copy.
     bound = types.MethodType(dedup.step_seed_forward, embedding)
-    embedding.__dict__[attribute] = bound
     handle._undo.append(
         functools.partial(_stop_advancing_in, embedding, attribute, previous, bound, inner)
     )
+    embedding.__dict__[dedup.INNER_FORWARD] = inner
+    embedding.__dict__[attribute] = bound
 
 
 def _stop_advancing_in(embedding: nn.Module, attribute: str, previous, bound, inner) -> None:

@@ -78,7 +78,6 @@ def fewbit_forward_reference(
     if spec.code_mode in ("table", "symmetric"):
         lut = code_lookup_table(cuts, spec.code_mode == "symmetric", x.dtype, x.device)
     nan_seen = torch.zeros(1, dtype=torch.bool, device=x.device)
-    # Codes are kept as fp32 so that packing is a GEMV with no conversion pass.
     codes = torch.zeros(min(n, CHUNK) + 8, dtype=torch.float32, device=x.device)
     hits = torch.empty(min(n, CHUNK), dtype=torch.float32, device=x.device)
     for start in range(0, n, CHUNK):
@@ -216,23 +215,13 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
 
 
 def _pack_into(codes: torch.Tensor, bits: int, out: torch.Tensor) -> None:
-    """Pack a multiple-of-8 run of fp32 codes into ``out``; a GEMV forms each word exactly
-    (words stay below 2**24, where fp32 holds integers exactly)."""
-    if bits in (1, 2, 4, 8):
-        per_byte = 8 // bits
-        weights = torch.tensor([float(1 << (bits * j)) for j in range(per_byte)], device=out.device)
-        out.copy_(codes.view(-1, per_byte) @ weights)
-    elif bits == 3:
-        weights = torch.tensor([float(1 << (3 * j)) for j in range(8)], device=out.device)
-        word = (codes.view(-1, 8) @ weights).to(torch.int32)
-        out.view(-1, 3).copy_(word.view(torch.uint8).view(-1, 4)[:, :3])
-    elif 5 <= bits <= 7:
-        # 8 codes of up to 7 bits fill 56 bits: build the word in int64, keep its low bytes.
-        shifts = torch.arange(8, device=out.device) * bits
-        word = (codes.view(-1, 8).to(torch.int64) << shifts).sum(dim=1)
-        out.view(-1, bits).copy_(word.view(torch.uint8).view(-1, 8)[:, :bits])
-    else:
+    """Pack a multiple-of-8 run of fp32 codes into ``out``. Integer shifts, not a float
+    product: autocast would run a product in bf16, whose 8-bit mantissa cannot hold a 3-bit
+    word's 24 bits."""
+    if not 1 <= bits <= 8:
         raise ValueError(f"bits must be an integer in 1..8 for packing, got {bits}")
+    words = _packed_words(codes, bits)
+    out.view(-1, bits).copy_(words.view(torch.uint8).view(words.numel(), -1)[:, :bits])
 
 
 def _expanded_lookup(lut: torch.Tensor, bits: int):
@@ -381,7 +370,7 @@ def _aq_values(codes, lo, scale, dtype: torch.dtype):
 
 
 def _packed_words(codes, bits: int):
-    """Words of ``codes`` (uint8, a multiple of 8) holding code ``j`` of each 8 at bit ``j*bits``:
+    """Words of ``codes`` (integers in uint8 or fp32, a multiple of 8) holding code ``j`` of each 8 at bit ``j*bits``:
     int32 up to 3 bits, int64 above (sign bits wrap, the bytes are what count)."""
     c = codes.view(-1, 8).to(torch.int32 if bits <= 3 else torch.int64)
     word = c[:, 0]

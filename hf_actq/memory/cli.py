@@ -8,6 +8,7 @@ downloads) at batch 8 and sequence 128 in fp32, under the baseline and the "fewb
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 
@@ -31,6 +32,26 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * 1024**power)
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hf_actq.memory.presets import PRESETS
 
@@ -45,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"a preset ({', '.join(PRESETS)}), a local model directory, or a hub id "
         "(needs network; only its config is used). Default: roberta-base",
     )
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: the preset's dtype")
     parser.add_argument("--peft", choices=("none", "lora", "qlora"), default="none")
     parser.add_argument(
@@ -74,14 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--calibration-examples",
-        type=int,
+        type=positive_int,
         default=2,
         help="examples of the batch an adaptive recipe (alam) calibrates its bit plan on "
         "(default 2: the weights are random, and each measured slot costs a backward)",
     )
     parser.add_argument(
         "--calibration-seconds",
-        type=float,
+        type=positive_seconds,
         default=30.0,
         help="time cap of an adaptive recipe's calibration (default 30; slots left unmeasured "
         "take the median sensitivity of their kind, and the report says how many)",

@@ -84,9 +84,12 @@ def _chunk_loss_and_grad(
     grad.scatter_add_(1, safe_target[:, None], torch.full_like(grad[:, :1], smoothing - 1))
     if smoothing:
         grad -= smoothing / weight.shape[0]
-    grad *= keep[:, None] * (scale * logit_scale)
+    grad *= scale * logit_scale
     if capped is not None:
         grad *= 1 - capped.float().square()
+    # Ignored tokens get exact zeros whatever the scale, as the stock loss's backward skips
+    # them: a batch with no supervised token has scale 1/0, and zero times inf is NaN.
+    grad.masked_fill_(~keep[:, None], 0)
     return total, grad.to(h.dtype)
 
 
@@ -111,7 +114,7 @@ def _gradients_by_vocabulary_block(
     grad_hidden = torch.zeros(tokens, width, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.empty_like(weight) if need_weight else weight.new_empty(0)
     grad_bias = torch.empty_like(bias) if need_bias else weight.new_empty(0)
-    factor = valid[:, None] * (scale * logit_scale)
+    factor = scale * logit_scale
     rows = valid.nonzero().squeeze(1)
     target = targets[rows]
     for start in range(0, vocab, block):
@@ -129,6 +132,7 @@ def _gradients_by_vocabulary_block(
         grad *= factor
         if capped is not None:
             grad *= 1 - capped.float().square()
+        grad.masked_fill_(~valid[:, None], 0)  # exact zeros, as in _chunk_loss_and_grad
         if need_weight:
             grad_weight[start:end] = grad.to(hidden.dtype).t() @ hidden
         if need_bias:

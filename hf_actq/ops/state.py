@@ -17,6 +17,7 @@ a patched model run the same code under the same rules:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,11 @@ from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.slots import per_slot_seeds
 
 STATE = "_hf_actq"
+NOT_PICKLABLE = (
+    "a model patched by hf_actq cannot be pickled (it holds bound forwards and weak references "
+    "to live tensors): call handle.revert() (or hf_actq.revert(model)) first, or save the "
+    "weights with model.save_pretrained() or model.state_dict()"
+)
 
 
 @dataclass(eq=False)
@@ -64,6 +70,16 @@ class OpState:
     norm_from_output: bool = False
     # Compressed norms: offer the output to the next ops as rebuilt from the packed input.
     offer_output: bool = False
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(NOT_PICKLABLE)
+
+    def __deepcopy__(self, memo) -> OpState:
+        # What copy.deepcopy does by default, which __reduce_ex__ above would stop.
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def slot_id(self, slot: str) -> str:
         return f"{self.path}:{slot}"

@@ -234,13 +234,33 @@ def build_datasets(data: DataArguments, tokenizer, training_args):
                 part.map(lambda batch: pack(batch, data.max_seq_length), batched=True)
                 for part in (train, dev)
             )
+        # An example whose response was cut off entirely has no token to learn from: its loss
+        # is 0/0 and it would only dilute the batch it lands in.
+        kept = [part.filter(has_supervised_token) for part in (train, dev)]
+        dropped = {"training": len(train) - len(kept[0]), "held-out": len(dev) - len(kept[1])}
+        train, dev = kept
+    for name, count in dropped.items():
+        if count:
+            logger.warning(
+                "%d %s examples have no response token left within --max_seq_length %d; dropped",
+                count,
+                name,
+                data.max_seq_length,
+            )
     for name, part in (("training", train), ("held-out", dev)):
         if len(part) == 0:
             raise ValueError(
-                f"the {name} split is empty after tokenization; with --packing it needs at "
-                f"least --max_seq_length ({data.max_seq_length}) tokens"
+                f"the {name} split is empty after tokenization; it needs examples whose "
+                f"response starts within --max_seq_length ({data.max_seq_length}) tokens, and "
+                "with --packing at least that many tokens"
             )
-    return train, dev
+    return train, dev, dropped
+
+
+def has_supervised_token(example: dict) -> bool:
+    """Whether a causal LM learns from ``example``: a label other than -100 after the first
+    position (the loss predicts token i from the tokens before it)."""
+    return any(label != IGNORE_INDEX for label in example["labels"][1:])
 
 
 # Model -----------------------------------------------------------------------------------------
@@ -300,7 +320,7 @@ def main(args: list[str] | None = None) -> dict | None:
     )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    train, dev = build_datasets(data_args, tokenizer, training_args)
+    train, dev, dropped = build_datasets(data_args, tokenizer, training_args)
     set_seed(training_args.seed)  # LoRA's initialisation
     model = build_model(model_args, training_args)
     if data_args.packing:
@@ -360,6 +380,7 @@ def main(args: list[str] | None = None) -> dict | None:
             "packing": data_args.packing,
             "train_examples": len(train),
             "eval_examples": len(dev),
+            "dropped_examples": dropped,
             "world_size": training_args.world_size,
             "precision": "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32",
         },

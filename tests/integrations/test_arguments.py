@@ -29,6 +29,8 @@ def test_a_named_recipe_with_explicit_fields_overriding_it():
     assert config == ActQConfig.from_recipe("alam", bits=3, attention=False, adaptive=False)
     assert _parse("--recipe", "fewbit", "--bits", "2").activation_bits == 2
     assert _parse("--recipe", "fewbit", "--bits", "2").linear is False
+    # alam's fractional bits with its own codec (AQ), not the default codec's integers.
+    assert _parse("--recipe", "alam", "--bits", "0.5") == ActQConfig.from_recipe("alam", bits=0.5)
     # "checkpoint": --bits is the layers' inputs' precision; the rest stays at 8 bits.
     config = _parse("--recipe", "checkpoint", "--bits", "3")
     assert (config.checkpoint_bits, config.bits, config.compress_checkpointed) == (3, 8, False)

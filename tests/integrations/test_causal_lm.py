@@ -116,3 +116,25 @@ def test_the_vocabulary_sized_tensor_is_gone_from_the_step_peak():
     # Its largest allocation is now a chunk of logits or a weight-sized gradient.
     assert largest(model) < logits_bytes / 4
     handle.revert()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma2"])
+def test_the_fewbit_recipe_returns_the_stock_outputs_with_labels(model_type):
+    # "fewbit" promises that nothing but the activation derivatives changes: no fused loss,
+    # logits as the stock model gives them, in train and eval mode; the fused loss only when
+    # asked for.
+    model = _model(model_type)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    batch = dict(input_ids=ids, labels=ids)
+    for training in (True, False):
+        model.train(training)
+        stock = model(**batch)
+        handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+        patched = model(**batch)
+        handle.revert()
+        assert "" not in handle.patched
+        assert torch.equal(patched.logits, stock.logits) and torch.equal(patched.loss, stock.loss)
+    model.train()
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", fused_loss=True))
+    assert model(**batch).logits is None
+    handle.revert()

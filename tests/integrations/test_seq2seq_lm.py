@@ -83,3 +83,20 @@ def test_explicit_decoder_inputs_and_the_switch():
     assert isinstance(as_tuple, tuple)
     torch.testing.assert_close(as_tuple[0], expected, rtol=1e-6, atol=1e-6)
     handle.revert()
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_the_fewbit_recipe_returns_the_stock_outputs_with_labels(name):
+    # "fewbit" promises that nothing but the activation derivatives changes: no fused loss,
+    # logits as the stock model gives them, in train and eval mode.
+    model, batch = _model(name)
+    for training in (True, False):
+        model.train(training)
+        torch.manual_seed(0)
+        stock = model(**batch)
+        handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+        torch.manual_seed(0)
+        patched = model(**batch)
+        handle.revert()
+        assert "" not in handle.patched
+        assert torch.equal(patched.logits, stock.logits) and torch.equal(patched.loss, stock.loss)

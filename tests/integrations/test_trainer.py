@@ -1,4 +1,5 @@
 import logging
+import math
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from transformers import (
     Trainer,
     TrainingArguments,
 )
+from transformers.trainer_utils import SaveStrategy
 
 from hf_actq import ActQCallback, SavedTensorMeter
 
@@ -236,3 +238,85 @@ def test_trl_sft_trainer_with_the_callback_tracks_the_unpatched_loss(tmp_path, p
     # ends 0.12 away from the unpatched one): the forward is exact and the loss falls.
     assert patched[0] == pytest.approx(unpatched[0], rel=1e-6, abs=0)
     assert patched[0] - min(patched[-6:]) > 0.5 * (unpatched[0] - min(unpatched[-6:])) > 0.05
+
+
+def _alam_trainer(tmp_path, dataset, **extra):
+    from hf_actq import ActQConfig
+
+    config = ActQConfig.from_recipe("alam", bits=1, calibration_examples=2, recalibrate_at=0.25)
+    callback = ActQCallback(config)
+    args = _args(tmp_path)
+    for name, value in extra.items():
+        setattr(args, name, value)
+    trainer = Trainer(model=_llama(), args=args, train_dataset=dataset, callbacks=[callback])
+    return trainer, callback
+
+
+def _measured(plan) -> dict:
+    """A plan's settings and what it measured, without how long that took."""
+    return {**plan.to_dict(), "info": {**plan.info, "seconds": None}}
+
+
+@pytest.mark.parametrize("restore_states", [False, True])
+def test_resuming_from_a_checkpoint_keeps_the_plan_and_the_losses(tmp_path, restore_states):
+    # restore_callback_states_from_checkpoint=True: Trainer builds a new callback from the
+    # checkpoint's state() and drops the given one.
+    from hf_actq.adaptive import BitPlan
+
+    extra = dict(max_steps=8, save_strategy=SaveStrategy.STEPS, save_steps=2)
+    extra["restore_callback_states_from_checkpoint"] = restore_states
+    whole, callback = _alam_trainer(tmp_path / "whole", Toy(True), **extra)
+    whole.train()
+    assert callback.calibrated_at == [0, 2]
+    # Before and after the re-plan at a quarter of the steps.
+    for step in (4,) if restore_states else (2, 4):
+        checkpoint = tmp_path / "whole" / f"checkpoint-{step}"
+        in_force = callback.plans[0 if step == 2 else 1]
+        assert BitPlan.load(checkpoint / "actq_plan.json") == in_force
+        out = tmp_path / f"resumed-{step}"
+        resumed, resumed_callback = _alam_trainer(out, Toy(True), **extra)
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+        if restore_states:
+            (resumed_callback,) = [
+                c for c in resumed.callback_handler.callbacks if isinstance(c, ActQCallback)
+            ]
+        assert _measured(resumed_callback.handle.plan) == _measured(callback.handle.plan)
+        assert resumed_callback.calibrated_at == [0, 2]
+        assert _losses(resumed) == _losses(whole)  # the history up to the checkpoint, then on
+        # Only the re-plan that was still to come was made (and written) again.
+        assert (out / "actq_plan.json").exists() == (step == 2)
+
+
+def test_calibration_moves_on_from_a_batch_it_cannot_measure(tmp_path, caplog):
+    dataset = Toy(True)
+    dataset.labels = dataset.labels.clone()
+    dataset.labels[:2] = -100  # the first calibration block: no supervised token
+    trainer, callback = _alam_trainer(tmp_path, dataset)
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        trainer.train()
+    assert "calibration batch 1 of 8 could not be measured (calibration: the loss" in caplog.text
+    assert callback.calibrated_at == [0, 1] and len(callback.plans) == 2
+    assert all(torch.isfinite(torch.tensor(_losses(trainer))))
+
+
+def test_batches_with_no_supervised_token_train_as_without_hf_actq(tmp_path):
+    # Batch 1, every other example's labels all ignored (a prompt longer than the sequence):
+    # with the fused loss those steps once gave NaN gradients, and the weights went NaN after
+    # one AdamW step while the log showed loss 0.
+    dataset = Toy(True, n=8)
+    dataset.labels = dataset.labels.clone()
+    dataset.labels[::2] = -100
+    runs = {}
+    for name, callbacks in (("stock", []), ("patched", [ActQCallback(bits=4)])):
+        args = _args(tmp_path / name)
+        args.max_steps, args.per_device_train_batch_size = 6, 1
+        trainer = Trainer(model=_llama(), args=args, train_dataset=dataset, callbacks=callbacks)
+        trainer.train()
+        logged = [e for e in trainer.state.log_history if "loss" in e]
+        runs[name] = [(e["loss"], e["grad_norm"]) for e in logged]
+        assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    stock, patched = runs["stock"], runs["patched"]
+    assert [math.isfinite(g) for _, g in patched] == [math.isfinite(g) for _, g in stock]
+    assert all(math.isfinite(g) for _, g in stock)
+    for (loss, _), (stock_loss, _) in zip(patched, stock):
+        assert loss == pytest.approx(stock_loss, rel=0.02, abs=1e-6)

@@ -95,11 +95,45 @@ def test_a_frozen_head_keeps_only_the_hidden_gradient_and_no_vocab_sized_tensor(
     torch.testing.assert_close(hidden.grad, expected, rtol=1e-5, atol=1e-7)
 
 
-def test_every_target_ignored_gives_nan_like_the_stock_loss():
-    hidden, weight, _, labels = _inputs(torch.float32, bias=False)
-    labels[:] = -100
-    assert torch.isnan(_stock(hidden, weight, None, labels))
-    assert torch.isnan(causal_lm_loss(hidden, weight, labels))
+@pytest.mark.parametrize("num_items", [None, 0, 7])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize(
+    "head",
+    [
+        "trained",  # recomputed in backward, token chunk by token chunk
+        "trained-bf16",  # bf16 weight, more words than tokens: by vocabulary block
+        "frozen",  # the hidden states' gradient formed in the forward
+    ],
+)
+def test_a_batch_with_no_supervised_token_behaves_as_the_stock_loss(head, smoothing, num_items):
+    # Every label ignored (a prompt longer than the sequence, a padded micro-batch, one token):
+    # the stock loss is NaN for the mean (0/0) and for num_items_in_batch=0, 0 otherwise, and
+    # its gradients are exact zeros in every case.
+    dtype = torch.bfloat16 if head == "trained-bf16" else torch.float32
+    hidden, weight, bias, labels = _inputs(dtype, bias=True)
+    hidden = hidden.detach()[:, :1].clone().requires_grad_()  # one token per row
+    labels = labels[:, :1]
+    weight.requires_grad_(head != "frozen")
+    bias.requires_grad_(head != "frozen")
+    params = [t for t in (hidden, weight, bias) if t.requires_grad]
+    for shifted in (None, torch.full_like(labels, -100)):
+        expected = _stock(hidden, weight, bias, labels, num_items=num_items, smoothing=smoothing)
+        expected_grads = torch.autograd.grad(expected, params)
+        loss = causal_lm_loss(
+            hidden, weight, labels, bias, shift_labels=shifted, num_items_in_batch=num_items
+        )
+        if smoothing:
+            loss = linear_cross_entropy(
+                hidden, weight, torch.full_like(labels, -100), bias, label_smoothing=smoothing,
+                num_items_in_batch=num_items,
+            )  # fmt: skip
+        grads = torch.autograd.grad(loss, params)
+        assert torch.isnan(loss) == torch.isnan(expected), (loss, expected)
+        if not torch.isnan(expected):
+            assert loss == expected == 0
+        for got, want in zip(grads, expected_grads, strict=True):
+            assert not torch.count_nonzero(want)
+            assert not torch.count_nonzero(got), got
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ unpatched, full fine-tuning); QLoRA on CPU is the slow test."""
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -164,6 +165,32 @@ def test_full_fine_tuning_with_packing_saves_a_model_that_loads(tiny_model, alpa
     weight = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(trained.state_dict()[weight], start.state_dict()[weight])
     assert not any("actq" in type(m).__name__.lower() for m in trained.modules())
+
+
+def test_examples_with_no_response_token_left_are_dropped_and_counted(
+    tiny_model, alpaca_file, tmp_path
+):
+    # Half the prompts (those with an input) are longer than --max_seq_length: their
+    # responses are cut off entirely, which would make batches with no supervised token.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    short = len(tokenizer(run.prompt_of("name a colour", ""))["input_ids"])
+    long = len(tokenizer(run.prompt_of("add two numbers", "two and two"))["input_ids"])
+    assert long > short + 2
+    result = _run(
+        tiny_model, alpaca_file, tmp_path, "--recipe", "uniform", "--bits", "4",
+        "--max_seq_length", str(short + 2), "--per_device_train_batch_size", "1",
+    )  # fmt: skip
+    dropped = result["training"]["dropped_examples"]
+    # 40 examples, 8 of them held out (shuffled), 20 with an input: those 20 are dropped.
+    assert dropped["training"] + dropped["held-out"] == 20
+    assert result["training"]["train_examples"] == 32 - dropped["training"]
+    assert result["training"]["eval_examples"] == 8 - dropped["held-out"]
+    assert all(math.isfinite(loss) for _, loss in result["loss_history"])
+    assert math.isfinite(result["eval_loss"])
+    assert not run.has_supervised_token({"labels": [5, -100, -100]})  # the first never counts
+    assert run.has_supervised_token({"labels": [-100, -100, 7]})
 
 
 def test_bad_data_is_reported_clearly(tiny_model, tmp_path):
