@@ -726,8 +726,9 @@ def test_data_parallel_replicas_compute_with_their_own_weights(model_type, recip
 
 def test_apply_to_a_compiled_model_patches_the_model_it_wraps():
     """``apply(torch.compile(model))`` gives the uncompiled model's slot ids, so its plans
-    fit, and the compiled model then keeps the patched bytes (dynamo recompiles)."""
-    model = _model("llama")
+    fit, and the compiled model then keeps the patched bytes (dynamo recompiles). One layer:
+    tracing is most of this test's time."""
+    model = _model("llama", num_hidden_layers=1)
     batch = _batch("llama")
     slots = set(hf_actq.apply(copy.deepcopy(model), bits=4).slots)
     compiled = torch.compile(model, backend="aot_eager")

@@ -4,6 +4,10 @@ eager patched run, and a compiled Trainer run with the callback.
 The backend is "aot_eager": AOTAutograd's forward/backward split with eager kernels. Inductor
 (code generation, and a partitioner that recomputes more) is measured by
 benchmarks/bench_compile.py and the slow test in test_apply.py (minutes on two CPU cores).
+
+Tracing dominates these tests' time (tens of seconds per model on two cores), so the models have
+one layer (every layer is traced alike) and the cases that repeat what another case checks on a
+cheaper model run only with ``-m slow``.
 """
 
 import copy
@@ -27,7 +31,7 @@ RECIPES = {
 
 
 def _llama():
-    model = tiny_llama(attn_implementation="sdpa")
+    model = tiny_llama(attn_implementation="sdpa", num_hidden_layers=1)
     ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
     return model, {"input_ids": ids, "labels": ids}
 
@@ -36,6 +40,7 @@ def _bert(dropout=0.0):
     # Dropout under compile is stock dropout (see the last tests), with masks of its own.
     model = tiny_bert(
         attn_implementation="sdpa",
+        num_hidden_layers=1,
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
     )
@@ -43,8 +48,18 @@ def _bert(dropout=0.0):
     return model, {"input_ids": ids, "labels": torch.tensor([0, 1])}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+def _cases() -> list:
+    """(build, recipe) pairs: BERT under every recipe, the LLaMA (a gated MLP, RMSNorm, the
+    fused loss) under "uniform" and, with -m slow, the others."""
+    cases = []
+    for recipe in RECIPES:
+        cases.append(pytest.param(_bert, recipe, id=f"bert-{recipe}"))
+        marks = () if recipe == "uniform" else pytest.mark.slow
+        cases.append(pytest.param(_llama, recipe, id=f"llama-{recipe}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize(("build", "recipe"), _cases())
 def test_patched_forward_compiles_into_one_graph(build, recipe):
     model, batch = build()
     hf_actq.apply(model, RECIPES[recipe])
@@ -63,8 +78,7 @@ def _gradients(base, batch, config, compiled):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("build", [_llama, _bert], ids=["llama", "bert"])
+@pytest.mark.parametrize(("build", "recipe"), _cases())
 def test_compiled_gradients_equal_the_eager_patched_gradients(build, recipe, monkeypatch):
     # A trace rounds a shared input (q/k/v, gate/up) once with a seed mixed from the step
     # seed; eager reuses the first consumer's codes. With reuse and the step seed off every
@@ -83,6 +97,7 @@ def test_compiled_gradients_equal_the_eager_patched_gradients(build, recipe, mon
         torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow  # the tests around it compare compiled and eager gradients more closely
 def test_compiled_gradients_differ_from_eager_only_by_the_shared_inputs_seeds():
     # With reuse on (the default), a stochastic recipe's compiled gradient is another draw of
     # the same estimate: as close to the exact gradient as eager's.
@@ -160,8 +175,11 @@ def test_dropout_under_compile_runs_the_stock_ops_without_a_break():
 
 @pytest.mark.parametrize(
     "config",
-    [ActQConfig(bits=4), ActQConfig.from_recipe("checkpoint")],
-    ids=["default", "checkpoint"],
+    [
+        pytest.param(ActQConfig(bits=4), id="default"),
+        # The packed-checkpointing tests below compile the recipe without the Trainer.
+        pytest.param(ActQConfig.from_recipe("checkpoint"), id="checkpoint", marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_trainer_with_the_callback_trains(tmp_path, config):
     from test_trainer import Toy, _args, _losses
@@ -171,7 +189,7 @@ def test_compiled_trainer_with_the_callback_trains(tmp_path, config):
     args = _args(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
     args.max_steps, args.learning_rate = 12, 1e-2
     trainer = Trainer(
-        model=tiny_llama(attn_implementation="sdpa"),
+        model=tiny_llama(attn_implementation="sdpa", num_hidden_layers=1),
         args=args,
         train_dataset=Toy(True, n=8),
         callbacks=[callback],
@@ -211,8 +229,12 @@ def _lora_llama_with_dropout():
 
 @pytest.mark.parametrize(
     "build",
-    [_llama, _bert, _lora_llama_with_dropout, _t5],
-    ids=["llama", "bert", "lora-dropout", "t5"],
+    [
+        pytest.param(_llama, id="llama"),
+        pytest.param(_bert, id="bert"),
+        pytest.param(_lora_llama_with_dropout, id="lora-dropout"),
+        pytest.param(_t5, id="t5", marks=pytest.mark.slow),
+    ],
 )
 def test_packed_checkpointing_breaks_no_more_than_stock_checkpointing(build):
     # Checkpointed layers of a model without dropout take the traced form, and so do layers
@@ -247,7 +269,7 @@ def test_lora_dropouts_replay_only_while_packed_checkpointing_is_applied():
     handle = hf_actq.apply(model, CHECKPOINT)
     assert not any("replay" in key for key in model.state_dict())
     dropouts = [m for n, m in model.named_modules() if n.endswith("lora_dropout.default")]
-    assert len(dropouts) == 2 * 3  # two layers, three adapted projections
+    assert len(dropouts) == 3  # one layer, three adapted projections
     assert all(list(dropout.buffers()) for dropout in dropouts)
     handle.revert()
     for dropout in dropouts:
@@ -255,7 +277,13 @@ def test_lora_dropouts_replay_only_while_packed_checkpointing_is_applied():
 
 
 @pytest.mark.parametrize(
-    "build", [_llama, _bert, _lora_llama, _t5], ids=["llama", "bert", "lora", "t5"]
+    "build",
+    [
+        pytest.param(_llama, id="llama"),
+        pytest.param(_bert, id="bert"),
+        pytest.param(_lora_llama, id="lora", marks=pytest.mark.slow),
+        pytest.param(_t5, id="t5", marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_packed_checkpointing_gradients_equal_the_eager_ones(build, monkeypatch):
     # Without the step seed, traced packs draw their seeds from torch's RNG as eager does.
@@ -290,7 +318,17 @@ def test_compiled_packed_checkpointing_keeps_the_packed_inputs():
     assert saved["packed", True] < 0.6 * saved["stock", True]
 
 
-@pytest.mark.parametrize("name", ["t5", "bart", "deberta-v2", "mixtral", "gemma3"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "t5",
+        # BART repeats T5's seq2seq loss; Mixtral's experts op compiles in the test after this.
+        pytest.param("deberta-v2", marks=pytest.mark.slow),
+        pytest.param("bart", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=pytest.mark.slow),
+        pytest.param("gemma3", marks=pytest.mark.slow),  # 70 s
+    ],
+)
 def test_more_model_types_add_no_graph_break(name):
     # T5's attention with its position bias, the seq2seq fused loss, DeBERTa (whose attention
     # runs the stock module under compile), the MoE experts op and Gemma 3's (1 + w) norms in a
