@@ -7,6 +7,11 @@ from unittest import mock
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+_SIZES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+)  # fmt: skip
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
     settings = dict(
@@ -26,6 +31,28 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 def tiny_llama(**overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
     return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_qwen2(**overrides):
+    """Qwen2 at tiny_llama's sizes (attention biases on q, k, v; random weights, seed 0)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = tiny_llama_config().to_dict()
+    settings = {k: settings[k] for k in _SIZES + ("num_key_value_heads",)}
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**{**settings, **_TOKENS, **overrides}))
+
+
+def tiny_t5(**overrides):
+    """A 2-layer, 32-wide T5 (random weights, seed 0, no dropout)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    settings = dict(
+        vocab_size=100, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+        dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(**{**settings, **overrides}))
 
 
 def tiny_bert(**overrides):

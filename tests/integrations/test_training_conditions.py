@@ -12,19 +12,11 @@ import math
 
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    T5Config,
-    T5ForConditionalGeneration,
-)
+from tiny_models import tiny_bert, tiny_llama, tiny_qwen2, tiny_t5
 
 import hf_actq
 from hf_actq import ActQConfig
 
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, dropout_rate=0.0)
 # "llama-lora": PEFT LoRA on q and v, a frozen head (the fused loss's other path).
 MODELS = ("llama", "qwen2", "bert", "t5", "llama-lora")
 RECIPES = ("fewbit", "uniform", "alam", "checkpoint")
@@ -46,30 +38,19 @@ FLOORS = {
 
 
 def _model(model_type: str):
-    torch.manual_seed(0)
     if model_type == "llama-lora":
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        model = get_peft_model(_model("llama"), lora)
+        model = get_peft_model(tiny_llama(), lora)
         for name, parameter in model.named_parameters():  # LoRA B starts at zero: no signal
             if "lora_B" in name:
                 torch.nn.init.normal_(parameter, std=0.1)
         return model.train()
-    if model_type == "t5":
-        config = T5Config(
-            vocab_size=100, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
-            dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
-        )  # fmt: skip
-        return T5ForConditionalGeneration(config).train()
-    config = AutoConfig.for_model(
-        model_type, vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        **SIZES, **NO_DROPOUT, **({"num_key_value_heads": 2} if model_type != "bert" else {}),
-    )  # fmt: skip
     if model_type == "bert":
-        config.num_labels = 3
-        return AutoModelForSequenceClassification.from_config(config).train()
-    return AutoModelForCausalLM.from_config(config).train()
+        sizes = dict(hidden_size=32, intermediate_size=64, num_labels=3)
+        return tiny_bert(**sizes, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0).train()
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2, "t5": tiny_t5}[model_type]().train()
 
 
 def _batch(model_type: str, condition: str, index: int = 0) -> dict:
