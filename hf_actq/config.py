@@ -115,7 +115,8 @@ class ActQConfig:
         default_factory=dict,
         metadata=_help(
             "Per-slot settings: slot id ('model.layers.0.mlp:up') or 're:<regex>' "
-            "-> {'codec', 'bits', 'group_size', 'block_size'} ({'bits': 1..4} for ':act' slots); "
+            "-> {'codec', 'bits', 'group_size', 'block_size'} ({'bits': 1..4} for ':act' slots, "
+            "or a codec setting for a standalone activation's input); "
             "a dict or its JSON."
         ),
     )
@@ -339,7 +340,7 @@ class ActQConfig:
                 "'model.layers.0.mlp:up') or a 're:<regex>'"
             )
         try:
-            if key.endswith(":act"):
+            if key.endswith(":act") and not (isinstance(setting, dict) and "codec" in setting):
                 check_activation_setting(setting)
             else:
                 self.check_setting(setting)
@@ -461,9 +462,13 @@ class ActQConfig:
 
 
 def check_activation_setting(setting) -> None:
-    """ValueError unless ``setting`` is a few-bit slot's (``...:act``) setting: ``{"bits": 1..4}``."""
+    """ValueError unless ``setting`` is a few-bit slot's (``...:act``) setting: ``{"bits": 1..4}``
+    (a standalone activation's slot may take a codec setting instead, checked as any other)."""
     if not isinstance(setting, dict) or set(setting) != {"bits"}:
-        raise ValueError(f"a few-bit slot's setting is {{'bits': 1..4}}, got {setting!r}")
+        raise ValueError(
+            f"a few-bit slot's setting is {{'bits': 1..4}} (or, for a standalone activation, "
+            f"a codec setting), got {setting!r}"
+        )
     bits = setting["bits"]
     if isinstance(bits, bool) or bits not in (1, 2, 3, 4):
         raise ValueError(f"a few-bit slot's bits must be an integer in 1..4, got {bits!r}")

@@ -363,7 +363,9 @@ def _items(recorder) -> list[str]:
 
 
 def _is_fewbit(handle, slot: str) -> bool:
-    return handle._states[slot][1] == "act"
+    """An activation's slot holding a few-bit code (not its input under a codec)."""
+    state, name = handle._states[slot]
+    return name == "act" and state.codecs.get("act") is None
 
 
 def _measure(handle, recorder, run, h0, start, seconds):

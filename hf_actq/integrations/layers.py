@@ -85,6 +85,15 @@ def patch_layers(
             slot_id = state.slot_id(slot)
             if slot == "act":
                 state.activation = slot_activation(activation, config, slot_id)
+                setting = config.setting_for(slot_id) or {}
+                if "codec" in setting:
+                    if not state.act_codec:
+                        raise ValueError(
+                            f"slots[{slot_id!r}]: only a standalone activation can keep its "
+                            "input with a codec; a gated MLP's activation keeps a few-bit code "
+                            "({'bits': 1..4})"
+                        )
+                    state.codecs["act"] = slot_codec(config, slot_id, None)
             else:
                 default = codec if codecs is None else codecs[slot]
                 state.codecs[slot] = slot_codec(config, slot_id, default)
@@ -172,7 +181,10 @@ def patch_layers(
                 continue
             kinds = {"act": "activation"}
             describe = _describer("activation {act}")
-            bind(module, FewBitActivation.forward, path, kinds, describe, activation=found)
+            bind(
+                module, FewBitActivation.forward, path, kinds, describe, activation=found,
+                act_codec=found[0] not in _OUTPUT_SAVING,
+            )  # fmt: skip
         elif type(module) is nn.Linear and config.linear:
             describe = _describer("linear {input}")
             bind(module, CompressedLinear.forward, path, {"input": "linear"}, describe)
@@ -209,7 +221,12 @@ def slot_codec(config: ActQConfig, slot_id: str, default):
 
 def slot_activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:
     setting = config.setting_for(slot_id) or {}
-    bits = setting.get("bits", config.activation_bits)
+    # A codec setting keeps the input instead: the table is the config's, used on no code.
+    bits = (
+        config.activation_bits
+        if "codec" in setting
+        else setting.get("bits", config.activation_bits)
+    )
     try:
         return ActivationTable(found[0], bits, found[1])
     except ValueError as error:
@@ -223,6 +240,8 @@ def _describer(template: str):
         values = {slot: repr(codec) for slot, codec in state.codecs.items()}
         if state.activation is not None:
             values["act"] = state.activation.describe()
+            if state.codecs.get("act") is not None:
+                values["act"] = f"{state.activation.spec.name} input {state.codecs['act']!r}"
         return template.format(**values)
 
     return describe

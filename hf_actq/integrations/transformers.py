@@ -74,7 +74,13 @@ class ActQHandle:
         for slot_id, setting in plan.slots.items():
             state, slot = self._states[slot_id]
             try:
-                if slot == "act":
+                codec_setting = isinstance(setting, dict) and "codec" in setting
+                if slot == "act" and codec_setting and not state.act_codec:
+                    raise ValueError(
+                        "only a standalone activation can keep its input with a codec; this "
+                        "one keeps a few-bit code ({'bits': 1..4})"
+                    )
+                if slot == "act" and not codec_setting:
                     check_activation_setting(setting)
                     act = state.activation
                     value = ActivationTable(act.spec.name, setting["bits"], act.params)
@@ -87,8 +93,9 @@ class ActQHandle:
                 raise ValueError(f"bit plan: slot {slot_id!r}: {error}") from None
             changes.append((state, slot, value))
         for state, slot, value in changes:
-            if slot == "act":
+            if isinstance(value, ActivationTable):
                 state.activation = value
+                state.codecs.pop("act", None)  # the few-bit code, not a packed input
             else:
                 state.codecs[slot] = value
         self.plan = plan

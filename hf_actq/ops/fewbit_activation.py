@@ -16,7 +16,7 @@ from hf_actq.fewbit.dp import FewBitTable
 from hf_actq.fewbit.tables import table_for, validate_bits
 from hf_actq.kernels import fewbit_backward, fewbit_forward
 from hf_actq.ops.slots import observer
-from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
+from hf_actq.ops.state import OpState, keep_rng_stream, set_state, state_of, wants_backward
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SLOTS = ("act",)
@@ -39,6 +39,30 @@ class FewBitActivationFunction(torch.autograd.Function):
         packed, levels, nan_flag = ctx.saved_tensors
         grad_x = fewbit_backward(grad_y, packed, levels, nan_flag, ctx.bits)
         return grad_x, None, None, None, None, None
+
+
+class PackedInputActivationFunction(torch.autograd.Function):
+    """An activation that keeps its input packed with a codec (ALAM's and GACT's way: any
+    quantizer) instead of a few-bit code of its derivative; backward differentiates the exact
+    activation at the unpacked input. Used where a per-slot setting gives an ``act`` slot a
+    codec (the "alam" recipe's ladder of precisions)."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        packed = state.pack(x, "act")
+        ctx.header = packed.with_tensors(())
+        ctx.activation = state.activation
+        ctx.save_for_backward(*packed.tensors)
+        return state.activation.plain(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x_hat = ctx.header.with_tensors(ctx.saved_tensors).unpack()
+        with torch.enable_grad():
+            leaf = x_hat.detach().requires_grad_()
+            (grad_x,) = torch.autograd.grad(ctx.activation.plain(leaf), leaf, grad_y)
+        return grad_x, None
 
 
 class ActivationTable:
@@ -163,7 +187,10 @@ class FewBitActivation(nn.Module):
                 f"or float64), got {x.dtype}"
             )
         if not wants_backward(x):
+            keep_rng_stream(self, state.codecs.get("act"))
             return state.plain(x)
+        if state.codecs.get("act") is not None:
+            return PackedInputActivationFunction.apply(x, state)
         act = state.activation
         watcher = observer()
         if watcher is not None:
@@ -174,8 +201,11 @@ class FewBitActivation(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        act = state_of(self).activation
+        state = state_of(self)
+        act = state.activation
         params = "".join(f", {k}={v:g}" for k, v in act.params.items())
+        if state.codecs.get("act") is not None:
+            return f"{act.spec.name!r}, input {state.codecs['act']!r}{params}"
         return f"{act.spec.name!r}, bits={act.bits} ({act.kind}){params}"
 
 

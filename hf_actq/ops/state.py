@@ -51,6 +51,9 @@ class OpState:
     # Few-bit activations and gated MLPs: the activation and its derivative table (the "act"
     # slot).
     activation: object | None = None
+    # Standalone activations: whether the "act" slot may keep the input with a codec (in
+    # ``codecs["act"]``) instead of a few-bit code of the derivative.
+    act_codec: bool = False
     # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``), and what
     # its output is scaled by besides the weight: 1 for Gemma's ``(1 + w)``.
     eps: float | None = None

@@ -108,3 +108,46 @@ def test_bad_slot_settings_are_clear_errors(slots, match):
 def test_few_bit_slots_take_bits_one_to_four():
     with pytest.raises(ValueError, match="few-bit slots take bits 1..4"):
         hf_actq.apply(tiny_llama(), ActQConfig(slots={"re::act$": {"bits": 8}}))
+
+
+def test_a_standalone_activation_can_keep_its_input_with_a_codec():
+    # ALAM's way for GELU: its input under a quantizer, the exact derivative taken at the
+    # dequantized input; plans switch an "act" slot between that and a few-bit code.
+    from tiny_models import tiny_bert
+
+    from hf_actq.codecs import AverageQuantCodec
+    from hf_actq.codecs.packed import ExactCodec
+
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": torch.tensor([0, 1])}
+    model(**batch).loss.backward()
+    exact = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    act = "bert.encoder.layer.0.intermediate.intermediate_act_fn:act"
+    config = ActQConfig.from_recipe(
+        "fewbit", share_norm_outputs=False, slots={"re::act$": {"codec": "exact"}}
+    )
+    handle = hf_actq.apply(model, config)
+    state = handle._states[act][0]
+    assert isinstance(state.codecs["act"], ExactCodec)
+    assert handle.patched[act.split(":")[0]] == "activation gelu input ExactCodec()"
+    model(**batch).loss.backward()  # the input kept exactly: the stock gradient
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), exact, strict=True))
+    aq = {"codec": "aq", "bits": 0.5, "group_size": 4}
+    handle.set_plan(BitPlan({s: dict(aq) for s in handle.slots}))
+    assert state.codecs["act"] == AverageQuantCodec(bits=2, group_size=4)
+    handle.set_plan(_plan_for(handle, aq, act_bits=2))
+    assert "act" not in state.codecs and state.activation.bits == 2
+    handle.revert()
+
+
+def test_a_gated_mlps_activation_keeps_a_few_bit_code():
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"slots\['model.layers.0.mlp:act'\]: only a standalone"):
+        hf_actq.apply(model, ActQConfig(slots={"re::act$": {"codec": "uniform", "bits": 4}}))
+    handle = hf_actq.apply(model, bits=4)
+    plan = BitPlan({s: {"codec": "uniform", "bits": 4} for s in handle.slots})
+    with pytest.raises(ValueError, match="only a standalone activation can keep its input"):
+        handle.set_plan(plan)
+    handle.revert()
