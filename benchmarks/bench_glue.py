@@ -7,7 +7,8 @@ run; finished runs are skipped) and rendered as a Markdown table.
 
 A plain PyTorch loop (AdamW, linear decay, 3 epochs, lr 5e-5, batch 32, dynamic padding to at
 most 128 tokens), the setting the adaptive-precision issue measured. "alam" is
-``ActQConfig.from_recipe("alam", bits=1)``: calibrated on 8 training examples before the first
+``ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar")`` (our allocator: the "alam"
+recipe when these ran): calibrated on 8 training examples before the first
 step and again after 10% of the steps; "alam-even" spreads the same 1 bit evenly;
 "alam-normvar" plans by ALAM's own GradNormVar instead of the sketched gradient variance;
 "alam-2bit" is the adaptive plan at an average of 2 bits; "alam-even-rotated" is the even spread
@@ -47,10 +48,11 @@ RECIPES = {
     "baseline": None,
     "fewbit": lambda: ActQConfig.from_recipe("fewbit"),
     "uniform": lambda: ActQConfig.from_recipe("uniform", bits=4),
-    "alam": lambda: ActQConfig.from_recipe("alam", bits=1),
+    # Our allocator (sensitivity="gradvar", 8 examples): the "alam" recipe when these ran.
+    "alam": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar"),
     "alam-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     "alam-normvar": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradnormvar"),
-    "alam-2bit": lambda: ActQConfig.from_recipe("alam", bits=2),
+    "alam-2bit": lambda: ActQConfig.from_recipe("alam", bits=2, sensitivity="gradvar"),
     # The even spread with MiniLM's linear inputs under rotated sampling at the same 1 bit:
     # what removing averaging's bias from the weight gradients alone does.
     "alam-even-rotated": lambda: ActQConfig.from_recipe(
@@ -60,7 +62,9 @@ RECIPES = {
         slots={"re:(query|key|value|dense|classifier):input$": {"codec": "rotated", "bits": 1}},
     ),
     # The adaptive plan at 2 bits with the chain's slots floored at uniform 4 bits.
-    "alam-2bit-chain4": lambda: ActQConfig.from_recipe("alam", bits=2, chain_bits=4),
+    "alam-2bit-chain4": lambda: ActQConfig.from_recipe(
+        "alam", bits=2, chain_bits=4, sensitivity="gradvar"
+    ),
     # The backward chain kept low-variance and unbiased, the budget's cut taken from the weight
     # gradients' inputs alone (docs/reference.md, "Per parameter group"): norm inputs and
     # attention's q, k, v at uniform 4 bits, few-bit GELU at 2, the layers' linear inputs under

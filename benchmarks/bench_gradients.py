@@ -174,7 +174,7 @@ CHECKPOINT_RECIPES = {
     "uniform 4": lambda: ActQConfig.from_recipe("uniform", bits=4),
     "uniform 4, rotated": lambda: ActQConfig.from_recipe("uniform", bits=4, codec="rotated"),
     "alam 1, even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
-    "alam 1, adaptive": lambda: ActQConfig.from_recipe("alam", bits=1),
+    "alam 1, adaptive": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar"),
 }
 
 
@@ -263,8 +263,12 @@ def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
 GROUP_RECIPES = {
     "uniform-4": lambda: ActQConfig.from_recipe("uniform", bits=4),
     "uniform-2": lambda: ActQConfig.from_recipe("uniform", bits=2),
+    # ALAM's own allocation (the "alam" recipe since 2026-11-27) and ours (sensitivity="gradvar",
+    # 8 examples: the recipe before, which the committed results' "alam-2"/"alam-1" measured).
     "alam-2": lambda: ActQConfig.from_recipe("alam", bits=2),
     "alam-1": lambda: ActQConfig.from_recipe("alam", bits=1),
+    "alam-2-gradvar": lambda: ActQConfig.from_recipe("alam", bits=2, sensitivity="gradvar"),
+    "alam-1-gradvar": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar"),
     "alam-1-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     # The backward chain at 4 bits, linear inputs at rotated 1 bit (bench_glue's definition).
     "alam-chain-safe": lambda: __import__("bench_glue").RECIPES["alam-chain-safe"](),

@@ -131,12 +131,14 @@ class ActQConfig:
             "(ALAM); the calibration runs on a batch (ActQCallback does it)."
         ),
     )
-    sensitivity: Literal["gradvar", "gradnormvar"] = field(
+    sensitivity: Literal["gradvar", "gradnormvar", "alam"] = field(
         default="gradvar",
         metadata=_help(
-            "What the adaptive pass measures of a slot's rounding: the variance of the whole "
-            "gradient (gradvar, sketched) or of the per-tensor gradient norms (gradnormvar, "
-            "ALAM's GradNormVar)."
+            "How the adaptive pass measures and allocates: 'alam' as ALAM's code does (each "
+            "tensor at AQ 0.5 bit with two seeds and at 8 bits, per-parameter gradient norms, "
+            "the ladder exact/8/4/2/AQ 0.5, code bits counted); or our allocator over measured "
+            "candidate errors with the variance of the whole gradient (gradvar, sketched) or "
+            "of the per-tensor gradient norms (gradnormvar)."
         ),
     )
     chain_bits: float | None = field(
@@ -245,9 +247,9 @@ class ActQConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
-        if self.sensitivity not in ("gradvar", "gradnormvar"):
+        if self.sensitivity not in ("gradvar", "gradnormvar", "alam"):
             raise ValueError(
-                f"sensitivity must be 'gradvar' or 'gradnormvar', got {self.sensitivity!r}"
+                f"sensitivity must be 'gradvar', 'gradnormvar' or 'alam', got {self.sensitivity!r}"
             )
         if self.chain_bits is not None and (
             isinstance(self.chain_bits, bool)
@@ -256,6 +258,11 @@ class ActQConfig:
         ):
             raise ValueError(
                 f"chain_bits must be None or a number of bits in 1..8, got {self.chain_bits!r}"
+            )
+        if self.chain_bits is not None and self.sensitivity == "alam":
+            raise ValueError(
+                "chain_bits floors our allocator's candidates; ALAM's (sensitivity='alam') has "
+                "its own ladder: give sensitivity='gradvar' with chain_bits, or drop chain_bits"
             )
         if self.checkpoint_bits is not None and (
             isinstance(self.checkpoint_bits, bool) or self.checkpoint_bits not in range(1, 9)
@@ -483,7 +490,12 @@ def _with_recipe(name, given: dict) -> dict:
     if name == "uniform":
         return dict(given)
     if name == "alam":
-        return {"codec": "aq", "bits": 1, "adaptive": True, **given}
+        # As ALAM's code runs it: its sensitivity on one example, its ladder and accounting
+        # (sensitivity="gradvar" gives our own allocator instead).
+        base = {"codec": "aq", "bits": 1, "adaptive": True, "sensitivity": "alam"}
+        if given.get("sensitivity", "alam") == "alam":
+            base["calibration_examples"] = 1  # ALAM measures on one example
+        return {**base, **given}
     if name == "checkpoint":
         # ``bits`` is the checkpointed inputs' precision unless checkpoint_bits is given. The
         # other slots are few and outside the repeated layers (embeddings, pooler, heads): 8

@@ -60,7 +60,8 @@ def test_fewbit_keeps_every_output_of_the_stock_model():
         (lambda: ActQConfig(slots={"a:b": {"bits": 4, "size": 2}}), r"slots\['a:b'\]: a setting must be a dict with keys among"),
         (lambda: ActQConfig(slots={"a:b": {"codec": "zip"}}), r"slots\['a:b'\]: codec must be one of exact"),
         (lambda: ActQConfig(slots={"m:act": {"bits": 7}}), r"slots\['m:act'\]: a few-bit slot's bits must be an integer in 1..4, got 7"),
-        (lambda: ActQConfig(slots={"m:act": {"codec": "uniform"}}), r"slots\['m:act'\]: a few-bit slot's setting is"),
+        (lambda: ActQConfig(slots={"m:act": {"size": 2}}), r"slots\['m:act'\]: a few-bit slot's setting is"),
+        (lambda: ActQConfig(slots={"m:act": {"codec": "zip"}}), r"slots\['m:act'\]: codec must be one of"),
         (lambda: ActQCallback(bits=4, nosuch=2), "unknown ActQConfig field 'nosuch'"),
     ],
 )  # fmt: skip

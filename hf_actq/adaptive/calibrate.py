@@ -35,6 +35,7 @@ and the sensitivities are averaged, so all ranks get the same plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_actq.adaptive import alam
 from hf_actq.adaptive.allocate import Candidate, Item, allocate
 from hf_actq.adaptive.plan import BitPlan
 from hf_actq.kernels import fewbit_backward, fewbit_forward
@@ -317,6 +319,8 @@ def calibrate(
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     saved_grads = [p.grad for p in params]
     start = time.perf_counter()
+    official = config.sensitivity == "alam"
+    fingerprint_kind = "gradnormvar" if official else config.sensitivity
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         rng_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
@@ -327,7 +331,7 @@ def calibrate(
                 loss = loss_fn(model, batch)
                 _check_measurable(loss)
                 loss.backward()
-            fingerprint = _fingerprint(params, config.sensitivity)
+            fingerprint = _fingerprint(params, fingerprint_kind)
             for p in params:
                 p.grad = None
             if not torch.isfinite(fingerprint).all():
@@ -340,7 +344,7 @@ def calibrate(
         try:
             for p in params:
                 p.grad = None
-            recorder = _Recorder(handle, measure=True)
+            recorder = _Recorder(handle, measure=not official)
             with observe(recorder):
                 h0 = run(_seeds(1))
             if not h0.any():
@@ -349,10 +353,18 @@ def calibrate(
                     "parameter, so no slot's effect can be measured; calibrate on a batch with "
                     "supervised tokens"
                 )
-            sensitivity, measured = _measure(handle, recorder, run, h0, start, seconds)
+            if official:
+                items = _alam_items(handle, recorder)
+                sensitivity, measured = _measure_alam(handle, items, run, start, seconds)
+            else:
+                sensitivity, measured = _measure(handle, recorder, run, h0, start, seconds)
         finally:
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
+    if official:
+        return _alam_plan(
+            handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start
+        )
     return _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, start)
 
 
@@ -494,3 +506,138 @@ def list_slots(handle, batch) -> dict[str, SlotInfo]:
         out = handle.model(**batch) if isinstance(batch, dict) else handle.model(batch)
         del out
     return recorder.infos
+
+
+# ALAM as published (sensitivity="alam") ------------------------------------------------------
+def _alam_items(handle, recorder) -> dict[str, list[str]]:
+    """The tensors ALAM allocates, each with the slots that share it: every codec slot that
+    packed its own tensor, and standalone activations (their input, under a codec). Few-bit
+    codes that cannot be a codec (a gated MLP's activation, ReLU's exact bit) stay as they are."""
+    items: dict[str, list[str]] = {}
+    for slot, info in recorder.infos.items():
+        state, name = handle._states[slot]
+        if name == "act" and not state.act_codec:
+            continue
+        if info.shared_with is None or info.shared_with not in recorder.infos:
+            items[slot] = [slot]
+    for slot, info in recorder.infos.items():
+        if info.shared_with in items and slot not in items:
+            items[info.shared_with].append(slot)
+    return items
+
+
+@contextlib.contextmanager
+def _overridden(handle, codecs: dict):
+    """Slots given other codecs for a while (an activation's "act" slot given a codec keeps
+    its input under it); every change undone on exit."""
+    before = []
+    try:
+        for slot, codec in codecs.items():
+            state, name = handle._states[slot]
+            before.append((state, name, state.codecs.get(name, _ABSENT)))
+            state.codecs[name] = codec
+        yield
+    finally:
+        for state, name, codec in reversed(before):
+            if codec is _ABSENT:
+                state.codecs.pop(name, None)
+            else:
+                state.codecs[name] = codec
+
+
+_ABSENT = object()
+
+
+def _measure_alam(handle, items, run, start, seconds):
+    """ALAM's GradNormVar, as its code runs it: each tensor at AQ 0.5 bit with two rounding
+    seeds and at 8 bits, every other at its current precision (uniform 4 bits before the first
+    plan); ``alam.sensitivity`` of the three per-parameter gradient-norm vectors."""
+    config = handle.config
+
+    def codec(precision):
+        return config.codec_for_setting(alam.SETTINGS[precision])
+
+    members = [slot for group in items.values() for slot in group]
+    context = {} if handle.plan is not None else dict.fromkeys(members, codec(4))
+    sensitivity: dict[str, float] = {}
+    measured: list[str] = []
+    with _overridden(handle, context):
+        for leader, group in items.items():
+            if _all_ranks_agree_to_stop(time.perf_counter() - start > seconds):
+                break
+            with _overridden(handle, dict.fromkeys(group, codec("aq"))):
+                g0 = run(_seeds(1))
+                g1 = run(_seeds(1, set(group), 2))
+            with _overridden(handle, dict.fromkeys(group, codec(8))):
+                g2 = run(_seeds(1))
+            sensitivity[leader] = alam.sensitivity(g0, g1, g2)
+            measured.append(leader)
+    values = _average_across_ranks([sensitivity[s] for s in measured])
+    sensitivity = dict(zip(measured, values))
+    for leader in items:  # unmeasured within the time cap: the median of their kind
+        if leader not in sensitivity:
+            kind = handle.slots[leader]
+            same = [v for s, v in sensitivity.items() if handle.slots[s] == kind]
+            sensitivity[leader] = statistics.median(same or list(sensitivity.values()) or [1.0])
+    return sensitivity, measured
+
+
+def _alam_plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start):
+    """ALAM's allocation (``alam.allocate``) over ``items``, to ``target_bits`` code bits per
+    element on average over every slot's tensor (few-bit codes count their bits), or to
+    ``budget_bytes`` of code bytes; the plan's info says both ALAM's figure and our bytes."""
+    config = handle.config
+    elements = {leader: recorder.infos[leader].numel for leader in items}
+    in_items = {slot for group in items.values() for slot in group}
+    fewbit = [s for s, i in recorder.infos.items() if s not in in_items and i.shared_with is None]
+    fewbit_bits = sum(
+        recorder.infos[s].numel * handle._states[s][0].activation.bits for s in fewbit
+    )
+    total_elements = sum(elements.values()) + sum(recorder.infos[s].numel for s in fewbit)
+    budget_bits = target_bits * total_elements if budget_bytes is None else 8 * budget_bytes
+    item_elements = max(1, sum(elements.values()))
+    precisions, bits = alam.allocate(
+        sensitivity, elements, max(1e-9, (budget_bits - fewbit_bits) / item_elements)
+    )
+    settings, counted = {}, 0
+    for leader, group in items.items():
+        setting = alam.SETTINGS[precisions[leader]]
+        for slot in group:
+            settings[slot] = dict(setting)
+        info = recorder.infos[leader]
+        codec = config.codec_for_setting(setting)
+        counted += info.numel * info.dtype.itemsize if codec is None else codec.nbytes(info.shape)
+    even_setting = {"codec": config.codec, "bits": config.bits, "group_size": config.group_size}
+    for slot in handle.slots:
+        if slot in settings:
+            continue
+        if _is_fewbit(handle, slot):
+            settings[slot] = {"bits": handle._states[slot][0].activation.bits}
+            counted += recorder.infos[slot].nbytes if slot in recorder.infos else 0
+        else:  # never filled on this batch (a frozen layer's input): the even setting
+            settings[slot] = dict(even_setting)
+    code_bits = bits + fewbit_bits
+    info = {
+        "accounting": "alam: code bits over the slots' tensors, no scales",
+        "budget_bytes": int(budget_bits // 8),
+        "bytes": int(code_bits // 8),
+        "counted_bytes": counted,
+        "even_bytes": sum(i.nbytes for i in recorder.infos.values() if i.shared_with is None),
+        "elements": total_elements,
+        "alam_bits": code_bits / max(1, total_elements),
+        "budget_met": code_bits <= budget_bits + 1e-6,
+        "precisions": {s: str(precisions[s]) for s in sorted(precisions)},
+        "sensitivity": {s: sensitivity[s] for s in sorted(sensitivity)},
+        "measured": len(measured),
+        "estimated": len(sensitivity) - len(measured),
+        "shared": {s: i.shared_with for s, i in recorder.infos.items() if i.shared_with},
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+    if not info["budget_met"]:
+        logger.warning(
+            "hf_actq: %d code bits cannot hold these slots even at AQ 0.5 bit; each takes AQ "
+            "(%d bits)",
+            budget_bits,
+            code_bits,
+        )
+    return BitPlan(settings, target_bits, info)

@@ -93,6 +93,13 @@ class ModelArguments:
         default=False,
         metadata={"help": "Reinitialise a checkpoint's head with another number of labels."},
     )
+    attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "eager, sdpa, ... (default: the model's). ALAM keeps attention "
+            "probabilities, which eager attention has."
+        },
+    )
 
 
 @dataclass
@@ -271,6 +278,7 @@ def main(args: list[str] | None = None) -> dict | None:
         model_args.model_name_or_path,
         config=model_config,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
+        **({"attn_implementation": a} if (a := model_args.attn_implementation) else {}),
     )
 
     def tokenize(batch):

@@ -93,7 +93,17 @@ RECIPES = {
     "baseline": ["--no_actq"],
     "fewbit-3": ["--recipe", "fewbit", "--bits", "3"],
     "uniform-4": ["--recipe", "uniform", "--bits", "4"],
-    "alam-1": ["--recipe", "alam", "--bits", "1"],
+    # Our allocator on 8 examples: what "alam" was when these ran (ALAM's own since 2026-11-27).
+    "alam-1-gradvar": [
+        "--recipe",
+        "alam",
+        "--bits",
+        "1",
+        "--sensitivity",
+        "gradvar",
+        "--calibration_examples",
+        "8",
+    ],  # fmt: skip
     # Unrotated: the recipe's codec when these runs were made (rotation is its default now).
     "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "uniform"],
 }
@@ -101,7 +111,7 @@ COLOURS = {
     "baseline": "black",
     "fewbit-3": "tab:blue",
     "uniform-4": "tab:green",
-    "alam-1": "tab:red",
+    "alam-1-gradvar": "tab:red",
     "checkpoint-4": "tab:purple",
 }
 

@@ -71,3 +71,75 @@ def test_every_precision_is_a_setting_our_codecs_build():
             shape = (4, 128)
             code_bits = 8 * codec.buffers(shape)[0][0]
             assert code_bits == alam.BITS[precision] * 4 * 128
+
+
+def _bert_and_batch():
+    from tiny_models import tiny_bert
+
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": torch.tensor([0, 1, 0, 1])}
+
+
+def test_the_recipe_measures_each_tensor_three_times_in_alams_context_on_one_example():
+    import hf_actq
+    from hf_actq.codecs import AverageQuantCodec
+
+    model, batch = _bert_and_batch()
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("alam", bits=2))
+    config = handle.config
+    assert (config.sensitivity, config.calibration_examples) == ("alam", 1)
+    watched = "bert.encoder.layer.1.output.dense:input"
+    state, name = handle._states[watched]
+    seen = []
+
+    def loss_fn(m, b):
+        assert b["input_ids"].shape[0] == 1  # ALAM measures on one example
+        seen.append(state.codecs[name])
+        return m(**b).loss
+
+    plan = handle.calibrate(batch, loss_fn=loss_fn)
+    items = plan.info["measured"]
+    assert len(seen) == 1 + 3 * items  # the first pass, then AQ twice and 8 bits per tensor
+    uniform4 = config.codec_for_setting(alam.SETTINGS[4])
+    aq = config.codec_for_setting(alam.SETTINGS["aq"])
+    eight = config.codec_for_setting(alam.SETTINGS[8])
+    assert seen.count(aq) == 2 and seen.count(eight) == 1  # when the watched tensor is measured
+    assert seen[1:].count(uniform4) == 3 * (items - 1)  # every other pass: uniform 4 bits
+    assert aq == AverageQuantCodec(2, 4)
+    handle.set_plan(plan)
+    assert state.codecs[name] == config.codec_for_setting(plan.slots[watched])
+    handle.revert()
+
+
+@pytest.mark.parametrize("bits", [2, 1])
+def test_the_plan_meets_alams_budget_in_code_bits_and_gelu_keeps_its_input(bits):
+    import hf_actq
+    from hf_actq.adaptive.calibrate import list_slots
+
+    model, batch = _bert_and_batch()
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("alam", bits=bits))
+    plan = handle.calibrate(batch)
+    info = plan.info
+    assert info["bytes"] <= info["budget_bytes"] and info["alam_bits"] <= bits
+    assert info["alam_bits"] > bits - 0.5  # the budget is used, not wasted
+    ladder = [alam.SETTINGS[p] for p in alam.LADDER]
+    assert all(setting in ladder for setting in plan.slots.values())
+    acts = [slot for slot in plan.slots if slot.endswith(":act")]
+    assert acts and all("codec" in plan.slots[slot] for slot in acts)
+    handle.set_plan(plan)
+    # The code bytes a real forward keeps under the plan are ALAM's count of it.
+    infos = list_slots(handle, {k: v[:1] for k, v in batch.items()})
+    code_bits = 0
+    for slot, slot_info in infos.items():
+        if slot_info.shared_with is not None:
+            continue
+        codec = handle.config.codec_for_setting(plan.slots[slot])
+        if codec is None:  # exact: ALAM counts 32 bits
+            code_bits += 32 * slot_info.numel
+        else:
+            code_bits += 8 * codec.buffers(slot_info.shape)[0][0]
+    assert code_bits // 8 == info["bytes"]
+    again = hf_actq.apply(_bert_and_batch()[0], ActQConfig.from_recipe("alam", bits=bits))
+    assert again.calibrate(batch).slots == plan.slots  # deterministic
+    handle.revert()

@@ -23,7 +23,9 @@ def _batch(seed=1, rows=4):
 
 
 def _patched(bits=1, **extra):
+    # Our allocator (the recipe's default is ALAM's own: tests/adaptive/test_alam.py).
     model = tiny_llama()
+    extra = {"sensitivity": "gradvar", "calibration_examples": 8, **extra}
     return model, hf_actq.apply(model, ActQConfig.from_recipe("alam", bits=bits, **extra))
 
 
@@ -160,7 +162,7 @@ def test_adaptive_config_warns_until_calibrated_and_validates_its_options(caplog
     assert "handle.calibrate(batch)" in caplog.text
     with pytest.raises(ValueError, match="calibration_examples must be a positive integer"):
         ActQConfig(adaptive=True, calibration_examples=0)
-    with pytest.raises(ValueError, match="sensitivity must be 'gradvar' or 'gradnormvar'"):
+    with pytest.raises(ValueError, match="sensitivity must be 'gradvar', 'gradnormvar' or 'alam'"):
         ActQConfig(sensitivity="fisher")
     with pytest.raises(ValueError, match="recalibrate_at must be in"):
         ActQConfig(recalibrate_at=1.5)
