@@ -428,12 +428,17 @@ def _measure(handle, recorder, run, h0, start, seconds):
         count = len(recorder.errors[slot][0]) + 1
         recorder.errors[slot] = (flat[: count - 1], flat[count - 1])
         flat = flat[count:]
-    for slot in items:  # unmeasured within the time cap: the median of their kind
+    _fill_unmeasured(handle, items, sensitivity)
+    return sensitivity, measured
+
+
+def _fill_unmeasured(handle, items, sensitivity: dict) -> None:
+    """Items left unmeasured within the time cap take the median of their kind's."""
+    for slot in items:
         if slot not in sensitivity:
             kind = handle.slots[slot]
             same = [v for s, v in sensitivity.items() if handle.slots[s] == kind]
             sensitivity[slot] = statistics.median(same or list(sensitivity.values()) or [1.0])
-    return sensitivity, measured
 
 
 def _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, start) -> BitPlan:
@@ -574,11 +579,7 @@ def _measure_alam(handle, items, run, start, seconds):
             measured.append(leader)
     values = _average_across_ranks([sensitivity[s] for s in measured])
     sensitivity = dict(zip(measured, values))
-    for leader in items:  # unmeasured within the time cap: the median of their kind
-        if leader not in sensitivity:
-            kind = handle.slots[leader]
-            same = [v for s, v in sensitivity.items() if handle.slots[s] == kind]
-            sensitivity[leader] = statistics.median(same or list(sensitivity.values()) or [1.0])
+    _fill_unmeasured(handle, items, sensitivity)
     return sensitivity, measured
 
 
