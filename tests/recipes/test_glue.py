@@ -222,28 +222,39 @@ def test_sweep_grid_and_table_statistics():
         ("rte", "baseline", 1), ("cola", "fewbit-1", 0), ("rte", "fewbit-1", 0),
     ]  # fmt: skip
 
-    def result(recipe, seed, value, activation, loss):
+    def result(recipe, seed, value, activation, loss, alam_bits=None):
         return {
             "task": "rte", "sweep_recipe": recipe, "seed": seed, "device": "cpu",
             "metric": {"name": "accuracy", "value": value}, "eval": {"eval_loss": loss},
             "activation_bytes_step0": activation * 2**20, "step_peak_bytes": 2 * activation,
             "step_seconds_median": 1.0 + activation / 100,
+            "calibrations": [] if alam_bits is None else [{"step": 0, "alam_bits": alam_bits}],
         }  # fmt: skip
 
     results = [result("baseline", 0, 0.60, 100, 0.5), result("baseline", 1, 0.70, 100, 0.6)]
     results += [result("uniform-4", 0, 0.62, 10, 0.4), result("uniform-4", 1, 0.64, 10, 0.4)]
+    results += [result("alam-1", 0, 0.50, 4, 0.7, 0.99), result("alam-1", 1, 0.52, 4, 0.7, 0.97)]
     table = sweep.render(results)
     # mean 65.0, sample std 7.1, dev loss 0.550 ± 0.071; uniform-4: 63.0 ± 1.4, -2.0,
     # 0.400 ± 0.000, 10x less, peak 0.10x, time 1.1/2.
     assert (
-        "| baseline | 2 | cpu | 65.0 ± 7.1 | +0.0 | 0.550 ± 0.071 | 100.0 | 1.0x | 1.00x | 1.00x |"
+        "| baseline | 2 | cpu | 65.0 ± 7.1 | +0.0 | 0.550 ± 0.071 | 100.0 |  | 1.0x | 1.00x | 1.00x |"
         in table
     )
     assert (
-        "| uniform-4 | 2 | cpu | 63.0 ± 1.4 | -2.0 | 0.400 ± 0.000 | 10.0 | 10.0x | 0.10x | 0.55x |"
+        "| uniform-4 | 2 | cpu | 63.0 ± 1.4 | -2.0 | 0.400 ± 0.000 | 10.0 |  | 10.0x | 0.10x | 0.55x |"
         in table
     )
     assert "| uniform-4 | 63.0 | -2.0 | yes (std 7.1) |" in table
+    # ALAM's own plans show their bits as ALAM counts them (the mean of the seeds' step-0 plans)
+    # beside our bytes, and the paper's row.
+    assert "| alam-1 | 2 | cpu | 51.0 ± 1.4 | -14.0 | 0.700 ± 0.000 | 4.0 | 0.98 | 25.0x |" in table
+    assert "BERT-base 66.3 (baseline 68.1), act. mem 23.3x smaller" in table
+    # Against the paper's 1-bit delta on RTE (66.3 - 68.1 = -1.8): ours -14.0, beyond the
+    # spread (the baseline's 7.1 and alam-1's 1.4 combined: 7.2); within it, "reproduced".
+    assert "| RTE | 1 | -1.8 (BERT-base) | -14.0 | 7.2 | 2 | not reproduced |" in table
+    results[-2:] = [result("alam-1", 0, 0.56, 4, 0.7), result("alam-1", 1, 0.58, 4, 0.7)]
+    assert "| RTE | 1 | -1.8 (BERT-base) | -8.0 | 7.2 | 2 | reproduced |" in sweep.render(results)
 
 
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="no accelerate launcher")
