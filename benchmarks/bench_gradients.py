@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -427,6 +428,18 @@ def _precision(label: str):
     return int(label) if label.isdigit() else label
 
 
+def _write(path: str, payload: dict) -> None:
+    """``payload`` as JSON, with the commit (``+``: uncommitted changes) and command that made it."""
+    from hf_actq.integrations.recipe_stats import checkout_commit
+
+    provenance = {
+        "commit": checkout_commit(Path(__file__).resolve().parents[1]),
+        "command": shlex.join(["python", *sys.argv]),
+    }
+    with open(path, "w") as file:
+        json.dump({"provenance": provenance, **payload}, file, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=16)
@@ -491,15 +504,13 @@ def main() -> None:
             )
             print(f"| {group} | {cells} |")
         if args.output:
-            with open(args.output, "w") as file:
-                json.dump({"groups": rows, "columns": columns}, file, indent=1)
+            _write(args.output, {"groups": rows, "columns": columns})
         return
     if args.alam_additivity:
         rows = measure_alam_additivity(args.glue_dir, device=args.device)
         print(json.dumps(rows, indent=1))
         if args.output:
-            with open(args.output, "w") as file:
-                json.dump(rows, file, indent=1)
+            _write(args.output, rows)
         return
     if args.minilm_checkpoint:
         rows = measure_minilm_checkpoint(args.glue_dir, device=args.device)
@@ -511,8 +522,7 @@ def main() -> None:
                 f"| {row.get('length', 1.0):.3f} |"
             )
         if args.output:
-            with open(args.output, "w") as file:
-                json.dump(rows, file, indent=1)
+            _write(args.output, rows)
         return
     if args.minilm_bias:
         rows = measure_minilm_bias(args.glue_dir, device=args.device)
@@ -525,8 +535,7 @@ def main() -> None:
                 )
             )
         if args.output:
-            with open(args.output, "w") as file:
-                json.dump(rows, file, indent=1)
+            _write(args.output, rows)
         return
     results = {t: measure(t, args.draws) for t in sorted(test_apply.SMALL)}
     columns = list(next(iter(results.values())))
@@ -544,8 +553,7 @@ def main() -> None:
         print("| worst | " + " | ".join(f"{worst[statistic][c]:.3f}" for c in shown) + " |")
         print("| median | " + " | ".join(f"{median[statistic][c]:.3f}" for c in shown) + " |")
     if args.output:
-        with open(args.output, "w") as file:
-            json.dump({"cosines": results, "worst": worst, "median": median}, file, indent=1)
+        _write(args.output, {"cosines": results, "worst": worst, "median": median})
 
 
 if __name__ == "__main__":
