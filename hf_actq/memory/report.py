@@ -282,6 +282,7 @@ def _plan_markdown(result: RecipeResult) -> list[str]:
 
     plan = BitPlan.from_dict(result.plan)
     info = plan.info
+    examples = info.get("examples", "?")
     if "alam_bits" in info:  # ALAM's own allocation: its accounting, then ours
         amount = (
             f"ALAM's accounting (code bits over {info['elements']:,} elements, no scales): "
@@ -296,7 +297,7 @@ def _plan_markdown(result: RecipeResult) -> list[str]:
     lines = [
         f"Bit plan of {result.label}: {plan.target_bits} bits on average {amount} "
         f"(the even spread keeps {info['even_bytes']:,}); {info['measured']} slots measured "
-        f"on {info.get('examples', '?')} examples, {info['estimated']} estimated, "
+        f"on {examples} example{'' if examples == 1 else 's'}, {info['estimated']} estimated, "
         f"{info['seconds']:.1f} s"
         + (" (on the measured model, before extrapolation)." if info.get("scaled") else "."),
         "",
