@@ -5,13 +5,15 @@ loans."""
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path))
+    # The interpreter running the tests, whether or not its environment is activated.
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
     done = subprocess.run(
         ["bash", "benchmarks/gpu/check.sh", "--dry-run"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
