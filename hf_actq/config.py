@@ -127,28 +127,10 @@ class ActQConfig:
     adaptive: bool = field(
         default=False,
         metadata=_help(
-            "Treat bits as a target average and allocate per slot by sensitivity "
-            "(ALAM); the calibration runs on a batch (ActQCallback does it)."
-        ),
-    )
-    sensitivity: Literal["gradvar", "gradnormvar", "alam"] = field(
-        default="gradvar",
-        metadata=_help(
-            "How the adaptive pass measures and allocates: 'alam' as ALAM's code does (each "
-            "tensor at AQ 0.5 bit with two seeds and at 8 bits, per-parameter gradient norms, "
-            "the ladder exact/8/4/2/AQ 0.5, code bits counted); or our allocator over measured "
-            "candidate errors with the variance of the whole gradient (gradvar, sketched) or "
-            "of the per-tensor gradient norms (gradnormvar)."
-        ),
-    )
-    chain_bits: float | None = field(
-        default=None,
-        metadata=_help(
-            "Least precision (1-8) an adaptive plan gives the tensors on the backward's chain "
-            "(norm inputs; attention's q, k, v and probabilities; a gated MLP's gate and up): "
-            "their rounding noise is multiplied again by every layer below, where a linear "
-            "layer's input noise ends in its weight gradient. Those slots then get uniform "
-            "stochastic rounding at this many bits or more; None: no floor (ALAM's allocation)."
+            "Treat bits as a target average of code bits and allocate per slot as ALAM's code "
+            "does (each tensor at AQ 0.5 bit with two seeds and at 8 bits, per-parameter "
+            "gradient norms, the ladder exact/8/4/2/AQ 0.5); the calibration runs on a batch "
+            "(ActQCallback does it)."
         ),
     )
     checkpoint_bits: int | None = field(
@@ -247,23 +229,6 @@ class ActQConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.recipe is not None and self.recipe not in RECIPES:
             raise ValueError(f"recipe must be one of {', '.join(RECIPES)}, got {self.recipe!r}")
-        if self.sensitivity not in ("gradvar", "gradnormvar", "alam"):
-            raise ValueError(
-                f"sensitivity must be 'gradvar', 'gradnormvar' or 'alam', got {self.sensitivity!r}"
-            )
-        if self.chain_bits is not None and (
-            isinstance(self.chain_bits, bool)
-            or not isinstance(self.chain_bits, (int, float))
-            or not 1 <= self.chain_bits <= 8
-        ):
-            raise ValueError(
-                f"chain_bits must be None or a number of bits in 1..8, got {self.chain_bits!r}"
-            )
-        if self.chain_bits is not None and self.sensitivity == "alam":
-            raise ValueError(
-                "chain_bits floors our allocator's candidates; ALAM's (sensitivity='alam') has "
-                "its own ladder: give sensitivity='gradvar' with chain_bits, or drop chain_bits"
-            )
         if self.checkpoint_bits is not None and (
             isinstance(self.checkpoint_bits, bool) or self.checkpoint_bits not in range(1, 9)
         ):
@@ -490,11 +455,8 @@ def _with_recipe(name, given: dict) -> dict:
     if name == "uniform":
         return dict(given)
     if name == "alam":
-        # As ALAM's code runs it: its sensitivity on one example, its ladder and accounting
-        # (sensitivity="gradvar" gives our own allocator instead).
-        base = {"codec": "aq", "bits": 1, "adaptive": True, "sensitivity": "alam"}
-        if given.get("sensitivity", "alam") == "alam":
-            base["calibration_examples"] = 1  # ALAM measures on one example
+        # As ALAM's code runs it: its sensitivity on one example, its ladder and accounting.
+        base = {"codec": "aq", "bits": 1, "adaptive": True, "calibration_examples": 1}
         return {**base, **given}
     if name == "checkpoint":
         # ``bits`` is the checkpointed inputs' precision unless checkpoint_bits is given. The
@@ -505,6 +467,32 @@ def _with_recipe(name, given: dict) -> dict:
         layers = given.pop("bits", 4) if "checkpoint_bits" not in given else 4
         return {"bits": 8, "checkpoint_bits": layers, "compress_checkpointed": False, **given}
     raise ValueError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+
+
+# Fields that were removed, with the value that meant what the config does now, and why the
+# others cannot be honoured. Configs saved before (a run's results) still load where the value
+# did not matter (a config that is not adaptive) or meant today's behaviour.
+RETIRED_FIELDS = {
+    "sensitivity": (
+        "alam",
+        "our own allocator (sensitivity='gradvar' or 'gradnormvar') was retired on 2026-11-27: "
+        "per parameter group it lost to ALAM's at the same bytes and it trained worse on GLUE "
+        "(docs/reference.md, 'ALAM as published'); adaptive=True is ALAM's allocation",
+    ),
+    "chain_bits": (None, "chain_bits floored our retired allocator's candidates"),
+}
+
+
+def _without_retired(kwargs: dict) -> dict:
+    """``kwargs`` less retired fields; ValueError for one that would change an adaptive plan."""
+    kept = dict(kwargs)
+    adaptive = kept.get("adaptive", kept.get("recipe") == "alam")
+    for name, (current, why) in RETIRED_FIELDS.items():
+        if name in kept:
+            value = kept.pop(name)
+            if adaptive and value != current:
+                raise ValueError(f"{name}={value!r} is no longer supported: {why}")
+    return kept
 
 
 def _resolving_recipes(generated_init):
@@ -518,6 +506,7 @@ def _resolving_recipes(generated_init):
 
     @functools.wraps(generated_init)
     def __init__(self, *args, **kwargs):
+        kwargs = _without_retired(kwargs)
         unknown = [name for name in kwargs if name not in known]
         if unknown:
             close = difflib.get_close_matches(unknown[0], known, n=1)

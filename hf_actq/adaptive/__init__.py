@@ -1,5 +1,5 @@
-"""Adaptive precision (ALAM): per-slot sensitivity (GradNormVar), greedy bit allocation to a
-byte budget, and bit plans."""
+"""Adaptive precision as ALAM publishes it: per-tensor sensitivity (GradNormVar), its allocation
+to a target average of code bits, and bit plans."""
 
 from hf_actq.adaptive.plan import BitPlan
 

@@ -1,34 +1,25 @@
-"""The adaptive pass: measure each slot's sensitivity, allocate precision to a byte budget, and
-return a :class:`~hf_actq.adaptive.plan.BitPlan`.
+"""The adaptive pass, as ALAM's official code runs it: measure each saved tensor's sensitivity,
+allocate code bits to a target average, and return a :class:`~hf_actq.adaptive.plan.BitPlan`.
 
-Sensitivity follows ALAM's Algorithm 2, slot by slot: one backward with every slot's rounding
-seeded from ``r1`` gives a fingerprint ``h0`` of the trainable parameters' gradient; a backward in
-which only slot ``l`` takes seed ``r2`` gives ``h1``; ``0.5 * ||h0 - h1||^2`` is the variance that
-slot's rounding adds. ALAM's fingerprint (``sensitivity="gradnormvar"``) is the L2 norm of each
-parameter tensor's gradient. The default (``"gradvar"``) is the gradient itself, count-sketched to
-at most ``SKETCH_SIZE`` numbers per tensor (random signs, so ``||S(g0 - g1)||^2`` is an unbiased
-estimate of ``||g0 - g1||^2``): on a pretrained MiniLM the norms see 10^2 to 10^5 times less of a
-linear layer's input noise than the gradient carries, because that noise mostly turns the
-gradient without changing its length, and a plan built on them starves those inputs
-(docs/reference.md, "Adaptive precision"). Slots that share one packed tensor (q, k and v's input)
-are one item. ALAM scales the variance by ``(2^b - 1)^2`` to get a sensitivity ``c_l`` and
-predicts ``c_l (2^b - 1)^-2`` at ``b`` bits; here the sensitivity is the gradient's variance per
-unit of the same seed-to-seed variance measured on the slot's own tensor, and a candidate's
-prediction is the sensitivity times its measured relative error on that tensor (from the first
-pass), so average quantization and stochastic rounding share one scale. Below 1 bit linear-layer
-inputs get rotated sampling instead of average quantization (``codec_candidates``): averaging
-them biases the weight gradient in a way no seed changes, which this pass cannot see. With
-``chain_bits`` the other codec slots (norm inputs, attention and gated-MLP operands, whose noise
-compounds through the layers below: another thing a slot-at-a-time pass cannot see) get only
-uniform rounding at that precision or more. Few-bit
-slots are deterministic: their effect is the squared gradient change when the slot's table
-switches between two bit widths, scaled by the tables' measured derivative errors on the slot's
-own inputs.
+Sensitivity is ALAM's GradNormVar (Algorithm 2 of the paper; ``alam/autoprec.py`` in its code):
+for each tensor (slots that share one packed tensor, q, k and v's input, are one), three
+backwards on the calibration examples with that tensor at AQ 0.5 bit under two rounding seeds
+and at 8 bits, every other at its current precision (uniform 4 bits before the first plan); the
+sensitivity compares the three vectors of per-parameter gradient norms
+(:func:`hf_actq.adaptive.alam.sensitivity`). The allocation (:func:`hf_actq.adaptive.alam.allocate`)
+gives each tensor a rung of the ladder exact/8/4/2/AQ 0.5 so that the code bits, averaged over
+every saved tensor and with scales not counted (ALAM's accounting), meet the target; the plan's
+info gives every byte we count beside it. Few-bit codes that cannot take a codec (a gated MLP's
+activation, ReLU's exact bit) keep their bits and count them.
+
+Our own allocator (measured candidate errors, a sketched gradient variance) was retired on
+2026-11-27: per parameter group it erred by bias where ALAM's plan errs by noise, and it trained
+worse on GLUE (docs/reference.md, "ALAM as published").
 
 The pass leaves the training state as it found it: rounding seeds come from the slot ids (no
 draw from torch's RNG), dropout masks and the RNG state are restored (``fork_rng``), existing
 gradients are put back, the optimizer is never touched. Its cost is bounded by
-``calibration_examples`` (a sub-batch) and ``calibration_seconds`` (slots left unmeasured take
+``calibration_examples`` (a sub-batch) and ``calibration_seconds`` (tensors left unmeasured take
 the median sensitivity of their kind). Under torch.distributed every rank runs the same passes
 and the sensitivities are averaged, so all ranks get the same plan.
 """
@@ -37,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import statistics
 import time
 import zlib
@@ -46,32 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from hf_actq.adaptive import alam
-from hf_actq.adaptive.allocate import Candidate, Item, allocate
 from hf_actq.adaptive.plan import BitPlan
-from hf_actq.kernels import fewbit_backward, fewbit_forward
-from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.slots import SlotObserver, observe, slot_seeds
 
 logger = logging.getLogger("hf_actq")
-
-# Candidate settings of codec slots (average bits). Below 1 bit, ALAM's average quantization,
-# except for linear-layer inputs: averaging them projects the weight gradient onto a subspace (a
-# bias no seed changes, invisible to the seed-to-seed variance measured here), so they get the
-# unbiased rotated sampling at the same bytes (hf_actq/codecs/rotated.py).
-UNIFORM_CANDIDATES = tuple({"codec": "uniform", "bits": b} for b in (8, 4, 2, 1))
-SUB_BIT = ((1, 2), (0.5, 4), (0.25, 8))
-CODEC_CANDIDATES = UNIFORM_CANDIDATES + tuple(
-    {"codec": "aq", "bits": b, "group_size": g} for b, g in SUB_BIT
-)
-LINEAR_INPUT_CANDIDATES = UNIFORM_CANDIDATES + tuple(
-    {"codec": "rotated", "bits": b, "group_size": g} for b, g in SUB_BIT
-)
-FEWBIT_CANDIDATES = (1, 2, 3, 4)
-# Elements of a slot's tensor the candidates' errors are measured on.
-_SAMPLE = 1 << 16
-# Numbers kept of each parameter tensor's gradient under sensitivity="gradvar" (smaller tensors
-# are kept whole). The estimate's relative error is about sqrt(2 / buckets the change fills).
-SKETCH_SIZE = 4096
 
 
 @dataclass
@@ -93,12 +61,11 @@ class SlotInfo:
 
 
 class _Recorder(SlotObserver):
-    def __init__(self, handle, measure: bool) -> None:
-        self.handle, self.measure = handle, measure
+    """Each slot a forward fills, once: its shape, codec and bytes."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
         self.infos: dict[str, SlotInfo] = {}
-        # slot -> (errors of the candidates, seed-to-seed variance of the current codec; for
-        # few-bit slots the current table's error)
-        self.errors: dict[str, tuple[list[float], float]] = {}
 
     def _new(self, slot) -> str | None:
         kind = self.handle.slots.get(slot)
@@ -106,87 +73,18 @@ class _Recorder(SlotObserver):
 
     def on_pack(self, slot, x, codec, nbytes, shared_with):
         kind = self._new(slot)
-        if kind is None:
-            return
-        self.infos[slot] = SlotInfo(
-            slot, kind, tuple(x.shape), x.dtype, repr(codec), nbytes, shared_with
-        )
-        if self.measure and shared_with is None:
-            config = self.handle.config
-            codecs = [config.codec_for_setting(s) for s in codec_candidates(self.handle, slot)]
-            self.errors[slot] = (_codec_errors(x, codecs), _seed_variance(x, codec))
+        if kind is not None:
+            self.infos[slot] = SlotInfo(
+                slot, kind, tuple(x.shape), x.dtype, repr(codec), nbytes, shared_with
+            )
 
     def on_fewbit(self, slot, x, activation):
         kind = self._new(slot)
-        if kind is None:
-            return
-        nbytes = (x.numel() * activation.bits + 7) // 8 + 4
-        self.infos[slot] = SlotInfo(
-            slot, kind, tuple(x.shape), x.dtype, activation.describe(), nbytes
-        )
-        if self.measure:
-            errors = _fewbit_errors(x, activation)
-            self.errors[slot] = (errors, errors[FEWBIT_CANDIDATES.index(activation.bits)])
-
-
-def _sample(x: torch.Tensor) -> torch.Tensor:
-    rows = x.detach().reshape(-1, x.shape[-1])
-    return rows[: max(1, _SAMPLE // max(1, x.shape[-1]))].contiguous()
-
-
-def codec_candidates(handle, slot: str) -> tuple[dict, ...]:
-    """The settings the allocator may give codec slot ``slot``. With ``config.chain_bits`` the
-    slots on the backward's chain (everything but linear-layer inputs) get only uniform
-    stochastic rounding at that many bits or more: below it, averaging biases their gradients
-    and rounding noise compounds through the layers below (docs/reference.md, "Per parameter
-    group")."""
-    linear_input = handle.slots.get(slot) in ("linear", "mlp") and slot.endswith(":input")
-    if linear_input:
-        return LINEAR_INPUT_CANDIDATES
-    floor = handle.config.chain_bits
-    if floor is None:
-        return CODEC_CANDIDATES
-    return tuple(c for c in UNIFORM_CANDIDATES if c["bits"] >= floor)
-
-
-def _seed_variance(x, codec) -> float:
-    """Half the relative squared change of ``codec``'s output between two rounding seeds: the
-    part of its error the sensitivity pass sees change (what a biased codec gets wrong for
-    every seed alike is not in it)."""
-    sample = _sample(x)
-    energy = sample.float().pow(2).sum().clamp_min(1e-30)
-    first, second = (codec.pack(sample, seed).unpack().float() for seed in (1, 2))
-    return float(0.5 * (first - second).pow(2).sum() / energy)
-
-
-def _codec_errors(x, codecs) -> list[float]:
-    """Relative squared error ``||x_hat - x||^2 / ||x||^2`` of each codec on a sample of x."""
-    sample = _sample(x)
-    reference = sample.float()
-    energy = reference.pow(2).sum().clamp_min(1e-30)
-    return [
-        float((codec.pack(sample, 0).unpack().float() - reference).pow(2).sum() / energy)
-        for codec in codecs
-    ]
-
-
-def _fewbit_errors(x, activation) -> list[float]:
-    """Relative squared error of each candidate table's derivative on a sample of x."""
-    sample = x.detach().reshape(-1)[:_SAMPLE]
-    with torch.enable_grad():
-        leaf = sample.float().requires_grad_()
-        (exact,) = torch.autograd.grad(activation.plain(leaf).sum(), leaf)
-    energy = exact.pow(2).sum().clamp_min(1e-30)
-    errors = []
-    for bits in FEWBIT_CANDIDATES:
-        table = ActivationTable(activation.spec.name, bits, activation.params)
-        borders, levels = table.tensors(sample.device)
-        _, codes, flag = fewbit_forward(
-            sample, table.spec.name, borders, table.bits, table.param_values, output=False
-        )
-        approx = fewbit_backward(torch.ones_like(exact), codes, levels, flag, table.bits)
-        errors.append(float((approx.float() - exact).pow(2).sum() / energy))
-    return errors
+        if kind is not None:
+            nbytes = (x.numel() * activation.bits + 7) // 8 + 4
+            self.infos[slot] = SlotInfo(
+                slot, kind, tuple(x.shape), x.dtype, activation.describe(), nbytes
+            )
 
 
 def _seeds(base: int, changed: set[str] = frozenset(), other: int = 0):
@@ -235,35 +133,14 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
     return norm.reshape(1)
 
 
-def _sketch(grad: torch.Tensor, index: int) -> torch.Tensor:
-    """A count sketch of ``grad``: its elements in ``SKETCH_SIZE`` contiguous buckets, each
-    element signed by a fixed random sign (seeded by the tensor's index, so every pass signs
-    alike). Under FSDP2 the local shard is sketched: the squared distances then add up over ranks
-    to a constant multiple of the whole, the same for every slot."""
-    if hasattr(grad, "to_local"):
-        grad = grad.to_local()
-    flat = grad.detach().reshape(-1).float()
-    if flat.numel() <= SKETCH_SIZE:
-        return flat
-    generator = torch.Generator(device=flat.device).manual_seed(index)
-    signs = torch.randint(0, 2, flat.shape, generator=generator, device=flat.device)
-    signed = flat * (signs * 2 - 1)
-    padded = torch.nn.functional.pad(signed, (0, (-flat.numel()) % SKETCH_SIZE))
-    return padded.view(SKETCH_SIZE, -1).sum(1)
-
-
-def _fingerprint(params, sensitivity: str) -> torch.Tensor:
-    """What the passes compare of the gradient: per-tensor norms or sketches, as one vector."""
-    parts = []
-    for index, p in enumerate(params):
-        if p.grad is None:
-            size = 1 if sensitivity == "gradnormvar" else min(p.numel(), SKETCH_SIZE)
-            parts.append(torch.zeros(size, dtype=torch.float64))
-        elif sensitivity == "gradnormvar":
-            parts.append(_norm(p.grad).double().cpu())
-        else:
-            parts.append(_sketch(p.grad, index).double().cpu())
-    return torch.cat(parts)
+def _fingerprint(params) -> torch.Tensor:
+    """What the passes compare of the gradient, as ALAM does: each parameter tensor's norm."""
+    return torch.cat(
+        [
+            torch.zeros(1, dtype=torch.float64) if p.grad is None else _norm(p.grad).double().cpu()
+            for p in params
+        ]
+    )
 
 
 def _distributed() -> bool:
@@ -319,8 +196,6 @@ def calibrate(
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     saved_grads = [p.grad for p in params]
     start = time.perf_counter()
-    official = config.sensitivity == "alam"
-    fingerprint_kind = "gradnormvar" if official else config.sensitivity
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         rng_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
@@ -331,7 +206,7 @@ def calibrate(
                 loss = loss_fn(model, batch)
                 _check_measurable(loss)
                 loss.backward()
-            fingerprint = _fingerprint(params, fingerprint_kind)
+            fingerprint = _fingerprint(params)
             for p in params:
                 p.grad = None
             if not torch.isfinite(fingerprint).all():
@@ -344,7 +219,7 @@ def calibrate(
         try:
             for p in params:
                 p.grad = None
-            recorder = _Recorder(handle, measure=not official)
+            recorder = _Recorder(handle)
             with observe(recorder):
                 h0 = run(_seeds(1))
             if not h0.any():
@@ -353,83 +228,18 @@ def calibrate(
                     "parameter, so no slot's effect can be measured; calibrate on a batch with "
                     "supervised tokens"
                 )
-            if official:
-                items = _alam_items(handle, recorder)
-                sensitivity, measured = _measure_alam(handle, items, run, start, seconds)
-            else:
-                sensitivity, measured = _measure(handle, recorder, run, h0, start, seconds)
+            items = _items(handle, recorder)
+            sensitivity, measured = _measure(handle, items, run, start, seconds)
         finally:
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
-    if official:
-        return _alam_plan(
-            handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start
-        )
-    return _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, start)
-
-
-def _items(recorder) -> list[str]:
-    """Slots measured and allocated on their own: codec slots that packed their own tensor (the
-    slots that reused it follow them) and few-bit slots."""
-    return sorted(recorder.errors)
+    return _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start)
 
 
 def _is_fewbit(handle, slot: str) -> bool:
     """An activation's slot holding a few-bit code (not its input under a codec)."""
     state, name = handle._states[slot]
     return name == "act" and state.codecs.get("act") is None
-
-
-def _measure(handle, recorder, run, h0, start, seconds):
-    items = _items(recorder)
-    members = {slot: [slot] for slot in items}
-    for slot, info in recorder.infos.items():
-        if info.shared_with in members and slot not in members:
-            members[info.shared_with].append(slot)
-    sensitivity: dict[str, float] = {}
-    measured: list[str] = []
-    for slot in items:
-        if _all_ranks_agree_to_stop(time.perf_counter() - start > seconds):
-            break
-        errors, current = recorder.errors[slot]
-        if _is_fewbit(handle, slot):
-            state, _ = handle._states[slot]
-            act = state.activation
-            other = 4 if act.bits < 4 else 1
-            if act.exact or errors[other - 1] == current:
-                sensitivity[slot] = 0.0
-                measured.append(slot)
-                continue
-            state.activation = ActivationTable(act.spec.name, other, act.params)
-            try:
-                h1 = run(_seeds(1))
-            finally:
-                state.activation = act
-            change = float((h0 - h1).pow(2).sum())
-            sensitivity[slot] = change / abs(current - errors[other - 1])
-        else:
-            h1 = run(_seeds(1, set(members[slot]), 2))
-            variance = 0.5 * float((h0 - h1).pow(2).sum())
-            sensitivity[slot] = variance / max(current, 1e-30)
-        measured.append(slot)
-    # Ranks measured different examples: average what they measured, so all plan alike (the
-    # stop above was agreed, so every rank measured the same slots).
-    values = _average_across_ranks([sensitivity[s] for s in measured])
-    sensitivity = dict(zip(measured, values))
-    for slot, value in sensitivity.items():
-        if not math.isfinite(value):
-            raise ValueError(
-                f"calibration: the sensitivity of slot {slot!r} came out {value}; no plan was "
-                "installed. Calibrate on another batch"
-            )
-    flat = [e for s in items for e in (*recorder.errors[s][0], recorder.errors[s][1])]
-    flat = _average_across_ranks(flat)
-    for slot in items:
-        count = len(recorder.errors[slot][0]) + 1
-        recorder.errors[slot] = (flat[: count - 1], flat[count - 1])
-        flat = flat[count:]
-    _fill_unmeasured(handle, items, sensitivity)
-    return sensitivity, measured
 
 
 def _fill_unmeasured(handle, items, sensitivity: dict) -> None:
@@ -441,80 +251,17 @@ def _fill_unmeasured(handle, items, sensitivity: dict) -> None:
             sensitivity[slot] = statistics.median(same or list(sensitivity.values()) or [1.0])
 
 
-def _plan(handle, recorder, sensitivity, measured, target_bits, budget_bytes, start) -> BitPlan:
-    config = handle.config
-    items, numel, even = [], 0, 0
-    for slot in _items(recorder):
-        info = recorder.infos[slot]
-        errors, _ = recorder.errors[slot]
-        numel += info.numel
-        even += info.nbytes
-        if _is_fewbit(handle, slot):
-            state, _ = handle._states[slot]
-            allowed = (1,) if state.activation.exact else FEWBIT_CANDIDATES
-            candidates = [
-                Candidate(
-                    {"bits": b}, (info.numel * b + 7) // 8 + 4, sensitivity[slot] * errors[b - 1]
-                )
-                for b in allowed
-            ]
-        else:
-            candidates = [
-                Candidate(
-                    setting,
-                    config.codec_for_setting(setting).nbytes(info.shape),
-                    sensitivity[slot] * error,
-                )
-                for setting, error in zip(codec_candidates(handle, slot), errors)
-            ]
-        items.append(Item(slot, tuple(candidates)))
-    budget = int(target_bits * numel / 8) if budget_bytes is None else int(budget_bytes)
-    choice, met = allocate(items, budget)
-    if not met:
-        logger.warning(
-            "hf_actq: %d bytes cannot hold these slots even at the lowest precision; each slot "
-            "gets its cheapest setting (%d bytes)",
-            budget,
-            sum(c.nbytes for c in choice.values()),
-        )
-    even_setting = {"codec": config.codec, "bits": config.bits, "group_size": config.group_size}
-    settings = {}
-    for slot in handle.slots:
-        info = recorder.infos.get(slot)
-        leader = info.shared_with if info is not None and info.shared_with in choice else slot
-        if leader in choice:
-            settings[slot] = dict(choice[leader].setting)
-        elif _is_fewbit(handle, slot):
-            settings[slot] = {"bits": handle._states[slot][0].activation.bits}
-        else:  # never filled on this batch (a frozen layer's input): the even setting
-            settings[slot] = dict(even_setting)
-    info = {
-        "budget_bytes": budget,
-        "bytes": sum(c.nbytes for c in choice.values()),
-        "even_bytes": even,
-        "elements": numel,
-        "budget_met": met,
-        "sensitivity": {s: sensitivity[s] for s in sorted(sensitivity)},
-        "measured": len(measured),
-        "estimated": len(sensitivity) - len(measured),
-        "shared": {s: i.shared_with for s, i in recorder.infos.items() if i.shared_with},
-        "seconds": round(time.perf_counter() - start, 3),
-    }
-    return BitPlan(settings, target_bits, info)
-
-
 def list_slots(handle, batch) -> dict[str, SlotInfo]:
     """Every slot one forward on ``batch`` fills, with its shape, codec and bytes (the RNG is
     left as it was; nothing is kept)."""
-    recorder = _Recorder(handle, measure=False)
+    recorder = _Recorder(handle)
     with torch.random.fork_rng(), observe(recorder), slot_seeds(_seeds(1)), torch.enable_grad():
         out = handle.model(**batch) if isinstance(batch, dict) else handle.model(batch)
         del out
     return recorder.infos
 
 
-# ALAM as published (sensitivity="alam") ------------------------------------------------------
-def _alam_items(handle, recorder) -> dict[str, list[str]]:
+def _items(handle, recorder) -> dict[str, list[str]]:
     """The tensors ALAM allocates, each with the slots that share it: every codec slot that
     packed its own tensor, and standalone activations (their input, under a codec). Few-bit
     codes that cannot be a codec (a gated MLP's activation, ReLU's exact bit) stay as they are."""
@@ -553,7 +300,7 @@ def _overridden(handle, codecs: dict):
 _ABSENT = object()
 
 
-def _measure_alam(handle, items, run, start, seconds):
+def _measure(handle, items, run, start, seconds):
     """ALAM's GradNormVar, as its code runs it: each tensor at AQ 0.5 bit with two rounding
     seeds and at 8 bits, every other at its current precision (uniform 4 bits before the first
     plan); ``alam.sensitivity`` of the three per-parameter gradient-norm vectors."""
@@ -583,7 +330,7 @@ def _measure_alam(handle, items, run, start, seconds):
     return sensitivity, measured
 
 
-def _alam_plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start):
+def _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start):
     """ALAM's allocation (``alam.allocate``) over ``items``, to ``target_bits`` code bits per
     element on average over every slot's tensor (few-bit codes count their bits), or to
     ``budget_bytes`` of code bytes; the plan's info says both ALAM's figure and our bytes."""

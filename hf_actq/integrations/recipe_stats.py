@@ -92,8 +92,8 @@ class StepStats(TrainerCallback):
 
 
 def recipe_label(config: ActQConfig | None) -> str:
-    """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1`` (ALAM's own
-    allocation), ``alam-1-gradvar`` (ours), ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits), or
+    """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1`` (ALAM's
+    allocation), ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits), or
     ``custom-...`` for configs made field by field; ``-rotated`` marks ``codec="rotated"``
     (``checkpoint_codec`` for the checkpoint recipe)."""
     if config is None:
@@ -106,8 +106,6 @@ def recipe_label(config: ActQConfig | None) -> str:
         return f"checkpoint-{config.checkpoint_bits}{rotated}"
     if config.recipe == "alam" and not config.adaptive and config.plan is None:
         return f"alam-{bits}-even"
-    if config.recipe == "alam" and config.sensitivity != "alam":  # our allocator, not ALAM's
-        return f"alam-{bits}-{config.sensitivity}"
     rotated = "-rotated" if config.recipe and config.codec == "rotated" else ""
     return f"{config.recipe or 'custom-' + config.codec}-{bits}{rotated}"
 

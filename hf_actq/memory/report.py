@@ -283,17 +283,12 @@ def _plan_markdown(result: RecipeResult) -> list[str]:
     plan = BitPlan.from_dict(result.plan)
     info = plan.info
     examples = info.get("examples", "?")
-    if "alam_bits" in info:  # ALAM's own allocation: its accounting, then ours
-        amount = (
-            f"ALAM's accounting (code bits over {info['elements']:,} elements, no scales): "
-            f"{info['alam_bits']:.3f} bits, {info['bytes']:,} of {info['budget_bytes']:,} code "
-            f"bytes; counted with scales and minima, {info['counted_bytes']:,} bytes"
-        )
-    else:
-        amount = (
-            f"over {info['elements']:,} elements, {info['bytes']:,} of "
-            f"{info['budget_bytes']:,} bytes"
-        )
+    # ALAM's accounting, then ours.
+    amount = (
+        f"ALAM's accounting (code bits over {info['elements']:,} elements, no scales): "
+        f"{info['alam_bits']:.3f} bits, {info['bytes']:,} of {info['budget_bytes']:,} code "
+        f"bytes; counted with scales and minima, {info['counted_bytes']:,} bytes"
+    )
     lines = [
         f"Bit plan of {result.label}: {plan.target_bits} bits on average {amount} "
         f"(the even spread keeps {info['even_bytes']:,}); {info['measured']} slots measured "

@@ -88,7 +88,7 @@ def test_the_recipe_measures_each_tensor_three_times_in_alams_context_on_one_exa
     model, batch = _bert_and_batch()
     handle = hf_actq.apply(model, ActQConfig.from_recipe("alam", bits=2))
     config = handle.config
-    assert (config.sensitivity, config.calibration_examples) == ("alam", 1)
+    assert (config.adaptive, config.calibration_examples) == (True, 1)
     watched = "bert.encoder.layer.1.output.dense:input"
     state, name = handle._states[watched]
     seen = []
