@@ -326,6 +326,13 @@ def main(args: list[str] | None = None) -> dict | None:
         "model": model_args.model_name_or_path,
         "metric": {"name": main_metric, "value": metrics.get(f"eval_{main_metric}")},
         "eval": metrics,
+        # Every evaluation during training (--eval_strategy epoch: one per epoch), so that the
+        # best epoch, the paper's protocol, can be reported beside the last.
+        "eval_history": [
+            {"epoch": entry.get("epoch"), "step": entry.get("step"), "value": entry[key]}
+            for entry in trainer.state.log_history[:-1]  # the last is the final evaluate()
+            if (key := f"eval_{main_metric}") in entry
+        ],
         "metric_source": metric_source,
         "train_loss": train_result.training_loss,
         "train_seconds": round(train_seconds, 1),
