@@ -415,7 +415,8 @@ def _precision(label: str):
 
 def _write(path: str, payload: dict) -> None:
     """``payload`` as JSON, with the commit (``+``: uncommitted changes) and command that made it."""
-    from hf_actq.integrations.recipe_stats import checkout_commit
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    from common.records import checkout_commit
 
     provenance = {
         "commit": checkout_commit(Path(__file__).resolve().parents[1]),

@@ -37,8 +37,8 @@ import time
 
 import torch
 
-from hf_actq.memory.presets import preset_config
-from hf_actq.memory.report import measure_model
+from hf_actq.report import measure_model
+from hf_actq.report.presets import preset_config
 
 MB = 2**20
 GIB = 2**30

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from hf_actq.memory.presets import preset_config
-from hf_actq.memory.report import measure_model
+from hf_actq.report import measure_model
+from hf_actq.report.presets import preset_config
 
 MODELS = {
     "bert-base": lambda: preset_config("bert-base"),

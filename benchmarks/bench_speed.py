@@ -26,7 +26,7 @@ import time
 import torch
 
 import hf_actq
-from hf_actq.memory.presets import preset_config
+from hf_actq.report.presets import preset_config
 
 # "stock-checkpointing" is the unpatched model under transformers' own (non-reentrant)
 # checkpointing: what the "checkpoint" recipe's recompute costs before its packing.

@@ -22,7 +22,7 @@ def main(argv=None) -> int:
         print(f"hf-actq: unknown command {command!r}; choose from {', '.join(COMMANDS)}")
         return 2
     if command == "memory":
-        from hf_actq.memory.cli import main as memory_main
+        from hf_actq.report.cli import main as memory_main
 
         return memory_main(argv)
     from hf_actq import demo

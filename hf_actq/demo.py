@@ -18,7 +18,7 @@ from torch import nn
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.transformers import apply
 from hf_actq.memory import SavedTensorMeter
-from hf_actq.memory.presets import preset_config
+from hf_actq.report.presets import preset_config
 
 
 def tiny_bert(seed: int = 0):

@@ -8,7 +8,7 @@ from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import ActQCallback, ActQConfig
-from hf_actq.memory import cli
+from hf_actq.report import cli
 
 
 @pytest.mark.parametrize("recipe", ["fewbit", "uniform", "alam", "checkpoint"])

@@ -8,28 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from hf_actq.codecs import library  # noqa: F401  (registers hf_actq::pack and ::unpack)
 from hf_actq.codecs.average import AverageQuantCodec, uniform
 from hf_actq.codecs.mask import MaskCodec
+from hf_actq.codecs.named import CODECS, make_codec
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.codecs.rotated import RotatedSampleCodec
 from hf_actq.codecs.sign_preserving import SignPreservingCodec
 from hf_actq.codecs.smaq import SmaQCodec
-
-CODECS = {
-    "aq": AverageQuantCodec,
-    "uniform": uniform,
-    "blpa": SignPreservingCodec,
-    "mask": MaskCodec,
-    "smaq": SmaQCodec,
-    "rotated": RotatedSampleCodec,
-}
-
-
-def make_codec(name: str, **params) -> Codec:
-    """A codec by name ("aq", "uniform", "blpa", "mask", "smaq", "rotated") with its parameters."""
-    if name not in CODECS:
-        raise ValueError(f"unknown codec {name!r}; allowed values: {', '.join(sorted(CODECS))}")
-    return CODECS[name](**params)
 
 
 def pack(x: torch.Tensor, codec: Codec | str = "uniform", **params) -> Packed:

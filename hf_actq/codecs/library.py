@@ -17,13 +17,12 @@ import json
 
 import torch
 
+from hf_actq.codecs.named import make_codec
 from hf_actq.codecs.packed import Codec, Packed
 
 
 @functools.cache
 def codec_from_key(key: str) -> Codec:
-    from hf_actq.codecs import make_codec
-
     name, params = key.split(":", 1)
     return make_codec(name, **json.loads(params))
 
@@ -59,7 +58,3 @@ def _(buffers, codec, shape, dtype):
 def compiled_pack(x: torch.Tensor, codec: Codec, seed: torch.Tensor | None) -> Packed:
     """``codec.pack(x)`` as one traced op; ``seed`` from :func:`draw_seed_tensor`."""
     return Packed(codec, x.shape, x.dtype, tuple(pack_op(x, codec.op_key, seed)))
-
-
-def compiled_unpack(packed: Packed) -> torch.Tensor:
-    return unpack_op(list(packed.tensors), packed.codec.op_key, list(packed.shape), packed.dtype)

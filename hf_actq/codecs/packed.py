@@ -42,9 +42,12 @@ class Packed:
 
     def unpack(self) -> torch.Tensor:
         if torch.compiler.is_compiling() and self.codec.name != "exact":
-            from hf_actq.codecs.library import compiled_unpack
-
-            return compiled_unpack(self)
+            # One opaque node in the trace: the operator codecs/library.py registers (the
+            # package imports it), called through torch's registry so that this module, which
+            # every codec imports, imports none of them.
+            return torch.ops.hf_actq.unpack(
+                list(self.tensors), self.codec.op_key, list(self.shape), self.dtype
+            )
         return self.codec.unpack(self)
 
 

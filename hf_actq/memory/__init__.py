@@ -1,8 +1,7 @@
-"""Memory measurement: bytes autograd holds for backward, peak memory, and reports.
+"""Memory measurement: the bytes autograd holds for backward, and a step's peak.
 
 ``SavedTensorMeter`` and ``graph_saved_bytes`` count activation memory two independent ways;
-``PeakMemory`` measures peak allocation; ``hf_actq.memory.report`` measures models under several
-recipes (``hf-actq memory``).
+``PeakMemory`` measures peak allocation. The reports built on them are in ``hf_actq.report``.
 """
 
 from hf_actq.memory.meter import (

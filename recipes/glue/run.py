@@ -28,10 +28,13 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: common/ is shared
 
 from transformers import (
     AutoConfig,
@@ -43,9 +46,7 @@ from transformers import (
     set_seed,
 )
 
-from hf_actq import ActQConfig
-from hf_actq.integrations.arguments import parse_arguments
-from hf_actq.integrations.recipe_stats import (
+from common.records import (
     RecipeArguments,
     recipe_callbacks,
     record_markdown_rows,
@@ -53,6 +54,8 @@ from hf_actq.integrations.recipe_stats import (
     setup_logging,
     write_results,
 )
+from hf_actq import ActQConfig
+from hf_actq.integrations.arguments import parse_arguments
 
 logger = logging.getLogger("recipes.glue")
 

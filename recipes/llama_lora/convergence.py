@@ -49,7 +49,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_actq.integrations.recipe_stats import checkout_commit, replace_marked_section, take_lock
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: common/ is shared
+
+from common.records import checkout_commit, replace_marked_section, take_lock
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -37,9 +37,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: common/ is shared
 
 import torch
 from transformers import (
@@ -52,9 +55,7 @@ from transformers import (
     set_seed,
 )
 
-from hf_actq import ActQConfig
-from hf_actq.integrations.arguments import parse_arguments
-from hf_actq.integrations.recipe_stats import (
+from common.records import (
     RecipeArguments,
     recipe_callbacks,
     record_markdown_rows,
@@ -62,6 +63,8 @@ from hf_actq.integrations.recipe_stats import (
     setup_logging,
     write_results,
 )
+from hf_actq import ActQConfig
+from hf_actq.integrations.arguments import parse_arguments
 
 logger = logging.getLogger("recipes.llama_lora")
 

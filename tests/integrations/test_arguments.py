@@ -61,19 +61,3 @@ def test_bad_values_are_refused_with_what_was_wrong():
         _parse("--bits", "9")
     with pytest.raises(SystemExit):  # argparse: invalid choice
         _parse("--recipe", "fastest")
-
-
-def test_recipe_labels_name_the_bits_that_define_each_recipe():
-    from hf_actq.integrations.recipe_stats import recipe_label
-
-    assert recipe_label(None) == "baseline"
-    assert recipe_label(_parse("--recipe", "fewbit", "--bits", "3")) == "fewbit-3"
-    assert recipe_label(_parse("--recipe", "alam", "--adaptive", "false")) == "alam-1-even"
-    # The checkpoint recipe keeps its other slots at 8 bits; its label names the layers' inputs.
-    rotated = _parse("--recipe", "checkpoint", "--bits", "4")  # rotated inputs by default
-    assert (rotated.checkpoint_bits, rotated.checkpoint_codec) == (4, "rotated")
-    assert recipe_label(rotated) == "checkpoint-4-rotated"
-    plain = _parse("--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "uniform")
-    assert recipe_label(plain) == "checkpoint-4"
-    uniform = _parse("--recipe", "uniform", "--bits", "4", "--codec", "rotated")
-    assert recipe_label(uniform) == "uniform-4-rotated"

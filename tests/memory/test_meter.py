@@ -10,8 +10,8 @@ from torch import nn
 import hf_actq
 from hf_actq.memory import OP_KINDS, SavedTensorMeter, graph_saved_bytes, op_kind
 from hf_actq.memory.meter import ActivationMonitor
-from hf_actq.memory.presets import preset_config
-from hf_actq.memory.report import build_model
+from hf_actq.report import build_model
+from hf_actq.report.presets import preset_config
 
 
 def test_linear_keeps_its_input_once_and_views_count_whole_storage():

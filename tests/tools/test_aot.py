@@ -1,6 +1,6 @@
 """Every Triton kernel variant the dispatcher can launch compiles for sm_80 and sm_90.
 
-Runs ``python -m hf_actq.kernels.aot`` in a subprocess without TRITON_INTERPRET (the interpreter
+Runs ``python tools/aot.py`` in a subprocess without TRITON_INTERPRET (the interpreter
 would replace the compiler), which needs no GPU.
 """
 
@@ -8,10 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
+sys.path.insert(0, str(TOOLS))
 
 
 def _compile(tmp_path, *extra) -> list[dict]:
@@ -19,7 +22,7 @@ def _compile(tmp_path, *extra) -> list[dict]:
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")  # compile for real, every run
     out = tmp_path / "aot.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "hf_actq.kernels.aot", "--cc", "80", "90", "--json", str(out)]
+        [sys.executable, str(TOOLS / "aot.py"), "--cc", "80", "90", "--json", str(out)]
         + list(extra),
         env=env,
         capture_output=True,
@@ -36,7 +39,7 @@ def _compile(tmp_path, *extra) -> list[dict]:
 def test_every_kernel_compiles_for_sm80_and_sm90_with_each_of_its_argument_types(tmp_path):
     """The default run: every kernel at every float type and index width it takes (the full
     constexpr grid, about 5 minutes on 2 cores, is the slow test below)."""
-    from hf_actq.kernels.aot import representatives, variants
+    from aot import representatives, variants
 
     chosen = representatives(variants())
     assert {v.kernel for v in chosen} == {v.kernel for v in variants()}
@@ -49,10 +52,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90_with_each_of_its_argument_types
 
 
 def test_the_variants_are_every_launchable_kernel_configuration():
+    from aot import FLOAT_TYPES, INDEX_TYPES, variants
+
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit import ACTIVATIONS
-    from hf_actq.kernels.aot import FLOAT_TYPES, INDEX_TYPES, variants
     from hf_actq.kernels.fewbit import CODE_MODES
 
     # fewbit forward with its output (per activation) and codes only (per code mode), fewbit
@@ -88,7 +92,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
 
 @pytest.mark.slow
 def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
-    from hf_actq.kernels.aot import variants
+    from aot import variants
 
     results = _compile(tmp_path)
     assert len(results) == 2 * len(variants())

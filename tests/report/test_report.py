@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_actq.adaptive.plan import BitPlan
-from hf_actq.memory.presets import PRESETS, preset_config
-from hf_actq.memory.report import measure_model, parse_recipe
+from hf_actq.report import measure_model, parse_recipe
+from hf_actq.report.presets import PRESETS, preset_config
 
 
 def _four_layer_llama():
@@ -36,7 +36,7 @@ def test_recipes_are_measured_side_by_side_and_the_counts_agree():
 
 
 def _buffer_bytes():
-    from hf_actq.memory.report import build_model
+    from hf_actq.report import build_model
 
     model = build_model(preset_config("tiny-llama"), 2, torch.float32, "none", "causal-lm", "cpu")
     return sum(b.untyped_storage().nbytes() for b in model.buffers())

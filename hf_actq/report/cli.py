@@ -1,4 +1,4 @@
-"""``hf-actq memory`` / ``python -m hf_actq.memory``: how much memory hf_actq saves on a model.
+"""``hf-actq memory`` / ``python -m hf_actq memory``: how much memory hf_actq saves on a model.
 
 With no arguments it measures the embedded default, RoBERTa-base's shapes (random weights, no
 downloads) at batch 8 and sequence 128 in fp32, under the baseline and the "fewbit", "uniform",
@@ -53,7 +53,7 @@ def positive_seconds(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hf_actq.memory.presets import PRESETS
+    from hf_actq.report.presets import PRESETS
 
     parser = argparse.ArgumentParser(
         prog="hf-actq memory",
@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config(model: str):
     from transformers import AutoConfig
 
-    from hf_actq.memory.presets import PRESETS, preset_config
+    from hf_actq.report.presets import PRESETS, preset_config
 
     if model in PRESETS:
         return preset_config(model), PRESETS[model]
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from hf_actq.memory.report import CHUNKED_LOSS, default_task, measure_model, parse_recipe
+    from hf_actq.report import CHUNKED_LOSS, default_task, measure_model, parse_recipe
 
     config, preset = load_config(args.model)
     dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None

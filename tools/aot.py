@@ -2,7 +2,8 @@
 
 The interpreter accepts code the GPU compiler rejects, so each (kernel, dtype, constexpr) variant
 is compiled to a cubin with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))``;
-no GPU is needed. Run ``python -m hf_actq.kernels.aot --cc 80 90`` (not under TRITON_INTERPRET).
+no GPU is needed. Run ``python tools/aot.py --cc 80 90`` (not under TRITON_INTERPRET). A
+development check, outside the package: nothing in hf_actq imports it.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_actq.__main__ import main as hf_actq_main
-from hf_actq.memory.cli import main, parse_size
-from hf_actq.memory.presets import preset_config
+from hf_actq.report.cli import main, parse_size
+from hf_actq.report.presets import preset_config
 
 
 def test_command_prints_the_table_and_writes_outputs(tmp_path, capsys):
