@@ -18,7 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hf_actq import ActQConfig, FewBitActivation, SavedTensorMeter, apply
+from hf_actq import ActQConfig, SavedTensorMeter, apply
+from hf_actq.ops import FewBitActivation
 
 BASELINES = {
     "gelu": lambda x: F.gelu(x),

@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 import hf_actq
-from hf_actq import ActQConfig, FewBitActivation, SavedTensorMeter
+from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.codecs import uniform
+from hf_actq.ops import FewBitActivation
 from hf_actq.ops.attention import (
     compressed_eager_attention,
 )

@@ -245,7 +245,6 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     few-bit forward+backward at most 1.1x torch's, pack+unpack at most two copies."""
     from torch import nn
 
-    from hf_actq import FewBitActivation
     from hf_actq.codecs import (
         AverageQuantCodec,
         MaskCodec,
@@ -253,6 +252,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
         SignPreservingCodec,
         SmaQCodec,
     )
+    from hf_actq.ops import FewBitActivation
     from hf_actq.ops.attention import compressed_sdpa_attention
     from hf_actq.ops.dedup import PackCache
     from hf_actq.ops.norm import CompressedLayerNorm

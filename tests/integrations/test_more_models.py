@@ -23,6 +23,7 @@ from transformers import (
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
+from hf_actq.integrations.transformers import MODEL_TYPE_TO_APPLY_FN
 
 TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
 
@@ -256,7 +257,7 @@ def _step(model, batch):
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_registered_with_attention_compressed(name):
     model, batch = _build(name)
-    assert model.config.model_type in hf_actq.MODEL_TYPE_TO_APPLY_FN
+    assert model.config.model_type in MODEL_TYPE_TO_APPLY_FN
     nbytes = {}
     for attention in (False, True):
         config = ActQConfig.from_recipe("uniform", bits=4, attention=attention)

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-import hf_actq
-from hf_actq import FewBitActivation, FewBitGELU, SavedTensorMeter
+from hf_actq import SavedTensorMeter
 from hf_actq.fewbit import ACTIVATIONS, optimal_table
+from hf_actq.ops import FewBitActivation, FewBitELU, FewBitGELU, FewBitReLU
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -191,8 +191,8 @@ def test_state_dict_is_unchanged_and_half_keeps_fp32_tables():
 
 def test_repr_shows_bits_and_kind():
     assert "bits=3 (error=0.0119)" in repr(FewBitGELU(bits=3))
-    assert "bits=1 (exact)" in repr(hf_actq.FewBitReLU(bits=3))
-    assert "alpha=0.5" in repr(hf_actq.FewBitELU(bits=2, alpha=0.5))
+    assert "bits=1 (exact)" in repr(FewBitReLU(bits=3))
+    assert "alpha=0.5" in repr(FewBitELU(bits=2, alpha=0.5))
 
 
 @pytest.mark.parametrize(
@@ -202,7 +202,7 @@ def test_repr_shows_bits_and_kind():
         (lambda: FewBitGELU(bits="3"), "bits must be an integer in 1..4, got '3'"),
         (lambda: FewBitActivation("softmax"), "unknown activation 'softmax'; allowed values"),
         (lambda: FewBitGELU(approximate="erf"), 'approximate must be "none" or "tanh"'),
-        (lambda: hf_actq.FewBitELU(beta=1.0), "unknown parameter"),
+        (lambda: FewBitELU(beta=1.0), "unknown parameter"),
         (lambda: FewBitActivation("tanh", 2, table=optimal_table("gelu", 2)), "symmetric"),
     ],
 )
