@@ -1,0 +1,50 @@
+"""tools/results_age.py on a small git repository made here: results made before the code
+changed are listed with how far behind they are."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import results_age  # noqa: E402
+
+
+def _git(repo, *args):
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env |= {"GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _commit(repo, files: dict, message: str) -> str:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", message)
+    return _git(repo, "rev-parse", "--short", "HEAD")
+
+
+def test_results_are_aged_by_their_recorded_commit_or_their_last_change(tmp_path):
+    _git(tmp_path, "init", "-q")
+    first = _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
+    # A result that names the commit it was made at, committed later (as the sweeps do).
+    recorded = json.dumps({"provenance": {"commit": f"{first}+", "command": "bench"}})
+    _commit(tmp_path, {"benchmarks/results/a.json": recorded}, "result a")
+    _commit(tmp_path, {"hf_actq/op.py": "a = 2\n"}, "code changes")
+    # A table that names no commit: aged from the commit that last changed it.
+    _commit(tmp_path, {"recipes/glue/results/table.md": "| x |\n"}, "table")
+    _commit(tmp_path, {"hf_actq/op.py": "a = 3\n", "hf_actq/new.py": "b = 1\n"}, "more code")
+    _commit(tmp_path, {"README.md": "docs only\n"}, "docs")
+
+    files = results_age.results_files(tmp_path)
+    assert sorted(p.name for p in files) == ["a.json", "table.md"]
+    a = results_age.age(tmp_path / "benchmarks/results/a.json", "hf_actq", tmp_path)
+    assert (a["commit"], a["commit_from"]) == (first, "recorded")
+    assert (a["code_commits_since"], a["code_files_changed"]) == (2, 2)
+    table = results_age.age(tmp_path / "recipes/glue/results/table.md", "hf_actq", tmp_path)
+    assert table["commit_from"] == "last change of the file"
+    assert (table["code_commits_since"], table["code_files_changed"]) == (1, 2)

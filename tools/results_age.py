@@ -1,0 +1,100 @@
+"""List the committed results that are older than the code they measure.
+
+    python tools/results_age.py [--code hf_actq] [--min-commits 1] [--json out.json]
+
+For each results file (``benchmarks/results/**``, ``recipes/*/results/**``; JSON and Markdown)
+the commit it was made at is its own record's (``provenance.commit`` or ``commit``, as the
+benchmarks and recipes write it), else the commit that last changed the file. A result is older
+than the code when the package (``--code``) has changed since that commit; the list gives how
+many commits and files changed, oldest first, and says which files name no commit. A development
+check: nothing in hf_actq imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = ("benchmarks/results", ":(glob)recipes/*/results/**")
+
+
+def _git(*args: str, repo: Path = REPO) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def recorded_commit(path: Path) -> str | None:
+    """The commit a JSON results file names (the leading hash of ``provenance.commit`` or
+    ``commit``; a ``+`` after it marks uncommitted changes on top), or None."""
+    if path.suffix != ".json":
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    named = (data.get("provenance") or {}).get("commit") or data.get("commit")
+    match = re.match(r"[0-9a-f]{7,40}", named or "")
+    return match.group(0) if match else None
+
+
+def results_files(repo: Path = REPO) -> list[Path]:
+    tracked = _git("ls-files", "--", *RESULTS, repo=repo).splitlines()
+    return [repo / name for name in tracked if name.endswith((".json", ".md"))]
+
+
+def age(path: Path, code: str, repo: Path = REPO) -> dict:
+    """When ``path`` was made and how much of ``code`` changed since."""
+    commit = recorded_commit(path)
+    source = "recorded"
+    if commit is None:
+        commit = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo)), repo=repo)
+        source = "last change of the file"
+    try:
+        commits = int(_git("rev-list", "--count", f"{commit}..HEAD", "--", code, repo=repo))
+        changed = _git("diff", "--name-only", f"{commit}..HEAD", "--", code, repo=repo)
+    except subprocess.CalledProcessError:  # a commit this clone does not have
+        commits, changed = -1, ""
+    return {
+        "file": str(path.relative_to(repo)),
+        "commit": commit,
+        "commit_from": source,
+        "code_commits_since": commits,
+        "code_files_changed": len(changed.splitlines()) if changed else 0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--code", default="hf_actq", help="the code the results measure")
+    parser.add_argument("--min-commits", type=int, default=1, help="list results this far behind")
+    parser.add_argument("--json", help="write every row here as well")
+    args = parser.parse_args(argv)
+    rows = [age(path, args.code) for path in results_files()]
+    rows.sort(key=lambda r: (-r["code_commits_since"], r["file"]))
+    behind = [r for r in rows if r["code_commits_since"] >= args.min_commits]
+    unknown = [r for r in rows if r["code_commits_since"] < 0]
+    print(f"{len(behind)} of {len(rows)} results files are older than {args.code}/:\n")
+    print(f"| file | made at | from | {args.code} commits since | files changed |")
+    print("|---|---|---|---:|---:|")
+    for r in behind:
+        print(
+            f"| {r['file']} | {r['commit']} | {r['commit_from']} | {r['code_commits_since']} "
+            f"| {r['code_files_changed']} |"
+        )
+    for r in unknown:
+        print(f"{r['file']}: commit {r['commit']} is not in this clone")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
