@@ -6,20 +6,13 @@ import difflib
 import functools
 import inspect
 import json
-import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
-from hf_actq.codecs import AverageQuantCodec, SignPreservingCodec, SmaQCodec
-from hf_actq.codecs.packed import BLOCK_SIZES, Codec
-from hf_actq.codecs.rotated import RotatedSampleCodec
+from hf_actq.codecs.packed import Codec
+from hf_actq.codecs.settings import SETTING_KEYS, check_fields, codec_for_setting
 
-CODECS = ("uniform", "aq", "blpa", "smaq", "rotated")
-# What a per-slot setting may set; "codec" may also be "exact" (keep the slot as it is) or
-# "rotated" (Hadamard-rotated stochastic rounding; per slot only: below 2 bits it samples the
-# coefficients, unbiased sub-1-bit storage that suits linear-layer inputs alone).
-SETTING_KEYS = ("codec", "bits", "group_size", "block_size")
 DROPOUT_MODES = ("seed", "mask")
 RECIPES = ("fewbit", "uniform", "alam", "checkpoint")
 # The fields that are True or False.
@@ -179,30 +172,12 @@ class ActQConfig:
     )
 
     def __post_init__(self):
-        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, float)):
-            raise ValueError(f"bits must be a number, got {self.bits!r}")
-        if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        low = {"aq": 0.0625, "rotated": 2}.get(self.codec, 1)
-        if not low <= self.bits <= 8 or (self.codec != "aq" and self.bits != int(self.bits)):
-            allowed = "a number in 1/16..8" if self.codec == "aq" else f"an integer in {low}..8"
-            raise ValueError(f"bits must be {allowed} for codec {self.codec!r}, got {self.bits!r}")
+        check_fields(self.codec, self.bits, self.group_size, self.block_size)
         if self.activation_bits is None:
             self.activation_bits = int(min(4, max(1, round(self.bits))))
         if isinstance(self.activation_bits, bool) or self.activation_bits not in (1, 2, 3, 4):
             raise ValueError(
                 f"activation_bits must be an integer in 1..4, got {self.activation_bits!r}"
-            )
-        if self.group_size is not None and (
-            isinstance(self.group_size, bool) or self.group_size not in (1, 2, 4, 8, 16)
-        ):
-            raise ValueError(
-                f"group_size must be one of 1, 2, 4, 8, 16 or None, got {self.group_size!r}"
-            )
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(
-                f"block_size must be one of {', '.join(map(str, BLOCK_SIZES))}, "
-                f"got {self.block_size!r}"
             )
         if self.dropout_mode not in DROPOUT_MODES:
             raise ValueError(
@@ -321,16 +296,6 @@ class ActQConfig:
 
     def check_setting(self, setting) -> None:
         """ValueError unless ``setting`` is a codec slot's setting this config can build."""
-        unknown = set(setting) - set(SETTING_KEYS) if isinstance(setting, dict) else None
-        if unknown is None or unknown:
-            raise ValueError(
-                f"a setting must be a dict with keys among {', '.join(SETTING_KEYS)}, "
-                f"got {setting!r}"
-            )
-        if setting.get("codec") not in (None, "exact", *CODECS):
-            raise ValueError(
-                f"codec must be one of exact, {', '.join(CODECS)}, got {setting['codec']!r}"
-            )
         self.codec_for_setting(setting)
 
     # Recipes -----------------------------------------------------------------------------------
@@ -370,43 +335,13 @@ class ActQConfig:
         return replace(self, **changes)
 
     # Derived -----------------------------------------------------------------------------------
+    def default_setting(self) -> dict:
+        """The setting of a slot the config gives no setting of its own."""
+        return dict(zip(SETTING_KEYS, (self.codec, self.bits, self.group_size, self.block_size)))
+
     def make_codec(self) -> Codec:
         """The codec for non-activation slots."""
-        if self.codec == "blpa":
-            return SignPreservingCodec(bits=int(self.bits), block_size=self.block_size)
-        if self.codec == "smaq":
-            return SmaQCodec()
-        if self.codec == "rotated":
-            return RotatedSampleCodec(bits=int(self.bits), group_size=1, block_size=self.block_size)
-        group = self.group_size
-        if self.codec == "aq":
-            group = group or _group_for(self.bits)
-            bits = max(1, min(8, round(self.bits * group)))
-            return AverageQuantCodec(bits=bits, group_size=group, block_size=self.block_size)
-        return AverageQuantCodec(
-            bits=int(self.bits), group_size=group or 1, block_size=self.block_size
-        )
-
-    def _rotated_codec(self, setting: dict) -> RotatedSampleCodec:
-        bits = setting.get("bits", self.bits)
-        if (
-            isinstance(bits, bool)
-            or not isinstance(bits, (int, float))
-            or not 1 / 16 <= bits <= 8
-            or (bits >= 2 and bits != int(bits))
-        ):
-            raise ValueError(
-                f"a 'rotated' setting's bits must be a number in 1/16..2 (sampled coefficients) "
-                f"or an integer in 2..8 (every coefficient kept), got {bits!r}"
-            )
-        # From 2 bits up every coefficient is kept (rotated uniform rounding); below, a
-        # sample of them.
-        group = setting.get("group_size") or (1 if bits >= 2 else max(2, _group_for(bits)))
-        return RotatedSampleCodec(
-            bits=max(1, min(8, round(bits * group))),
-            group_size=group,
-            block_size=setting.get("block_size", self.block_size),
-        )
+        return codec_for_setting(self.default_setting(), self.default_setting())
 
     def skips(self, path: str) -> bool:
         return any(re.search(pattern, path) for pattern in self.skip_modules)
@@ -422,15 +357,9 @@ class ActQConfig:
         return None
 
     def codec_for_setting(self, setting: dict) -> Codec | None:
-        """The codec a setting gives a codec slot (None for ``"codec": "exact"``)."""
-        if setting.get("codec") == "exact":
-            return None
-        if setting.get("codec") == "rotated":
-            return self._rotated_codec(setting)
-        changes = {k: v for k, v in setting.items() if k in SETTING_KEYS}
-        if "codec" in changes and "group_size" not in changes:
-            changes["group_size"] = None
-        return replace(self, slots={}, plan=None, adaptive=False, **changes).make_codec()
+        """The codec a setting gives a codec slot (None for ``"codec": "exact"``); what the
+        setting leaves out is the config's (``hf_actq.codecs.settings``)."""
+        return codec_for_setting(setting, self.default_setting())
 
 
 def check_activation_setting(setting) -> None:
@@ -528,9 +457,3 @@ def _resolving_recipes(generated_init):
 
 
 ActQConfig.__init__ = _resolving_recipes(ActQConfig.__init__)
-
-
-def _group_for(bits: float) -> int:
-    """Elements per stored value for an average of ``bits``: 2-bit codes over enough elements to
-    reach it (ALAM's choice), none below 2 bits."""
-    return 1 if bits >= 2 else min(16, 2 ** round(math.log2(2 / bits)))
