@@ -10,6 +10,7 @@ from torch import nn
 
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.patching import bind_forward
+from hf_actq.integrations.slots import slot_codec
 from hf_actq.ops.attention import (
     EAGER_SLOTS,
     SDPA_SLOTS,
@@ -75,13 +76,13 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         # Without grad in eval, the original implementation runs, so outputs stay identical.
         state = OpState(path=path, attention_fallback=previous)
         for slot in slots:
-            setting = config.setting_for(state.slot_id(slot)) if codec is not None else None
-            state.codecs[slot] = codec if setting is None else config.codec_for_setting(setting)
-        handle._undo.append(functools.partial(remove_state, module))
-        set_state(module, state)
+            # Attention kept exact (no codec) takes no per-slot settings.
+            state.codecs[slot] = (
+                None if codec is None else slot_codec(config, state.slot_id(slot), codec, True)
+            )
         describe = functools.partial(_describe, kind, state)
-        handle.describers[path] = describe
-        handle.patched[path] = describe()
+        handle.record(path, describe, undo=functools.partial(remove_state, module))
+        set_state(module, state)
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
         own_config = getattr(module, "config", None)
         if own_config is not None and hasattr(own_config, "_attn_implementation"):
@@ -90,8 +91,8 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     if not count:
         return
     for patched_config in configs.values():
-        handle._undo.append(
-            functools.partial(
+        handle.record(
+            undo=functools.partial(
                 setattr, patched_config, "_attn_implementation", patched_config._attn_implementation
             )
         )
@@ -106,8 +107,7 @@ def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> 
             continue
         state = OpState(path=path)
         for slot in DEBERTA_SLOTS:
-            setting = config.setting_for(state.slot_id(slot))
-            state.codecs[slot] = codec if setting is None else config.codec_for_setting(setting)
+            state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec, keeps_tensor=True)
         describe = functools.partial(_describe, "disentangled, recomputed in backward", state)
         if bind_forward(
             module, CompressedDisentangledSelfAttention.forward, state, path, describe, handle

@@ -66,15 +66,15 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
         for module in model.modules()
         if hasattr(module, "gradient_checkpointing")
     }
-    handle._undo.append(functools.partial(_restore, before))
+    handle.record(undo=functools.partial(_restore, before))
     if not any(layer.gradient_checkpointing for layer in layers.values()):
         hook_attributes = {name: model.__dict__.get(name, MISSING) for name in _HOOK_ATTRIBUTES}
         hooks_before = list(getattr(model, "_require_grads_hooks", None) or ())
         # Turning checkpointing on may make the input embeddings require grad (hooks); revert
         # removes those, and only those (filled in below, even if turning on fails).
         added: list = []
-        handle._undo.append(
-            functools.partial(_remove_input_grad_hooks, model, added, hook_attributes)
+        handle.record(
+            undo=functools.partial(_remove_input_grad_hooks, model, added, hook_attributes)
         )
         turn_on = getattr(model, "activation_checkpointing_enable", None)
         try:
@@ -89,7 +89,8 @@ def enable(model: nn.Module, config, handle) -> dict[str, nn.Module]:
             added.extend(hook for hook in hooks if hook not in hooks_before)
     if not config.compress_checkpointed:
         # PEFT's LoRA dropouts replay their masks in the traced form (torch.compile).
-        handle._undo.extend(make_dropouts_replayable(layer) for layer in layers.values())
+        for layer in layers.values():
+            handle.record(undo=make_dropouts_replayable(layer))
     install(layers, config)
     return layers
 

@@ -12,7 +12,7 @@ from torch import nn
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.integrations.layers import slot_activation, slot_codec
+from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.moe_experts import SLOTS, register_experts, supports_experts
 from hf_actq.ops.state import OpState, remove_state, set_state
 
@@ -47,11 +47,9 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
         state.activation = slot_activation(found, config, state.slot_id("act"))
         for slot in ("gate", "up"):
             state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec)
-        handle._undo.append(functools.partial(remove_state, module))
-        set_state(module, state)
         describe = functools.partial(_describe, state)
-        handle.describers[path] = describe
-        handle.patched[path] = describe()
+        handle.record(path, describe, undo=functools.partial(remove_state, module))
+        set_state(module, state)
         handle.add_slots(state, {"act": "activation", "gate": "mlp", "up": "mlp"})
         configs.setdefault(id(module.config), module.config)
         claimed[module.act_fn] = "the MoE experts op computes it"
@@ -59,8 +57,8 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
         return claimed
     name = register_experts()
     for experts_config in configs.values():
-        handle._undo.append(
-            functools.partial(
+        handle.record(
+            undo=functools.partial(
                 setattr,
                 experts_config,
                 "_experts_implementation",

@@ -17,9 +17,10 @@ from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.integrations.patching import bind_forward
+from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.dropout import CompressedDropout
-from hf_actq.ops.fewbit_activation import ActivationTable, FewBitActivation
+from hf_actq.ops.fewbit_activation import FewBitActivation
 from hf_actq.ops.gated_mlp import (
     CompressedFusedGatedMLP,
     CompressedGatedMLP,
@@ -207,30 +208,6 @@ def patch_layers(
             mode = config.dropout_mode
             describe = _describer(f"dropout ({mode})")
             bind(module, CompressedDropout.forward, path, {}, describe, dropout_mode=mode)
-
-
-def slot_codec(config: ActQConfig, slot_id: str, default):
-    """The codec of a codec slot: its per-slot setting's, else ``default``. "exact" keeps the
-    tensor itself (compacted)."""
-    setting = config.setting_for(slot_id)
-    if setting is None:
-        return default
-    codec = config.codec_for_setting(setting)
-    return ExactCodec() if codec is None else codec
-
-
-def slot_activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:
-    setting = config.setting_for(slot_id) or {}
-    # A codec setting keeps the input instead: the table is the config's, used on no code.
-    bits = (
-        config.activation_bits
-        if "codec" in setting
-        else setting.get("bits", config.activation_bits)
-    )
-    try:
-        return ActivationTable(found[0], bits, found[1])
-    except ValueError as error:
-        raise ValueError(f"slots[{slot_id!r}]: few-bit slots take bits 1..4 ({error})") from error
 
 
 def _describer(template: str):

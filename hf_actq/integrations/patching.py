@@ -77,17 +77,18 @@ def bind_forward(module, op_forward, state: OpState, path: str, describe, handle
         previous if previous is not MISSING else types.MethodType(type(module).forward, module)
     )
     bound = types.MethodType(op_forward, module)
-    description = describe()
     # Bound methods and partials, not closures, throughout: ``copy.deepcopy`` of a patched
     # model rebinds them to the copy's modules, so the copy runs and reverts on its own. The
     # undo is recorded before anything changes, so that a failure part-way is undone too.
-    handle._undo.append(functools.partial(_unbind, module, attribute, previous, bound, state, path))
+    handle.record(
+        path,
+        describe,
+        undo=functools.partial(_unbind, module, attribute, previous, bound, state, path),
+    )
     module.__dict__[attribute] = bound
     set_state(module, state)
     module.__dict__[DESCRIBE] = describe
     module.__dict__["extra_repr"] = types.MethodType(_patched_extra_repr, module)
-    handle.describers[path] = describe
-    handle.patched[path] = description
     return True
 
 
@@ -137,7 +138,7 @@ def support_data_parallel(model: nn.Module, handle) -> None:
             continue
         if any(_bound_to(value, module) for value in module.__dict__.values()):
             module.__dict__[REPLICATE] = functools.partial(replicate_patched, module)
-            handle._undo.append(functools.partial(_stop_replicating, module))
+            handle.record(undo=functools.partial(_stop_replicating, module))
 
 
 def _stop_replicating(module: nn.Module) -> None:

@@ -28,6 +28,7 @@ from hf_actq.integrations.patching import (
     unbind_forward,
 )
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
+from hf_actq.integrations.slots import setting_codec
 from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.state import NOT_PICKLABLE, OpState
@@ -58,6 +59,18 @@ class ActQHandle:
     _states: dict = field(default_factory=dict, repr=False)
     _undo: list = field(default_factory=list, repr=False)
 
+    def record(self, path: str | None = None, describe=None, undo=None) -> None:
+        """Record one patch, the one way patchers write to the handle: ``undo`` runs when the
+        handle reverts (in reverse order; record it before the change it undoes, so that a
+        failure part-way is undone too), and module ``path`` shows ``describe()`` in
+        ``handle.patched`` (refreshed when a plan changes its settings)."""
+        shown = describe() if path is not None else None  # a describer that fails records nothing
+        if undo is not None:
+            self._undo.append(undo)
+        if path is not None:
+            self.describers[path] = describe
+            self.patched[path] = shown
+
     def add_slots(self, state: OpState, kinds: dict[str, str]) -> None:
         """Register the compressed slots of ``state`` (``kinds``: slot name -> kind)."""
         for slot, kind in kinds.items():
@@ -85,10 +98,8 @@ class ActQHandle:
                     act = state.activation
                     value = ActivationTable(act.spec.name, setting["bits"], act.params)
                 else:
-                    self.config.check_setting(setting)
-                    value = self.config.codec_for_setting(setting)
-                    if value is None and self.slots[slot_id] != "attention":
-                        value = ExactCodec()  # attention keeps an exact slot as the tensor
+                    keeps_tensor = self.slots[slot_id] == "attention"
+                    value = setting_codec(self.config, setting, keeps_tensor)
             except ValueError as error:
                 raise ValueError(f"bit plan: slot {slot_id!r}: {error}") from None
             changes.append((state, slot, value))
@@ -190,7 +201,7 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
 def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) -> None:
     plan = _load_plan(config.plan)
     guard = base.register_forward_pre_hook(_PickleGuard())
-    handle._undo.append(guard.remove)
+    handle.record(undo=guard.remove)
     patch_config = config
     if config.checkpoint_bits is not None:
         handle.checkpointed = checkpointing.enable(base, config, handle)
@@ -247,7 +258,7 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
     step seed advances in the input embedding's forward: a hook on a module whose forward or
     hooks break the graph (transformers' logging, PEFT's requires_grad hook) breaks it once
     more, and the embedding's do not."""
-    handle._undo.append(dedup.start_step_seed(model))
+    handle.record(undo=dedup.start_step_seed(model))
     try:
         embedding = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):
@@ -255,7 +266,7 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
     attribute = _forward_attribute(embedding) if isinstance(embedding, nn.Module) else None
     if attribute is None:  # no embedding we can bind onto: the model's own pre-hook
         hook = model.register_forward_pre_hook(dedup.advance_step_seed)
-        handle._undo.append(hook.remove)
+        handle.record(undo=hook.remove)
         return
     previous = embedding.__dict__.get(attribute, MISSING)  # accelerate's wrapper calls this
     inner = (
@@ -265,8 +276,8 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
     )
     # Bound methods and partials, not closures: deepcopy rebinds them to the copy.
     bound = types.MethodType(dedup.step_seed_forward, embedding)
-    handle._undo.append(
-        functools.partial(_stop_advancing_in, embedding, attribute, previous, bound, inner)
+    handle.record(
+        undo=functools.partial(_stop_advancing_in, embedding, attribute, previous, bound, inner)
     )
     embedding.__dict__[dedup.INNER_FORWARD] = inner
     embedding.__dict__[attribute] = bound

@@ -1,0 +1,41 @@
+"""What a slot gets: the one resolution of per-slot settings that every patcher uses."""
+
+from __future__ import annotations
+
+from hf_actq.codecs.packed import Codec, ExactCodec
+from hf_actq.config import ActQConfig
+from hf_actq.ops.fewbit_activation import ActivationTable
+
+
+def setting_codec(config: ActQConfig, setting: dict, keeps_tensor: bool = False) -> Codec | None:
+    """The codec ``setting`` gives a codec slot. "exact" is ``ExactCodec`` (the tensor kept,
+    compacted), or None for ops that keep an exact slot's tensor as it is (``keeps_tensor``:
+    attention, whose recompute takes the tensors themselves)."""
+    codec = config.codec_for_setting(setting)
+    if codec is None and not keeps_tensor:
+        return ExactCodec()
+    return codec
+
+
+def slot_codec(
+    config: ActQConfig, slot_id: str, default: Codec | None, keeps_tensor: bool = False
+) -> Codec | None:
+    """The codec of codec slot ``slot_id``: its per-slot setting's, else ``default``."""
+    setting = config.setting_for(slot_id)
+    return default if setting is None else setting_codec(config, setting, keeps_tensor)
+
+
+def slot_activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:
+    """The few-bit table of activation slot ``slot_id`` (``found``: the activation's name and
+    parameters)."""
+    setting = config.setting_for(slot_id) or {}
+    # A codec setting keeps the input instead: the table is the config's, used on no code.
+    bits = (
+        config.activation_bits
+        if "codec" in setting
+        else setting.get("bits", config.activation_bits)
+    )
+    try:
+        return ActivationTable(found[0], bits, found[1])
+    except ValueError as error:
+        raise ValueError(f"slots[{slot_id!r}]: few-bit slots take bits 1..4 ({error})") from error
