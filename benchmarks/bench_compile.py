@@ -19,6 +19,7 @@ import sys
 import warnings
 
 import torch
+from provenance import write_json
 
 import hf_actq
 from hf_actq import ActQConfig
@@ -131,17 +132,7 @@ def main(argv=None) -> int:
             f"{row['max_rel_grad_diff']:.1e} |"
         )
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(
-                {
-                    "backend": args.backend,
-                    "seq": args.seq,
-                    "torch": torch.__version__,
-                    "rows": rows,
-                },
-                f,
-                indent=1,
-            )
+        write_json(args.output, {"backend": args.backend, "seq": args.seq, "rows": rows})
     return 0
 
 

@@ -10,13 +10,13 @@ so drift in machine load hits both). Prints a table with ratios and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from provenance import write_json
 
 from hf_actq import ActQConfig, SavedTensorMeter, apply
 from hf_actq.ops import FewBitActivation
@@ -178,8 +178,7 @@ def main(argv=None):
             "rows": rows,
             "training_steps": steps,
         }
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.output, result)
         print(f"wrote {args.output}")
 
 

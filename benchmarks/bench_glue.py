@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from provenance import write_json
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
@@ -243,7 +244,7 @@ def main() -> None:
                     continue
                 print(f"running {task} {recipe} seed {seed}", flush=True)
                 result = run(task, recipe, seed, args)
-                path.write_text(json.dumps(result, indent=1) + "\n")
+                write_json(path, result)
                 print(f"  dev {result['dev']}, {result['seconds']} s", flush=True)
     results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     print(table(results))

@@ -3,8 +3,8 @@ docs/reference.md ("Gradient error per recipe").
 
     python benchmarks/bench_gradients.py [--output benchmarks/results/bench_gradients.json]
 
-Uses the tiny models of the gradient-bound tests (``tests/integrations/test_apply.py``, every
-registered model type) and the same measurement (``_gradient_cosines``): one step's gradient
+Uses the tiny models of the gradient-bound tests (``hf_actq.testing.tiny_model``, every
+registered dense model type) and the same measurement (``gradient_cosines``): one step's gradient
 under a recipe against the exact one, stochastic-rounding seeds from ``torch.manual_seed(0)``;
 the cosine of the whole model's gradient, and the smallest and the median of the per-tensor
 cosines. "alam" here is the even spread (``adaptive=False``: a plan needs calibration data, which
@@ -38,20 +38,25 @@ import json
 import logging
 import os
 import re
-import shlex
 import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "integrations"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
-import test_apply  # noqa: E402
+
+from provenance import write_json  # noqa: E402
 
 import hf_actq  # noqa: E402
 from hf_actq import ActQConfig, SavedTensorMeter  # noqa: E402
+from hf_actq.testing import (  # noqa: E402
+    TINY_SIZES,
+    gradient_cosines,
+    metered_step,
+    tiny_batch,
+    tiny_model,
+)
 
 RECIPES = [
     ("fewbit", {}),
@@ -80,15 +85,15 @@ def measure(model_type: str, draws: int) -> dict:
         label = name + ("-even" if overrides.get("adaptive") is False else "")
         label += f":bits={overrides['bits']}" if "bits" in overrides else ""
         config = ActQConfig.from_recipe(name, **overrides)
-        whole, per_tensor = test_apply._gradient_cosines(model_type, config)
+        whole, per_tensor = gradient_cosines(model_type, config)
         per_tensor = sorted(per_tensor)
         row[label] = dict(zip(STATISTICS, (whole, per_tensor[0], per_tensor[len(per_tensor) // 2])))
-    model = test_apply._model(model_type)
-    batch = test_apply._batch(model_type)
-    exact = _flat(test_apply._step(model, batch)[1])
+    model = tiny_model(model_type)
+    batch = tiny_batch(model_type)
+    exact = _flat(metered_step(model, batch)[1])
     handle = hf_actq.apply(model, ActQConfig.from_recipe("alam", adaptive=False))
     torch.manual_seed(0)
-    total = sum(_flat(test_apply._step(model, batch)[1]) for _ in range(draws))
+    total = sum(_flat(metered_step(model, batch)[1]) for _ in range(draws))
     handle.revert()
     row[f"alam-even mean of {draws}"] = {"whole": _cosine(exact, total)}
     return row
@@ -414,16 +419,7 @@ def _precision(label: str):
 
 
 def _write(path: str, payload: dict) -> None:
-    """``payload`` as JSON, with the commit (``+``: uncommitted changes) and command that made it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-    from common.records import checkout_commit
-
-    provenance = {
-        "commit": checkout_commit(Path(__file__).resolve().parents[1]),
-        "command": shlex.join(["python", *sys.argv]),
-    }
-    with open(path, "w") as file:
-        json.dump({"provenance": provenance, **payload}, file, indent=1)
+    write_json(path, payload)
 
 
 def main() -> None:
@@ -523,7 +519,7 @@ def main() -> None:
         if args.output:
             _write(args.output, rows)
         return
-    results = {t: measure(t, args.draws) for t in sorted(test_apply.SMALL)}
+    results = {t: measure(t, args.draws) for t in sorted(TINY_SIZES)}
     columns = list(next(iter(results.values())))
     worst, median = {}, {}
     for statistic in STATISTICS:

@@ -36,6 +36,7 @@ import os
 import time
 
 import torch
+from provenance import write_json
 
 from hf_actq.report import measure_model
 from hf_actq.report.presets import preset_config
@@ -340,8 +341,7 @@ def _save(output: str | None, results: dict) -> None:
         if os.path.exists(output):
             with open(output) as file:
                 results = {**json.load(file), **results}
-        with open(output, "w") as file:
-            json.dump(results, file, indent=1, default=str)
+        write_json(output, results)
 
 
 if __name__ == "__main__":

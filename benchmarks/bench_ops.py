@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
 import torch
+from provenance import write_json
 from torch import nn
 
 import hf_actq
@@ -204,19 +204,9 @@ def main(argv=None):
             f"{result['ratio']:.2f}x smaller"
         )
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(
-                {
-                    "ops": [
-                        dict(zip(("op", "saved_torch", "saved_ours", "s_torch", "s_ours"), r))
-                        for r in rows
-                    ],
-                    "roberta_base": model,
-                    "llama_blocks": llama,
-                },
-                f,
-                indent=1,
-            )
+        names = ("op", "saved_torch", "saved_ours", "s_torch", "s_ours")
+        ops = [dict(zip(names, r)) for r in rows]
+        write_json(args.output, {"ops": ops, "roberta_base": model, "llama_blocks": llama})
         print(f"wrote {args.output}")
 
 

@@ -16,10 +16,9 @@ temporaries).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
+from provenance import write_json
 
 from hf_actq.report import measure_model
 from hf_actq.report.presets import preset_config
@@ -108,10 +107,7 @@ def main() -> None:
             print(table(rows[-len(args.recipes) - 1 :]).split("\n", 2)[2], flush=True)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(
-            json.dumps({"device": device, "dtype": args.dtype, "rows": rows}, indent=1) + "\n"
-        )
+        write_json(args.output, {"device": device, "dtype": args.dtype, "rows": rows})
     print(f"\ndevice: {device}, {args.dtype}\n" + table(rows))
 
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import json
 import os
 import statistics
 import time
 
 import torch
+from provenance import write_json
 
 import hf_actq
 from hf_actq.report.presets import preset_config
@@ -170,8 +170,7 @@ def main() -> None:
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if args.output:
-        with open(args.output, "w") as file:
-            json.dump(results, file, indent=1)
+        write_json(args.output, results)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ import pytest
 # Otherwise (the development and CI machines have no GPU) the kernels run under the interpreter,
 # which must be chosen before triton is first imported; the AOT test clears it in a subprocess.
 TEST_DEVICE = os.environ.get("HF_ACTQ_TEST_DEVICE", "cpu")
+# The tests download nothing. huggingface_hub reads this once, at import: set before any test
+# imports it, a lookup that misses (a model id that is not a preset) fails at once instead of
+# retrying the network for 23 s.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:

@@ -4,11 +4,11 @@ is a one-line ValueError that names it."""
 import math
 
 import pytest
-from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import ActQCallback, ActQConfig
 from hf_actq.report import cli
+from hf_actq.testing import tiny_llama
 
 
 @pytest.mark.parametrize("recipe", ["fewbit", "uniform", "alam", "checkpoint"])

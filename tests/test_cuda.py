@@ -41,13 +41,13 @@ def test_kernel_codec_and_op_tests_pass_compiled_on_the_gpu():
 
 
 def _bert():
-    from tiny_models import tiny_bert
+    from hf_actq.testing import tiny_bert
 
     return tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
 def _llama():
-    from tiny_models import tiny_llama
+    from hf_actq.testing import tiny_llama
 
     return tiny_llama()
 

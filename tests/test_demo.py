@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from hf_actq import demo
 
 
@@ -21,6 +23,7 @@ def test_demo_saves_gelu_bytes_and_trains_alike():
     assert abs(losses["baseline"][-1] - losses["fewbit"][-1]) < 0.05
 
 
+@pytest.mark.slow  # 12 s in a fresh process; the demo itself runs in the test above
 def test_console_command_runs():
     proc = subprocess.run(
         [sys.executable, "-m", "hf_actq", "demo", "--steps", "2", "--batch-size", "2"],

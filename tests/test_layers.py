@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_actq"
-# Lowest first. The top level (the package's __init__, __main__, demo) may import anything.
+# Lowest first. The top level (the package's __init__, __main__, demo, testing) may import
+# anything.
 FLOORS = {
     "fewbit": 1,
     "kernels": 2,

@@ -8,6 +8,7 @@ import functools
 
 from torch import nn
 
+from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.patching import bind_forward
 from hf_actq.integrations.slots import slot_codec
@@ -78,7 +79,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         for slot in slots:
             # Attention kept exact (no codec) takes no per-slot settings.
             state.codecs[slot] = (
-                None if codec is None else slot_codec(config, state.slot_id(slot), codec, True)
+                ExactCodec() if codec is None else slot_codec(config, state.slot_id(slot), codec)
             )
         describe = functools.partial(_describe, kind, state)
         handle.record(path, describe, undo=functools.partial(remove_state, module))
@@ -107,7 +108,7 @@ def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> 
             continue
         state = OpState(path=path)
         for slot in DEBERTA_SLOTS:
-            state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec, keeps_tensor=True)
+            state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec) or ExactCodec()
         describe = functools.partial(_describe, "disentangled, recomputed in backward", state)
         if bind_forward(
             module, CompressedDisentangledSelfAttention.forward, state, path, describe, handle
@@ -117,7 +118,7 @@ def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> 
 
 def _describe(kind: str, state: OpState) -> str:
     codecs = set(map(repr, state.codecs.values()))
-    if codecs == {"None"}:
+    if codecs == {repr(ExactCodec())}:
         return f"attention ({kind}) exact operands, dropout mask as " + (
             "a seed" if kind == "eager" else "its RNG state"
         )

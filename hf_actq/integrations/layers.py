@@ -1,6 +1,10 @@
 """Patching the per-module slots of a model: linear layers (and GPT-2's Conv1D), LayerNorm and
 RMSNorm in LLaMA's or Gemma's form, dropout, pointwise activations and gated MLPs.
 
+``RULES`` is the table: each rule recognises one kind of module and says which op's forward it
+gets, with which slots and description (a :class:`Patch`), or why it stays as it is (a
+:class:`Skip`). A new kind of module is one rule.
+
 Each patch binds the ``forward`` of the matching op class in ``hf_actq.ops`` onto the module
 instance (see :mod:`hf_actq.integrations.patching`), so patched models and standalone ops share
 one implementation. Each slot takes the config's codec unless a per-slot setting
@@ -10,10 +14,12 @@ one implementation. Each slot takes the config's codec unless a per-slot setting
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from hf_actq.codecs.packed import ExactCodec
+from hf_actq.codecs.packed import Codec, ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.integrations.patching import bind_forward
@@ -59,52 +65,183 @@ def _never_called(model: nn.Module) -> dict[nn.Module, str]:
     return found
 
 
+@dataclass
+class Walk:
+    """What the rules share while ``patch_layers`` walks one model."""
+
+    config: ActQConfig
+    codec: Codec | None  # the config's
+    # act_fn of gated MLPs whose product runs stock (the product keeps act(gate) itself).
+    stock_products: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Patch:
+    """What a rule makes of a module: the op to bind, its slots (slot -> kind; codec slots and
+    the few-bit "act" slot), how ``handle.patched`` shows it, and the modules it covers."""
+
+    forward: Callable
+    kinds: dict[str, str]
+    describe: str  # a template: {act} the activation, {slot} a slot's codec
+    fields: dict = field(default_factory=dict)  # OpState fields
+    activation: tuple | None = None  # (name, params) for the "act" slot
+    codecs: dict | None = None  # per-slot defaults in place of the config's codec
+    claims: tuple = ()  # modules the op runs itself, left alone once it is bound
+    leaves_alone: tuple = ()  # modules left alone whether or not it binds
+
+
+@dataclass
+class Skip:
+    """A module a rule recognises and leaves alone, with the reason (``handle.skipped``)."""
+
+    reason: str
+
+
+def _gated_mlp(module, walk: Walk) -> Patch | None:
+    gated = _gated_activation(module)
+    if gated is None:
+        return None
+    if not walk.config.gated_mlp:
+        walk.stock_products.add(id(module.act_fn))
+        return None
+    fused = plain_projections(module)
+    how = "operands" if fused else "product (projections patched as their own modules)"
+    # With plain projections the MLP runs them itself; wrapped ones (PEFT before hf_actq) run
+    # as modules and are patched one by one, and the "input" slot stays empty (x is packed by
+    # the projections themselves).
+    return Patch(
+        CompressedGatedMLP.forward,
+        {"input": "mlp", "act": "activation", "gate": "mlp", "up": "mlp"},
+        f"gated_mlp {{act}}; {how} {{gate}}",
+        fields={"fused_projections": fused},
+        activation=gated,
+        claims=tuple(module.modules()) if fused else (module.act_fn,),
+    )
+
+
+def _t5_gated_mlp(module, walk: Walk) -> Patch | None:
+    gated = t5_gated_activation(module)
+    if gated is None:
+        return None
+    if not walk.config.gated_mlp:
+        walk.stock_products.add(id(module.act))
+        return None
+    # Only the product is fused; the projections, dropout and wo are patched as their own
+    # modules.
+    return Patch(
+        CompressedT5GatedMLP.forward,
+        {"act": "activation", "gate": "mlp", "up": "mlp"},
+        "gated_mlp {act}; product {gate}",
+        activation=gated,
+        claims=(module.act,),
+    )
+
+
+def _fused_gated_mlp(module, walk: Walk) -> Patch | None:
+    config = walk.config
+    found = _fused_gated_activation(module)
+    if found is None or not (config.gated_mlp or config.activations):
+        return None
+    # The activation's input is a view of the fused gate/up output, which the product keeps
+    # alive anyway: only the fused op can drop it, so its parts are never patched on their
+    # own. Without gated_mlp its operands stay exact (compacted).
+    operands = walk.codec if config.gated_mlp else ExactCodec()
+    kinds = {"act": "activation", "gate": "mlp", "up": "mlp"}
+    return Patch(
+        CompressedFusedGatedMLP.forward,
+        {"input": "mlp", **kinds} if config.linear else kinds,
+        "gated_mlp {act}; operands {gate}",
+        activation=found,
+        codecs={"input": walk.codec, "gate": operands, "up": operands},
+        leaves_alone=tuple(module.modules()),
+    )
+
+
+def _activation(module, walk: Walk) -> Patch | Skip | None:
+    config = walk.config
+    found = activation_of(module) if config.activations else None
+    if found is None:
+        return None
+    shared = not config.linear or id(module) in walk.stock_products or found[0] != "relu"
+    if found[0] in _OUTPUT_SAVING and shared:
+        return Skip(
+            f"{found[0]} keeps its output, which the next op keeps exactly too "
+            "(a few-bit copy would add bytes)"
+        )
+    return Patch(
+        FewBitActivation.forward,
+        {"act": "activation"},
+        "activation {act}",
+        fields={"act_codec": found[0] not in _OUTPUT_SAVING},
+        activation=found,
+    )
+
+
+def _linear(module, walk: Walk) -> Patch | None:
+    if not walk.config.linear:
+        return None
+    if type(module) is nn.Linear:
+        return Patch(CompressedLinear.forward, {"input": "linear"}, "linear {input}")
+    if _is_conv1d(module):
+        return Patch(CompressedConv1D.forward, {"input": "linear"}, "linear (Conv1D) {input}")
+    return None
+
+
+def _norm_patch(forward, config: ActQConfig, **fields) -> Patch:
+    """A norm compressed (``norm``), or exact but keeping its output (memory sharing)."""
+    if config.norm:
+        fields["offer_output"] = config.share_norm_outputs
+        return Patch(forward, {"input": "norm"}, "norm {input}", fields=fields)
+    fields["norm_from_output"] = True
+    describe = "norm (exact; keeps its output, shared with the next layer)"
+    return Patch(forward, {}, describe, fields=fields)
+
+
+def _norm(module, walk: Walk) -> Patch | Skip | None:
+    config = walk.config
+    if not (config.norm or config.share_norm_outputs):
+        return None
+    if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
+        return _norm_patch(CompressedLayerNorm.forward, config)
+    if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
+        offset = rms_norm_offset(module)
+        if offset is None:
+            return Skip("RMSNorm with a different formula (kept exact)")
+        eps = rms_norm_eps(module)
+        return _norm_patch(CompressedRMSNorm.forward, config, eps=eps, norm_offset=offset)
+    return None
+
+
+def _dropout(module, walk: Walk) -> Patch | None:
+    if type(module) is not nn.Dropout or not walk.config.dropout:
+        return None
+    mode = walk.config.dropout_mode
+    return Patch(CompressedDropout.forward, {}, f"dropout ({mode})", fields={"dropout_mode": mode})
+
+
+# The rules, tried in order on every module: the first that recognises a module (a Patch or a
+# Skip) decides it. Gated MLPs come first, since they run their projections and activation
+# themselves; a model's own modules are matched by type or by the form of their forward.
+RULES: tuple[Callable[[nn.Module, Walk], Patch | Skip | None], ...] = (
+    _gated_mlp,
+    _t5_gated_mlp,
+    _fused_gated_mlp,
+    _activation,
+    _linear,
+    _norm,
+    _dropout,
+)
+
+
 def patch_layers(
     model: nn.Module, config: ActQConfig, handle, exclude: dict[nn.Module, str] | None = None
 ) -> None:
-    """Patch every known module type; ``exclude`` maps modules to leave alone to the reason
-    (``handle.skipped`` shows it)."""
+    """Patch every module a rule of ``RULES`` takes; ``exclude`` maps modules to leave alone to
+    the reason (``handle.skipped`` shows it)."""
     cache = PackCache()
-    codec = config.make_codec()
+    walk = Walk(config, config.make_codec())
     exclude = {**(exclude or {}), **_never_called(model)}
     claimed: set[int] = {id(m) for m in exclude}
-    stock_products: set[int] = set()  # act_fn of gated MLPs whose product runs stock
-    # Norms: compressed (``norm``), or exact ones that keep their output (memory sharing).
-    norms = config.norm or config.share_norm_outputs
-    if config.norm:
-        norm_slots = ({"input": "norm"}, _describer("norm {input}"))
-        norm_fields = {"offer_output": config.share_norm_outputs}
-    else:
-        describe = _describer("norm (exact; keeps its output, shared with the next layer)")
-        norm_slots, norm_fields = ({}, describe), {"norm_from_output": True}
-
-    def bind(module, op_forward, path, kinds, describe, codecs=None, activation=None, **fields):
-        """Bind with a state whose codec slots (``kinds``: slot -> kind, codec slots and the
-        few-bit "act" slot) take ``codecs`` (default: the config's codec) or their setting."""
-        state = OpState(cache=cache, path=path, **fields)
-        for slot in kinds:
-            slot_id = state.slot_id(slot)
-            if slot == "act":
-                state.activation = slot_activation(activation, config, slot_id)
-                setting = config.setting_for(slot_id) or {}
-                if "codec" in setting:
-                    if not state.act_codec:
-                        raise ValueError(
-                            f"slots[{slot_id!r}]: only a standalone activation can keep its "
-                            "input with a codec; a gated MLP's activation keeps a few-bit code "
-                            "({'bits': 1..4})"
-                        )
-                    state.codecs["act"] = slot_codec(config, slot_id, None)
-            else:
-                default = codec if codecs is None else codecs[slot]
-                state.codecs[slot] = slot_codec(config, slot_id, default)
-        if bind_forward(
-            module, op_forward, state, path, functools.partial(describe, state), handle
-        ):
-            handle.add_slots(state, kinds)
-            return True
-        return False
-
     for path, module in model.named_modules():
         if module in exclude:
             handle.skipped[path] = exclude[module]
@@ -114,100 +251,45 @@ def patch_layers(
             claimed.update(id(m) for m in module.modules())
             handle.skipped[path] = "skip_modules"
             continue
-        gated = _gated_activation(module)
-        if gated is not None and not config.gated_mlp:
-            stock_products.add(id(module.act_fn))  # the product keeps act(gate) itself
-        if gated is not None and config.gated_mlp:
-            fused = plain_projections(module)
-            how = "operands" if fused else "product (projections patched as their own modules)"
-            # With wrapped projections x is packed by the projections themselves, and the
-            # "input" slot stays empty.
-            kinds = {"input": "mlp", "act": "activation", "gate": "mlp", "up": "mlp"}
-            described = _describer(f"gated_mlp {{act}}; {how} {{gate}}")
-            if bind(
-                module,
-                CompressedGatedMLP.forward,
-                path,
-                kinds,
-                described,
-                activation=gated,
-                fused_projections=fused,
-            ):
-                # With plain projections the MLP runs them itself; wrapped ones (PEFT before
-                # hf_actq) run as modules and are patched one by one.
-                claimed.update(id(m) for m in (module.modules() if fused else (module.act_fn,)))
-            continue
-        t5_gated = t5_gated_activation(module)
-        if t5_gated is not None and config.gated_mlp:
-            # Only the product is fused; the projections, dropout and wo are patched as their
-            # own modules below.
-            kinds = {"act": "activation", "gate": "mlp", "up": "mlp"}
-            described = _describer("gated_mlp {act}; product {gate}")
-            if bind(
-                module, CompressedT5GatedMLP.forward, path, kinds, described, activation=t5_gated
-            ):
-                claimed.add(id(module.act))
-            continue
-        if t5_gated is not None:
-            stock_products.add(id(module.act))
-        fused_act = _fused_gated_activation(module)
-        if fused_act is not None and (config.gated_mlp or config.activations):
-            # The activation's input is a view of the fused gate/up output, which the product
-            # keeps alive anyway: only the fused op can drop it. Without gated_mlp its operands
-            # stay exact (compacted).
-            operands = codec if config.gated_mlp else ExactCodec()
-            codecs = {"input": codec, "gate": operands, "up": operands}
-            kinds = {"act": "activation", "gate": "mlp", "up": "mlp"}
-            if config.linear:
-                kinds = {"input": "mlp", **kinds}
-            bind(
-                module,
-                CompressedFusedGatedMLP.forward,
-                path,
-                kinds,
-                _describer("gated_mlp {act}; operands {gate}"),
-                codecs=codecs,
-                activation=fused_act,
-            )
-            claimed.update(id(m) for m in module.modules())
-            continue
-        found = activation_of(module) if config.activations else None
-        if found is not None:
-            shared = not config.linear or id(module) in stock_products or found[0] != "relu"
-            if found[0] in _OUTPUT_SAVING and shared:
-                handle.skipped[path] = (
-                    f"{found[0]} keeps its output, which the next op keeps exactly too "
-                    "(a few-bit copy would add bytes)"
-                )
+        for rule in RULES:
+            found = rule(module, walk)
+            if found is None:
                 continue
-            kinds = {"act": "activation"}
-            describe = _describer("activation {act}")
-            bind(
-                module, FewBitActivation.forward, path, kinds, describe, activation=found,
-                act_codec=found[0] not in _OUTPUT_SAVING,
-            )  # fmt: skip
-        elif type(module) is nn.Linear and config.linear:
-            describe = _describer("linear {input}")
-            bind(module, CompressedLinear.forward, path, {"input": "linear"}, describe)
-        elif config.linear and _is_conv1d(module):
-            describe = _describer("linear (Conv1D) {input}")
-            bind(module, CompressedConv1D.forward, path, {"input": "linear"}, describe)
-        elif type(module) is nn.LayerNorm and norms and len(module.normalized_shape) == 1:
-            bind(module, CompressedLayerNorm.forward, path, *norm_slots, **norm_fields)
-        elif norms and type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
-            offset = rms_norm_offset(module)
-            if offset is not None:
-                eps = rms_norm_eps(module)
-                bind(
-                    module, CompressedRMSNorm.forward, path, *norm_slots, eps=eps,
-                    norm_offset=offset, **norm_fields,
-                )  # fmt: skip
-            else:
-                handle.skipped[path] = "RMSNorm with a different formula (kept exact)"
-        elif type(module) is nn.Dropout and config.dropout:
-            mode = config.dropout_mode
-            describe = _describer(f"dropout ({mode})")
-            bind(module, CompressedDropout.forward, path, {}, describe, dropout_mode=mode)
+            if isinstance(found, Skip):
+                handle.skipped[path] = found.reason
+                break
+            if _bind(module, path, found, walk, cache, handle):
+                claimed.update(id(m) for m in found.claims)
+            claimed.update(id(m) for m in found.leaves_alone)
+            break
+
+
+def _bind(module, path: str, patch: Patch, walk: Walk, cache: PackCache, handle) -> bool:
+    """Bind ``patch.forward`` with a state whose slots take ``patch.codecs`` (default: the
+    config's codec) or their per-slot setting."""
+    config = walk.config
+    state = OpState(cache=cache, path=path, **patch.fields)
+    for slot in patch.kinds:
+        slot_id = state.slot_id(slot)
+        if slot == "act":
+            state.activation = slot_activation(patch.activation, config, slot_id)
+            setting = config.setting_for(slot_id) or {}
+            if "codec" in setting:
+                if not state.act_codec:
+                    raise ValueError(
+                        f"slots[{slot_id!r}]: only a standalone activation can keep its "
+                        "input with a codec; a gated MLP's activation keeps a few-bit code "
+                        "({'bits': 1..4})"
+                    )
+                state.codecs["act"] = slot_codec(config, slot_id, None)
+        else:
+            default = walk.codec if patch.codecs is None else patch.codecs[slot]
+            state.codecs[slot] = slot_codec(config, slot_id, default)
+    describe = functools.partial(_describer(patch.describe), state)
+    if bind_forward(module, patch.forward, state, path, describe, handle):
+        handle.add_slots(state, patch.kinds)
+        return True
+    return False
 
 
 def _describer(template: str):

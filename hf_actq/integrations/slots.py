@@ -7,22 +7,15 @@ from hf_actq.config import ActQConfig
 from hf_actq.ops.fewbit_activation import ActivationTable
 
 
-def setting_codec(config: ActQConfig, setting: dict, keeps_tensor: bool = False) -> Codec | None:
-    """The codec ``setting`` gives a codec slot. "exact" is ``ExactCodec`` (the tensor kept,
-    compacted), or None for ops that keep an exact slot's tensor as it is (``keeps_tensor``:
-    attention, whose recompute takes the tensors themselves)."""
-    codec = config.codec_for_setting(setting)
-    if codec is None and not keeps_tensor:
-        return ExactCodec()
-    return codec
+def setting_codec(config: ActQConfig, setting: dict) -> Codec:
+    """The codec ``setting`` gives a codec slot; "exact" is ``ExactCodec``."""
+    return config.codec_for_setting(setting) or ExactCodec()
 
 
-def slot_codec(
-    config: ActQConfig, slot_id: str, default: Codec | None, keeps_tensor: bool = False
-) -> Codec | None:
+def slot_codec(config: ActQConfig, slot_id: str, default: Codec | None) -> Codec | None:
     """The codec of codec slot ``slot_id``: its per-slot setting's, else ``default``."""
     setting = config.setting_for(slot_id)
-    return default if setting is None else setting_codec(config, setting, keeps_tensor)
+    return default if setting is None else setting_codec(config, setting)
 
 
 def slot_activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:

@@ -98,8 +98,7 @@ class ActQHandle:
                     act = state.activation
                     value = ActivationTable(act.spec.name, setting["bits"], act.params)
                 else:
-                    keeps_tensor = self.slots[slot_id] == "attention"
-                    value = setting_codec(self.config, setting, keeps_tensor)
+                    value = setting_codec(self.config, setting)
             except ValueError as error:
                 raise ValueError(f"bit plan: slot {slot_id!r}: {error}") from None
             changes.append((state, slot, value))

@@ -39,6 +39,10 @@ class _Slot:
     """
 
     def __init__(self, codec: Codec | None):
+        # An exact slot (``ExactCodec``, or no codec given) keeps the tensor itself: backward
+        # takes it as it came, and compacting a transposed q, k or v would copy it.
+        if codec is not None and codec.name == "exact":
+            codec = None
         self.codec, self.header, self.start, self.count = codec, None, 0, 0
 
     def keep(self, x: torch.Tensor, saved: list, state: OpState, slot: str) -> None:

@@ -60,6 +60,8 @@ class MemoryReport:
     gpu_memory_bytes: int
     results: list[RecipeResult]
     note: str = ""  # what the measurement leaves out, said under the heading
+    # What made it: the command, the versions and the source commit (set by the CLI).
+    provenance: dict = field(default_factory=dict)
 
     @property
     def scaled(self) -> bool:

@@ -74,7 +74,7 @@ def test_every_precision_is_a_setting_our_codecs_build():
 
 
 def _bert_and_batch():
-    from tiny_models import tiny_bert
+    from hf_actq.testing import tiny_bert
 
     model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ids = torch.randint(3, 100, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -112,7 +112,7 @@ def test_the_recipe_measures_each_tensor_three_times_in_alams_context_on_one_exa
     handle.revert()
 
 
-@pytest.mark.parametrize("bits", [2, 1])
+@pytest.mark.parametrize("bits", [pytest.param(2, marks=pytest.mark.slow), 1])
 def test_the_plan_meets_alams_budget_in_code_bits_and_gelu_keeps_its_input(bits):
     import hf_actq
     from hf_actq.adaptive.calibrate import list_slots

@@ -2,11 +2,11 @@ import logging
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import ActQConfig
 from hf_actq.adaptive.calibrate import list_slots
+from hf_actq.testing import tiny_llama
 
 
 def _batch(seed=1, rows=4):

@@ -2,11 +2,11 @@ import json
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.adaptive import BitPlan
+from hf_actq.testing import tiny_llama
 
 
 def _batch():
@@ -113,10 +113,9 @@ def test_few_bit_slots_take_bits_one_to_four():
 def test_a_standalone_activation_can_keep_its_input_with_a_codec():
     # ALAM's way for GELU: its input under a quantizer, the exact derivative taken at the
     # dequantized input; plans switch an "act" slot between that and a few-bit code.
-    from tiny_models import tiny_bert
-
     from hf_actq.codecs import AverageQuantCodec
     from hf_actq.codecs.packed import ExactCodec
+    from hf_actq.testing import tiny_bert
 
     model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))

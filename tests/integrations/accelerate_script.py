@@ -14,16 +14,13 @@ the backward of each DDP bucket's or FSDP unit's layer).
 """
 
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/, for tiny_models
-from tiny_models import tiny_llama  # noqa: E402
 
 import hf_actq
 from hf_actq.codecs import uniform
 from hf_actq.ops.dedup import PackCache
+from hf_actq.testing import tiny_llama
 
 STEPS = 3
 GLOBAL_BATCH = 4

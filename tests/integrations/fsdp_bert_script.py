@@ -10,14 +10,11 @@ on an unsharded copy (the same global seed), and saves both losses and gradients
 
 import copy
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_models import tiny_bert  # noqa: E402
-
-import hf_actq  # noqa: E402
+import hf_actq
+from hf_actq.testing import tiny_bert
 
 
 def main(out_dir):

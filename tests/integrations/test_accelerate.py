@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hf_actq
+from hf_actq.testing import free_port
 
 pytest.importorskip("accelerate")
 
@@ -29,6 +30,7 @@ def _launch(tmp_path, *arguments, script_path=SCRIPT):
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    command += ["--main_process_port", str(free_port())]
     command += ["--mixed_precision", "no", "--dynamo_backend", "no"]
     command += [str(script_path), str(tmp_path), *arguments]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -60,11 +62,12 @@ def references():
 @pytest.mark.parametrize(
     ("mode", "when", "recipe"),
     [
+        # 11-18 s each on two cores: the default run keeps DDP; -m slow runs all five.
         ("ddp", "before", "uniform"),
-        ("fsdp2", "before", "uniform"),
-        ("fsdp2", "after", "uniform"),
-        ("ddp", "before", "checkpoint"),
-        ("fsdp2", "before", "checkpoint"),
+        pytest.param("fsdp2", "before", "uniform", marks=pytest.mark.slow),
+        pytest.param("fsdp2", "after", "uniform", marks=pytest.mark.slow),
+        pytest.param("ddp", "before", "checkpoint", marks=pytest.mark.slow),
+        pytest.param("fsdp2", "before", "checkpoint", marks=pytest.mark.slow),
     ],
 )
 def test_two_processes_match_one_process_on_the_same_global_batch(
@@ -99,6 +102,7 @@ def test_two_processes_match_one_process_on_the_same_global_batch(
     assert _update_cosine(initial, ranks[0]["weights"], unpatched_weights) > 0.985
 
 
+@pytest.mark.slow  # 14 s; tests/integrations/test_apply.py shares norm outputs in one process
 def test_fsdp2_bert_shares_norm_outputs_across_units(tmp_path):
     # Each BERT layer's last LayerNorm feeds the next layer's q, k, v (another FSDP unit), whose
     # backward rebuilds its input from the norm's packed x_hat and weight: the sharded run's loss

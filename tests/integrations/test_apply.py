@@ -3,117 +3,40 @@ import logging
 
 import pytest
 import torch
-from tiny_models import replicate_with_distinct_weights
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
+from hf_actq.codecs.packed import ExactCodec
 from hf_actq.integrations.patching import REPLICATE
 from hf_actq.memory.meter import graph_saved_bytes
 from hf_actq.ops import dedup
-
-_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-_DECODER = dict(_ENCODER, num_key_value_heads=2)
-# head_dim given where the config's default is not hidden_size / heads (Qwen3 128, Gemma 256).
-_DECODER_8 = dict(_DECODER, head_dim=8)
-SMALL = {
-    "bert": _ENCODER,
-    "roberta": _ENCODER,
-    "xlm-roberta": _ENCODER,
-    "electra": dict(_ENCODER, embedding_size=32),
-    "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
-    "deberta-v2": _ENCODER,
-    "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
-    "gpt_neox": _ENCODER,
-    "llama": _DECODER,
-    "mistral": _DECODER,
-    "qwen2": _DECODER,
-    "phi3": _DECODER,
-    "qwen3": _DECODER_8,
-    "gemma": _DECODER_8,
-    "gemma2": _DECODER_8,
-    # Decoders registered by layout alone; a 4-token sliding window where the model has one,
-    # so that the 12-token batches see it.
-    "ministral": dict(_DECODER_8, sliding_window=4),
-    "smollm3": _DECODER_8,
-    "olmo": _DECODER_8,
-    "olmo2": _DECODER_8,
-    "starcoder2": dict(_DECODER_8, sliding_window=4),
-    "stablelm": _DECODER_8,
-    "phi": _DECODER_8,
-    "glm": _DECODER_8,
-    "exaone4": dict(_DECODER_8, sliding_window=4),
-    "gemma3_text": dict(_DECODER_8, sliding_window=4),
-    # Heads that scale their logits (Cohere by logit_scale, 0.0625 by default).
-    "granite": dict(_DECODER_8, logits_scaling=4.0),
-    "cohere": _DECODER_8,
-}
-ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2"}
-NO_DROPOUT = {
-    "hidden_dropout_prob": 0.0,
-    "attention_probs_dropout_prob": 0.0,
-    "dropout": 0.0,
-    "attention_dropout": 0.0,
-    "resid_pdrop": 0.0,
-    "embd_pdrop": 0.0,
-    "attn_pdrop": 0.0,
-    "seq_classif_dropout": 0.0,
-    "hidden_dropout": 0.0,
-    "residual_dropout": 0.0,
-    "embedding_dropout": 0.0,
-}
+from hf_actq.ops.state import STATE
+from hf_actq.testing import (
+    ENCODERS,
+    TINY_SIZES,
+    gradient_cosines,
+    metered_step,
+    replicate_with_distinct_weights,
+    tiny_batch,
+    tiny_model,
+)
 
 
-def _model(model_type, dropout=False, **overrides):
-    kwargs = dict(SMALL[model_type], vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    if not dropout:
-        kwargs.update(NO_DROPOUT)
-    kwargs.update(overrides)
-    config = AutoConfig.for_model(model_type, **kwargs)
-    if model_type == "distilbert":
-        config.dropout = config.attention_dropout = 0.0 if not dropout else 0.1
-    torch.manual_seed(0)
-    auto = AutoModelForSequenceClassification if model_type in ENCODERS else AutoModelForCausalLM
-    if model_type in ENCODERS:
-        config.num_labels = 2
-    return auto.from_config(config).train()
-
-
-def _batch(model_type):
-    torch.manual_seed(1)
-    ids = torch.randint(3, 100, (2, 12))
-    labels = torch.tensor([0, 1]) if model_type in ENCODERS else ids
-    return dict(input_ids=ids, labels=labels)
-
-
-def _step(model, batch):
-    model.zero_grad()
-    params = list(model.parameters())
-    with SavedTensorMeter(exclude=params) as meter:
-        out = model(**batch, output_hidden_states=True)
-    out.loss.backward()
-    grads = [p.grad.clone() if p.grad is not None else None for p in params]
-    # A patched causal LM trains without logits (the fused loss): the forward's exactness shows
-    # in the last hidden states, compared for patched and unpatched decoders alike.
-    forward = out.logits if hasattr(model, "num_labels") else out.hidden_states[-1]
-    return forward.detach(), grads, meter.nbytes
-
-
-@pytest.mark.parametrize("model_type", sorted(SMALL))
+@pytest.mark.parametrize("model_type", sorted(TINY_SIZES))
 def test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts(model_type):
-    model = _model(model_type)
-    batch = _batch(model_type)
-    logits, grads, nbytes = _step(model, batch)
+    model = tiny_model(model_type)
+    batch = tiny_batch(model_type)
+    logits, grads, nbytes = metered_step(model, batch)
     keys = set(model.state_dict())
     handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
     assert any(d.startswith(("activation", "gated_mlp")) for d in handle.patched.values())
-    patched_logits, patched_grads, patched_bytes = _step(model, batch)
+    patched_logits, patched_grads, patched_bytes = metered_step(model, batch)
     assert torch.equal(patched_logits, logits)
     assert patched_bytes < nbytes
     assert set(model.state_dict()) == keys
     handle.revert()
-    reverted_logits, reverted_grads, reverted_bytes = _step(model, batch)
+    reverted_logits, reverted_grads, reverted_bytes = metered_step(model, batch)
     assert torch.equal(reverted_logits, logits) and reverted_bytes == nbytes
     for a, b in zip(reverted_grads, grads):
         assert (a is None and b is None) or torch.equal(a, b)
@@ -131,14 +54,14 @@ RELU_MODELS = {
     ("recipe", "overrides"),
     [("fewbit", {}), ("uniform", {"bits": 4}), ("alam", {"bits": 1, "adaptive": False})],
 )
-@pytest.mark.parametrize("name", sorted(SMALL) + sorted(RELU_MODELS))
+@pytest.mark.parametrize("name", sorted(TINY_SIZES) + sorted(RELU_MODELS))
 def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overrides):
     model_type, model_overrides = RELU_MODELS.get(name, (name, {}))
-    model = _model(model_type, **model_overrides)
-    batch = _batch(model_type)
-    _, _, nbytes = _step(model, batch)
+    model = tiny_model(model_type, **model_overrides)
+    batch = tiny_batch(model_type)
+    _, _, nbytes = metered_step(model, batch)
     handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe, **overrides))
-    _, _, patched_bytes = _step(model, batch)
+    _, _, patched_bytes = metered_step(model, batch)
     assert patched_bytes <= nbytes, handle.patched
     if name in ("llama-relu", "gpt2-relu", "bert-relu"):
         relu = [path for path, why in handle.skipped.items() if why.startswith("relu keeps")]
@@ -152,14 +75,14 @@ def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overr
 def test_exact_norms_share_their_output_with_the_next_layer(model_type):
     """Under "fewbit" the norms stay exact but keep their output (which the next linear keeps)
     instead of their input: fewer bytes, the same forward, the same gradients up to rounding."""
-    model, batch = _model(model_type), _batch(model_type)
+    model, batch = tiny_model(model_type), tiny_batch(model_type)
     results = {}
     for share in (False, True):
         # The fused loss on, so that the stock loss's [tokens, vocab] log-probabilities do not
         # dilute what the norms save.
         config = ActQConfig.from_recipe("fewbit", share_norm_outputs=share, fused_loss=True)
         handle = hf_actq.apply(model, config)
-        results[share] = _step(model, batch)
+        results[share] = metered_step(model, batch)
         handle.revert()
     (forward, grads, nbytes), (shared_forward, shared_grads, shared_bytes) = results.values()
     assert torch.equal(shared_forward, forward)
@@ -173,12 +96,12 @@ def test_exact_norms_share_their_output_with_the_next_layer(model_type):
 def test_compressed_norms_share_their_packed_input_with_the_next_linears(model_type):
     """Under "uniform" the linears a norm feeds rebuild their input from the norm's packed x_hat
     instead of packing it again: fewer bytes, the gradient as close to exact."""
-    model = _model(model_type)
+    model = tiny_model(model_type)
     # 96 tokens, so that a packed copy outweighs a norm's weight copy as at real batch sizes.
     ids = torch.randint(3, 100, (4, 24), generator=torch.Generator().manual_seed(1))
     labels = torch.tensor([0, 1, 0, 1]) if model_type in ENCODERS else ids
     batch = dict(input_ids=ids, labels=labels)
-    _, exact, _ = _step(model, batch)
+    _, exact, _ = metered_step(model, batch)
     exact = torch.cat([g.flatten() for g in exact if g is not None])
     cosines, nbytes = {}, {}
     for share in (False, True):
@@ -186,7 +109,7 @@ def test_compressed_norms_share_their_packed_input_with_the_next_linears(model_t
             model, ActQConfig.from_recipe("uniform", bits=4, share_norm_outputs=share)
         )
         torch.manual_seed(0)
-        _, grads, nbytes[share] = _step(model, batch)
+        _, grads, nbytes[share] = metered_step(model, batch)
         cosines[share] = _cosine(torch.cat([g.flatten() for g in grads if g is not None]), exact)
         handle.revert()
     # Per norm, copies of its weight and bias (hidden-sized) are kept in place of a packed copy.
@@ -196,27 +119,6 @@ def test_compressed_norms_share_their_packed_input_with_the_next_linears(model_t
 
 def _cosine(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-
-
-def _gradient_cosines(model_type, config, batch=None):
-    """Cosine with the exact gradient of one step: the whole model's, and each parameter
-    tensor's (leaving out tensors whose exact gradient is zero up to rounding, like attention
-    key biases, which a softmax cannot see)."""
-    model = _model(model_type)
-    batch = batch or _batch(model_type)
-    _, grads, nbytes = _step(model, batch)
-    handle = hf_actq.apply(model, config)
-    torch.manual_seed(0)  # the stochastic-rounding seeds
-    _, patched_grads, patched_bytes = _step(model, batch)
-    handle.revert()
-    assert patched_bytes < nbytes
-    pairs = [(g, p) for g, p in zip(grads, patched_grads) if g is not None]
-    whole = _cosine(
-        torch.cat([g.flatten() for g, _ in pairs]), torch.cat([p.flatten() for _, p in pairs])
-    )
-    scale = max(g.norm() for g, _ in pairs)
-    per_tensor = [_cosine(g, p) for g, p in pairs if g.norm() > 1e-4 * scale]
-    return whole, per_tensor
 
 
 # Per-recipe bounds on one step's gradient cosine with the exact gradient, on these tiny random
@@ -241,7 +143,7 @@ def test_rotated_codec_keeps_the_bytes_and_rounds_large_features_finer():
     """``codec="rotated"``: every packed tensor keeps uniform rounding's bytes and, where a few
     features are large (as a pretrained model's are), the gradient comes closer to exact than
     unrotated rounding's."""
-    model = _model("llama")
+    model = tiny_model("llama")
     with torch.no_grad():  # outlier features in every hidden state, from the embedding on
         model.model.embed_tokens.weight[:, :3] *= 25
     ids = torch.randint(3, 100, (4, 64), generator=torch.Generator().manual_seed(1))
@@ -267,10 +169,10 @@ def test_rotated_codec_keeps_the_bytes_and_rounds_large_features_finer():
 
 
 @pytest.mark.parametrize(("recipe", "overrides", "whole", "every", "median"), GRADIENT_BOUNDS)
-@pytest.mark.parametrize("model_type", sorted(SMALL))
+@pytest.mark.parametrize("model_type", sorted(TINY_SIZES))
 def test_recipes_keep_gradients_close(model_type, recipe, overrides, whole, every, median):
     config = ActQConfig.from_recipe(recipe, **overrides)
-    whole_cosine, per_tensor = _gradient_cosines(model_type, config)
+    whole_cosine, per_tensor = gradient_cosines(model_type, config)
     assert whole_cosine > whole
     if every is not None:
         assert min(per_tensor) > every
@@ -282,15 +184,15 @@ def test_alam_recipe_gradients_point_the_right_way():
     # pairs (AQ) and 1-bit activation derivatives are biased, and on these tiny models a
     # single step's gradient keeps its direction only roughly (docs/reference.md).
     even = ActQConfig.from_recipe("alam", adaptive=False)
-    results = [_gradient_cosines(t, even) for t in sorted(SMALL)]
+    results = [gradient_cosines(t, even) for t in sorted(TINY_SIZES)]
     cosines = sorted(whole for whole, _ in results)
     assert cosines[0] > 0.35 and cosines[len(cosines) // 2] > 0.7
     assert all(sorted(t)[len(t) // 2] > 0.1 for _, t in results)
 
 
 def _loss_curve(model_type, config, steps=15):
-    model = _model(model_type)
-    batch = _batch(model_type)
+    model = tiny_model(model_type)
+    batch = tiny_batch(model_type)
     if config is not None:
         hf_actq.apply(model, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -329,7 +231,7 @@ def test_training_tracks_the_unpatched_loss(model_type, recipe, overrides, toler
 
 
 def _padded_batch(model_type):
-    batch = _batch(model_type)
+    batch = tiny_batch(model_type)
     mask = torch.ones_like(batch["input_ids"])
     if model_type in ENCODERS:
         mask[1, -4:] = 0  # right padding
@@ -339,13 +241,13 @@ def _padded_batch(model_type):
     return dict(batch, attention_mask=mask)
 
 
-@pytest.mark.parametrize("model_type", sorted(SMALL))
+@pytest.mark.parametrize("model_type", sorted(TINY_SIZES))
 def test_padded_batches_through_lossy_attention(model_type):
     batch = _padded_batch(model_type)
-    model = _model(model_type)
-    logits, _, _ = _step(model, batch)
+    model = tiny_model(model_type)
+    logits, _, _ = metered_step(model, batch)
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
-    patched_logits, patched_grads, _ = _step(model, batch)
+    patched_logits, patched_grads, _ = metered_step(model, batch)
     handle.revert()
     assert torch.isfinite(patched_logits).all()
     assert all(torch.isfinite(g).all() for g in patched_grads if g is not None)
@@ -354,16 +256,16 @@ def test_padded_batches_through_lossy_attention(model_type):
     # filled differently by eager and SDPA attention, and no loss reads them.
     real = batch["attention_mask"].bool() if model_type not in ENCODERS else slice(None)
     torch.testing.assert_close(patched_logits[real], logits[real], rtol=0, atol=1e-6)
-    whole, per_tensor = _gradient_cosines(model_type, ActQConfig(bits=8), batch)
+    whole, per_tensor = gradient_cosines(model_type, ActQConfig(bits=8), batch)
     assert whole > 0.99 and sorted(per_tensor)[len(per_tensor) // 2] > 0.97
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_bf16_autocast_gradients_match_the_unpatched_ones(model_type):
-    batch = _batch(model_type)
+    batch = tiny_batch(model_type)
 
     def grads(config):
-        model = _model(model_type)
+        model = tiny_model(model_type)
         if config is not None:
             hf_actq.apply(model, config)
         torch.manual_seed(0)
@@ -388,8 +290,8 @@ def test_bf16_autocast_gradients_match_the_unpatched_ones(model_type):
 def test_training_mode_without_grad_packs_nothing_and_keeps_the_rng_stream(model_type, monkeypatch):
     from hf_actq.codecs import AverageQuantCodec
 
-    model = _model(model_type, dropout=True)
-    batch = _batch(model_type)
+    model = tiny_model(model_type, dropout=True)
+    batch = tiny_batch(model_type)
     hf_actq.apply(model, bits=4)
     torch.manual_seed(5)
     expected = model(**batch, return_logits=True).logits.detach()
@@ -415,8 +317,8 @@ def test_apply_after_fsdp2_fully_shard(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        model = _model("llama")
-        batch = _batch("llama")
+        model = tiny_model("llama")
+        batch = tiny_batch("llama")
         expected = model(**batch).loss.detach()
         mesh = init_device_mesh("cpu", (1,))
         for layer in model.model.layers:
@@ -435,7 +337,7 @@ def test_apply_after_fsdp2_fully_shard(tmp_path):
 
 
 def test_apply_twice_is_an_error_and_print_shows_patches():
-    model = _model("bert")
+    model = tiny_model("bert")
     handle = hf_actq.apply(model, bits=4)
     with pytest.raises(ValueError, match="already applied"):
         hf_actq.apply(model, bits=4)
@@ -472,44 +374,49 @@ def test_unknown_model_type_goes_generic_with_a_warning(caplog):
 
 @pytest.mark.parametrize("model_type", ["bert", "distilbert", "gpt2"])
 def test_dropout_switch_covers_attention_dropout_losslessly(model_type):
-    model = _model(model_type, dropout=True)
-    batch = _batch(model_type)
+    model = tiny_model(model_type, dropout=True)
+    batch = tiny_batch(model_type)
     fewbit = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
     assert not any(d.startswith("attention") for d in fewbit.patched.values())
-    _, _, fewbit_bytes = _step(model, batch)
+    _, _, fewbit_bytes = metered_step(model, batch)
     fewbit.revert()
     handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", dropout=True))
     attention = [d for d in handle.patched.values() if d.startswith("attention")]
     # One per layer: the module that calls the attention function, not BERT's wrapper around it.
     assert len(attention) == model.config.num_hidden_layers
     assert all("exact operands" in d for d in attention)
-    _, grads, nbytes = _step(model, batch)
+    # Exact operands are ExactCodec, as every exact slot is, and no slot a plan could set.
+    states = [m.__dict__[STATE] for m in model.modules() if STATE in m.__dict__]
+    operands = [c for s in states for slot, c in s.codecs.items() if slot in ("q", "k", "v")]
+    assert operands and all(isinstance(c, ExactCodec) for c in operands)
+    assert "attention" not in handle.slots.values()
+    _, grads, nbytes = metered_step(model, batch)
     assert nbytes < fewbit_bytes and all(torch.isfinite(g).all() for g in grads if g is not None)
     handle.revert()
     # Without attention dropout there is nothing to gain: attention stays unpatched.
-    quiet = hf_actq.apply(_model(model_type), ActQConfig.from_recipe("fewbit", dropout=True))
+    quiet = hf_actq.apply(tiny_model(model_type), ActQConfig.from_recipe("fewbit", dropout=True))
     assert not any(d.startswith("attention") for d in quiet.patched.values())
 
 
 def test_gpt2_conv1d_layers_are_compressed_like_linears():
-    model = _model("gpt2")
-    batch = _batch("gpt2")
-    _, grads, nbytes = _step(model, batch)
+    model = tiny_model("gpt2")
+    batch = tiny_batch("gpt2")
+    _, grads, nbytes = metered_step(model, batch)
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8, attention=False))
     conv = [p for p, d in handle.patched.items() if d.startswith("linear (Conv1D)")]
     assert len(conv) == 4 * model.config.n_layer  # c_attn, c_proj, c_fc, mlp.c_proj
-    _, patched_grads, patched_bytes = _step(model, batch)
+    _, patched_grads, patched_bytes = metered_step(model, batch)
     assert patched_bytes < nbytes
     for exact, approx in zip(grads, patched_grads):
         assert (
             torch.nn.functional.cosine_similarity(exact.flatten(), approx.flatten(), dim=0) > 0.99
         )
     handle.revert()
-    assert _step(model, batch)[2] == nbytes
+    assert metered_step(model, batch)[2] == nbytes
 
 
 def test_skip_modules_and_switches():
-    model = _model("llama")
+    model = tiny_model("llama")
     handle = hf_actq.apply(
         model, ActQConfig(bits=4, skip_modules=[r"layers\.1\."], attention=False)
     )
@@ -523,7 +430,7 @@ def test_skip_modules_and_switches():
 def test_gemma_norms_are_compressed_in_their_own_form(model_type):
     # (1 + w) in fp32 (hf_actq.ops.norm.rms_norm_offset); the forward stays bit-identical
     # (test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts).
-    model = _model(model_type)
+    model = tiny_model(model_type)
     norms = [p for p, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
     handle = hf_actq.apply(model, bits=4)
     assert norms and all(handle.patched[p].startswith("norm") for p in norms)
@@ -567,16 +474,16 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type, use_reentra
     # Bit for bit without norm-output sharing, which checkpointed regions do not use (their
     # first pass keeps no buffer alive to share); with it, the same up to rounding noise.
     for share in (False, True):
-        model = _model(model_type, dropout=True)
-        batch = _batch(model_type)
+        model = tiny_model(model_type, dropout=True)
+        batch = tiny_batch(model_type)
         hf_actq.apply(model, bits=4, share_norm_outputs=share)
         torch.manual_seed(3)
-        _, expected, _ = _step(model, batch)
+        _, expected, _ = metered_step(model, batch)
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": use_reentrant}
         )
         torch.manual_seed(3)
-        _, got, _ = _step(model, batch)
+        _, got, _ = metered_step(model, batch)
         for a, b in zip(got, expected):
             if share and a is not None:
                 cosine = torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0)
@@ -587,8 +494,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_type, use_reentra
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_no_grad_and_eval_keep_nothing_and_match(model_type):
-    model = _model(model_type, dropout=True)
-    batch = _batch(model_type)
+    model = tiny_model(model_type, dropout=True)
+    batch = tiny_batch(model_type)
     model.eval()
     with torch.no_grad():
         expected = model(**batch).logits
@@ -604,7 +511,7 @@ def test_no_grad_and_eval_keep_nothing_and_match(model_type):
 
 
 def test_apply_does_not_touch_the_global_rng():
-    model = _model("llama")
+    model = tiny_model("llama")
     state = torch.get_rng_state()
     handle = hf_actq.apply(model, bits=4)
     assert torch.equal(torch.get_rng_state(), state)
@@ -612,7 +519,7 @@ def test_apply_does_not_touch_the_global_rng():
 
 
 def test_the_step_seed_advances_in_the_embedding_of_each_copy_and_reverts():
-    model = _model("llama")
+    model = tiny_model("llama")
     embedding = model.get_input_embeddings()
     handle = hf_actq.apply(model, bits=4)
     seed = dedup.step_seed()
@@ -659,24 +566,24 @@ def _patch_traces(model):
 def test_a_deepcopy_of_a_patched_model_runs_and_reverts_on_its_own(model_type, recipe):
     """Copies of a patched model (an EMA model, a reference model for DPO) are patched copies:
     reverting one leaves the other patched, and each reverts to its unpatched self."""
-    model = _model(model_type)
-    batch = _batch(model_type)
-    logits, grads, nbytes = _step(model, batch)  # installs transformers' own hooks too
+    model = tiny_model(model_type)
+    batch = tiny_batch(model_type)
+    logits, grads, nbytes = metered_step(model, batch)  # installs transformers' own hooks too
     unpatched = _patch_traces(model)
     handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe))
     patched = _patch_traces(model)
     assert patched != unpatched
     copied = copy.deepcopy(model)
     assert _patch_traces(copied) == patched and repr(copied) == repr(model)
-    assert _step(copied, batch)[2] < nbytes
+    assert metered_step(copied, batch)[2] < nbytes
     hf_actq.revert(copied)
     assert _patch_traces(copied) == unpatched
     assert _patch_traces(model) == patched and "hf_actq=" in repr(model)
-    copied_logits, copied_grads, copied_bytes = _step(copied, batch)
+    copied_logits, copied_grads, copied_bytes = metered_step(copied, batch)
     assert torch.equal(copied_logits, logits) and copied_bytes == nbytes
     for a, b in zip(copied_grads, grads):
         assert (a is None and b is None) or torch.equal(a, b)
-    assert _step(model, batch)[2] < nbytes
+    assert metered_step(model, batch)[2] < nbytes
     handle.revert()
     assert _patch_traces(model) == unpatched
 
@@ -688,9 +595,9 @@ def test_data_parallel_replicas_compute_with_their_own_weights(model_type, recip
     """``nn.DataParallel`` (what ``Trainer`` wraps a model in when it sees several GPUs in one
     process) copies each module's instance dict into the replicas: forwards bound to the
     original computed with the first device's weights (failing on the others)."""
-    stock = _model(model_type)
-    model = _model(model_type)
-    batch = _batch(model_type)
+    stock = tiny_model(model_type)
+    model = tiny_model(model_type)
+    batch = tiny_batch(model_type)
     handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe))
     stock_replicas = replicate_with_distinct_weights(stock)
     replicas = replicate_with_distinct_weights(model)
@@ -724,12 +631,13 @@ def test_data_parallel_replicas_compute_with_their_own_weights(model_type, recip
     assert not any(REPLICATE in module.__dict__ for module in model.modules())
 
 
+@pytest.mark.slow  # 21 s of tracing; tests/integrations/test_compile.py compiles patched models
 def test_apply_to_a_compiled_model_patches_the_model_it_wraps():
     """``apply(torch.compile(model))`` gives the uncompiled model's slot ids, so its plans
     fit, and the compiled model then keeps the patched bytes (dynamo recompiles). One layer:
     tracing is most of this test's time."""
-    model = _model("llama", num_hidden_layers=1)
-    batch = _batch("llama")
+    model = tiny_model("llama", num_hidden_layers=1)
+    batch = tiny_batch("llama")
     slots = set(hf_actq.apply(copy.deepcopy(model), bits=4).slots)
     compiled = torch.compile(model, backend="aot_eager")
     torch._dynamo.reset()
@@ -744,8 +652,8 @@ def test_apply_to_a_compiled_model_patches_the_model_it_wraps():
 
 @pytest.mark.slow
 def test_torch_compile_with_inductor_gives_the_eager_loss():
-    model = _model("llama")
-    batch = _batch("llama")
+    model = tiny_model("llama")
+    batch = tiny_batch("llama")
     hf_actq.apply(model, bits=4)
     torch.manual_seed(0)
     eager = model(**batch).loss

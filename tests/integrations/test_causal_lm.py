@@ -4,12 +4,12 @@ and the stock forward back after revert."""
 
 import pytest
 import torch
-from test_apply import ENCODERS, SMALL, _model
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
+from hf_actq.testing import ENCODERS, TINY_SIZES, tiny_model
 
-DECODERS = sorted(set(SMALL) - set(ENCODERS))
+DECODERS = sorted(set(TINY_SIZES) - set(ENCODERS))
 # Everything off but the fused loss: its own effect, compared with the stock model.
 LOSS_ONLY = dict(
     activations=False, linear=False, norm=False, gated_mlp=False, attention=False, dropout=False
@@ -29,7 +29,7 @@ def _loss_and_grads(model, batch, **kwargs):
 @pytest.mark.parametrize("model_type", DECODERS)
 def test_fused_loss_matches_the_stock_loss_and_keeps_no_vocab_sized_tensor(model_type):
     overrides = {"final_logit_softcapping": 5.0} if model_type == "gemma2" else {}
-    model = _model(model_type)
+    model = tiny_model(model_type)
     for name, value in overrides.items():
         setattr(model.config, name, value)
     torch.manual_seed(1)
@@ -67,7 +67,7 @@ def test_fused_loss_matches_the_stock_loss_and_keeps_no_vocab_sized_tensor(model
 
 
 def test_fused_loss_switch_and_positional_input_ids():
-    model = _model("llama")
+    model = tiny_model("llama")
     ids = torch.randint(3, 100, (2, 12))
     expected = model(ids, labels=ids).loss
     handle = hf_actq.apply(model, ActQConfig(fused_loss=False))
@@ -85,7 +85,7 @@ def test_fused_loss_switch_and_positional_input_ids():
 
 def test_lora_model_with_a_frozen_head_trains_with_the_fused_loss():
     peft = pytest.importorskip("peft")
-    model = _model("llama")
+    model = tiny_model("llama")
     ids = torch.randint(3, 100, (2, 12))
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     stock, stock_grads, _ = _loss_and_grads(model, dict(input_ids=ids, labels=ids))
@@ -101,7 +101,7 @@ def test_lora_model_with_a_frozen_head_trains_with_the_fused_loss():
 def test_the_vocabulary_sized_tensor_is_gone_from_the_step_peak():
     from hf_actq.memory import PeakMemory
 
-    model = _model("llama", vocab_size=4096)
+    model = tiny_model("llama", vocab_size=4096)
     ids = torch.randint(3, 4096, (4, 64))
     logits_bytes = ids.numel() * 4096 * 4  # one fp32 [tokens, vocab] tensor
 
@@ -123,7 +123,7 @@ def test_the_fewbit_recipe_returns_the_stock_outputs_with_labels(model_type):
     # "fewbit" promises that nothing but the activation derivatives changes: no fused loss,
     # logits as the stock model gives them, in train and eval mode; the fused loss only when
     # asked for.
-    model = _model(model_type)
+    model = tiny_model(model_type)
     ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     batch = dict(input_ids=ids, labels=ids)
     for training in (True, False):

@@ -6,21 +6,23 @@ The backend is "aot_eager": AOTAutograd's forward/backward split with eager kern
 benchmarks/bench_compile.py and the slow test in test_apply.py (minutes on two CPU cores).
 
 Tracing dominates these tests' time (tens of seconds per model on two cores), so the models have
-one layer (every layer is traced alike) and the cases that repeat what another case checks on a
-cheaper model run only with ``-m slow``.
+one layer (every layer is traced alike), and the default run keeps one case of each property,
+on the cheapest model that has it (under 2 minutes on two cores); ``-m slow`` runs every model
+and recipe.
 """
 
 import copy
 
 import pytest
 import torch
-from tiny_models import tiny_bert, tiny_llama
+from torch._dynamo.utils import counters
 from transformers import Trainer
 
 import hf_actq
 from hf_actq import ActQCallback, ActQConfig
 from hf_actq.memory.meter import graph_saved_bytes
 from hf_actq.ops import dedup
+from hf_actq.testing import tiny_bert, tiny_llama
 
 RECIPES = {
     "fewbit": ActQConfig.from_recipe("fewbit"),
@@ -48,18 +50,21 @@ def _bert(dropout=0.0):
     return model, {"input_ids": ids, "labels": torch.tensor([0, 1])}
 
 
-def _cases() -> list:
-    """(build, recipe) pairs: BERT under every recipe, the LLaMA (a gated MLP, RMSNorm, the
-    fused loss) under "uniform" and, with -m slow, the others."""
+def _cases(default: tuple[str, ...]) -> list:
+    """(build, recipe) pairs, BERT and the LLaMA (a gated MLP, RMSNorm, the fused loss) under
+    every recipe; those not in ``default`` ("bert-uniform", ...) run only with -m slow."""
     cases = []
     for recipe in RECIPES:
-        cases.append(pytest.param(_bert, recipe, id=f"bert-{recipe}"))
-        marks = () if recipe == "uniform" else pytest.mark.slow
-        cases.append(pytest.param(_llama, recipe, id=f"llama-{recipe}", marks=marks))
+        for name, build in (("bert", _bert), ("llama", _llama)):
+            marks = () if f"{name}-{recipe}" in default else pytest.mark.slow
+            cases.append(pytest.param(build, recipe, id=f"{name}-{recipe}", marks=marks))
     return cases
 
 
-@pytest.mark.parametrize(("build", "recipe"), _cases())
+# Every codec packs through one traced op (``hf_actq::pack``), so "alam" and "blpa" trace as
+# "uniform" does; the LLaMA's one graph is checked where it is compiled below
+# (test_compiled_consumers_of_a_shared_input_keep_it_packed_once).
+@pytest.mark.parametrize(("build", "recipe"), _cases(("bert-fewbit", "bert-uniform")))
 def test_patched_forward_compiles_into_one_graph(build, recipe):
     model, batch = build()
     hf_actq.apply(model, RECIPES[recipe])
@@ -78,7 +83,9 @@ def _gradients(base, batch, config, compiled):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize(("build", "recipe"), _cases())
+# The LLaMA's compiled gradients are compared under packed checkpointing below; "alam" and
+# "blpa" are codecs like "uniform"'s.
+@pytest.mark.parametrize(("build", "recipe"), _cases(("bert-fewbit", "bert-uniform")))
 def test_compiled_gradients_equal_the_eager_patched_gradients(build, recipe, monkeypatch):
     # A trace rounds a shared input (q/k/v, gate/up) once with a seed mixed from the step
     # seed; eager reuses the first consumer's codes. With reuse and the step seed off every
@@ -126,7 +133,11 @@ def test_compiled_consumers_of_a_shared_input_keep_it_packed_once(monkeypatch):
         if not shared:  # what the trace did before: every pack with a seed of its own
             monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
         handle = hf_actq.apply(model, RECIPES["uniform"])
-        loss = torch.compile(model, backend="aot_eager")(**batch).loss
+        counters.clear()
+        loss = torch.compile(lambda m=model, **b: m(**b).loss, backend="aot_eager")(**batch)
+        # One graph (a break would split it): the gated MLP, RMSNorm, SDPA and the fused loss
+        # all trace. (counters["graph_break"] also lists breaks dynamo resolved by inlining.)
+        assert counters["stats"]["unique_graphs"] == 1
         saved[shared] = graph_saved_bytes(loss, exclude=model.parameters())
         loss.backward()
         handle.revert()
@@ -138,6 +149,7 @@ def test_compiled_consumers_of_a_shared_input_keep_it_packed_once(monkeypatch):
     assert saved[True] <= saved[False] - 2 * config.num_hidden_layers * one_copy, saved
 
 
+@pytest.mark.slow  # 26 s; the step seed advances: test_apply.py and tests/ops/test_dedup.py
 def test_compiled_rounding_is_fresh_each_forward_and_accumulates():
     """The step seed advances with every forward, so micro-batches (and steps) round with new
     noise, and their backwards may run after later forwards (gradient accumulation keeps two
@@ -176,8 +188,9 @@ def test_dropout_under_compile_runs_the_stock_ops_without_a_break():
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(ActQConfig(bits=4), id="default"),
-        # The packed-checkpointing tests below compile the recipe without the Trainer.
+        # 27 s: the Trainer's compile path with the patched ops, which the tests above compile
+        # without it.
+        pytest.param(ActQConfig(bits=4), id="default", marks=pytest.mark.slow),
         pytest.param(ActQConfig.from_recipe("checkpoint"), id="checkpoint", marks=pytest.mark.slow),
     ],
 )
@@ -214,9 +227,9 @@ def _lora_llama(lora_dropout=0.0):
 
 
 def _t5():
-    from test_more_models import _build
+    from hf_actq.testing import more_model
 
-    return _build("t5")  # dropout 0
+    return more_model("t5")  # dropout 0
 
 
 def _stock_checkpointing(model):
@@ -230,9 +243,9 @@ def _lora_llama_with_dropout():
 @pytest.mark.parametrize(
     "build",
     [
-        pytest.param(_llama, id="llama"),
+        pytest.param(_llama, id="llama", marks=pytest.mark.slow),  # 23 s
         pytest.param(_bert, id="bert"),
-        pytest.param(_lora_llama_with_dropout, id="lora-dropout"),
+        pytest.param(_lora_llama_with_dropout, id="lora-dropout", marks=pytest.mark.slow),
         pytest.param(_t5, id="t5", marks=pytest.mark.slow),
     ],
 )
@@ -279,7 +292,7 @@ def test_lora_dropouts_replay_only_while_packed_checkpointing_is_applied():
 @pytest.mark.parametrize(
     "build",
     [
-        pytest.param(_llama, id="llama"),
+        pytest.param(_llama, id="llama", marks=pytest.mark.slow),  # 8 s
         pytest.param(_bert, id="bert"),
         pytest.param(_lora_llama, id="lora", marks=pytest.mark.slow),
         pytest.param(_t5, id="t5", marks=pytest.mark.slow),
@@ -321,7 +334,7 @@ def test_compiled_packed_checkpointing_keeps_the_packed_inputs():
 @pytest.mark.parametrize(
     "name",
     [
-        "t5",
+        pytest.param("t5", marks=pytest.mark.slow),  # 26 s
         # BART repeats T5's seq2seq loss; Mixtral's experts op compiles in the test after this.
         pytest.param("deberta-v2", marks=pytest.mark.slow),
         pytest.param("bart", marks=pytest.mark.slow),
@@ -334,11 +347,11 @@ def test_more_model_types_add_no_graph_break(name):
     # runs the stock module under compile), the MoE experts op and Gemma 3's (1 + w) norms in a
     # vision-language model: the patched model breaks no more often than the stock one
     # (DeBERTa's own relative-position code breaks once, Gemma 3's image merging three times).
-    from test_more_models import _build
+    from hf_actq.testing import more_model
 
     breaks = {}
     for patched in (False, True):
-        model, batch = _build(name)
+        model, batch = more_model(name)
         if patched:
             hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
         torch._dynamo.reset()
@@ -347,15 +360,16 @@ def test_more_model_types_add_no_graph_break(name):
     assert breaks[True] == breaks[False]
 
 
+@pytest.mark.slow  # 25 s
 def test_compiled_moe_experts_gradients_equal_the_eager_ones(monkeypatch):
     # The traced backward goes through transformers' grouped-matmul operator; eager through
     # grouped_mm and a per-expert loop: the same gradients.
-    from test_more_models import _build
+    from hf_actq.testing import more_model
 
     monkeypatch.setattr(dedup._Entry, "reuse", lambda self, x, codec: None)
     monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
     torch._dynamo.reset()
-    base, batch = _build("mixtral")
+    base, batch = more_model("mixtral")
     config = ActQConfig.from_recipe("uniform", bits=4)
     eager_loss, eager = _gradients(base, batch, config, compiled=False)
     compiled_loss, compiled = _gradients(base, batch, config, compiled=True)

@@ -6,242 +6,13 @@ bias, and T5 v1.0's ReLU), built from tiny configs. Their attention goes
 through transformers' ``AttentionInterface``, so the registry lists them as data
 (``MODEL_LAYOUTS``)."""
 
-import functools
-
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoModelForImageClassification,
-    AutoModelForImageTextToText,
-    AutoModelForSeq2SeqLM,
-    AutoModelForSequenceClassification,
-    CLIPConfig,
-    CLIPModel,
-)
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.integrations.transformers import MODEL_TYPE_TO_APPLY_FN
-
-TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
-
-
-def _vit():
-    config = AutoConfig.for_model(
-        "vit",
-        image_size=32,
-        patch_size=8,
-        num_labels=3,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        **TOWER,
-    )
-    batch = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))
-    return AutoModelForImageClassification.from_config(config), batch
-
-
-def _clip():
-    config = CLIPConfig(
-        text_config=dict(vocab_size=100, bos_token_id=1, eos_token_id=2, **TOWER),
-        vision_config=dict(image_size=32, patch_size=8, **TOWER),
-        projection_dim=16,
-    )
-    batch = dict(
-        input_ids=torch.randint(3, 100, (3, 10)),
-        pixel_values=torch.randn(3, 3, 32, 32),
-        return_loss=True,
-    )
-    return CLIPModel(config), batch
-
-
-def _bart():
-    config = AutoConfig.for_model(
-        "bart",
-        vocab_size=100,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-    )
-    source = torch.randint(3, 100, (2, 14))
-    mask = torch.ones_like(source)
-    mask[1, 10:] = 0  # a padded source: the cross-attention mask matters
-    batch = dict(input_ids=source, attention_mask=mask, labels=torch.randint(3, 100, (2, 9)))
-    return AutoModelForSeq2SeqLM.from_config(config), batch
-
-
-def _t5(feed_forward_proj):
-    config = AutoConfig.for_model(
-        "t5",
-        vocab_size=100,
-        d_model=32,
-        d_kv=8,
-        d_ff=64,
-        num_layers=2,
-        num_heads=4,
-        feed_forward_proj=feed_forward_proj,
-        dropout_rate=0.0,
-        decoder_start_token_id=0,
-    )
-    source = torch.randint(3, 100, (2, 14))
-    mask = torch.ones_like(source)
-    mask[1, 10:] = 0
-    batch = dict(input_ids=source, attention_mask=mask, labels=torch.randint(3, 100, (2, 9)))
-    return AutoModelForSeq2SeqLM.from_config(config), batch
-
-
-def _moe(model_type):
-    # Four experts, two per token; Qwen2-MoE adds a shared expert (a dense gated MLP).
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=48,
-        shared_expert_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_local_experts=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    ids = torch.randint(3, 100, (2, 12))
-    return AutoModelForCausalLM.from_config(config), dict(input_ids=ids, labels=ids)
-
-
-def _deberta(dropout=0.0):
-    # DeBERTa-v3's attention: relative positions in buckets, both disentangled terms, the
-    # position projections shared with the content keys and queries.
-    config = AutoConfig.for_model(
-        "deberta-v2",
-        vocab_size=100,
-        num_labels=3,
-        relative_attention=True,
-        position_buckets=8,
-        max_relative_positions=16,
-        pos_att_type=["p2c", "c2p"],
-        share_att_key=True,
-        norm_rel_ebd="layer_norm",
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-        **TOWER,
-    )
-    ids = torch.randint(3, 100, (2, 14))
-    mask = torch.ones_like(ids)
-    mask[1, 10:] = 0
-    batch = dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 2]))
-    return AutoModelForSequenceClassification.from_config(config), batch
-
-
-# Vision-language models: a 32x32 image in 8x8 patches, its tokens at positions 2.. of a
-# 128-token vocabulary (image token 120), the loss on the text tokens.
-_LANGUAGE = dict(TOWER, num_key_value_heads=2, head_dim=8, vocab_size=128)
-_VISION = dict(TOWER, image_size=32, patch_size=8)
-
-
-def _image_batch(image_tokens: int, token_types: bool) -> dict:
-    ids = torch.randint(3, 100, (2, 10 + image_tokens))
-    ids[:, 2 : 2 + image_tokens] = 120
-    labels = torch.where(ids == 120, -100, ids)
-    batch = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), labels=labels)
-    if token_types:  # Gemma 3: image tokens attend to each other both ways
-        batch["token_type_ids"] = (ids == 120).long()
-    return batch
-
-
-def _gemma3():
-    # SigLIP vision tower, its patches pooled to 4 tokens, a sliding-window Gemma 3 decoder.
-    config = AutoConfig.for_model(
-        "gemma3",
-        text_config=dict(_LANGUAGE, sliding_window=4),
-        vision_config=_VISION,
-        mm_tokens_per_image=4,
-        image_token_id=120,
-        boi_token_id=121,
-        eoi_token_id=122,
-    )
-    model = AutoModelForImageTextToText.from_config(config)
-    # transformers initialises the projection at zero; a trained one is not (at zero, every
-    # image token reaches the decoder's RMSNorm as 0, whose derivative there is 1/sqrt(eps)).
-    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
-    return model, _image_batch(4, token_types=True)
-
-
-def _llava():
-    # A CLIP vision tower (its 16 patch features, CLS dropped) into a LLaMA decoder.
-    config = AutoConfig.for_model(
-        "llava",
-        text_config=dict(_LANGUAGE, model_type="llama"),
-        vision_config=dict(_VISION, model_type="clip_vision_model"),
-        image_token_id=120,
-    )
-    return AutoModelForImageTextToText.from_config(config), _image_batch(16, token_types=False)
-
-
-def _qwen_vl(model_type, vision):
-    # Qwen2-VL / Qwen2.5-VL: two 16x16 images in 4x4 patches (the vision attention runs one
-    # image at a time), 2x2 patches merged into each of an image's 4 tokens, M-RoPE.
-    text = dict(_LANGUAGE, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})
-    text.pop("head_dim")
-    vision = dict(vision, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
-    config = AutoConfig.for_model(
-        model_type, text_config=text, vision_config=vision, image_token_id=120,
-        video_token_id=121, vision_start_token_id=122,
-    )  # fmt: skip
-    batch = _image_batch(4, token_types=False)
-    batch["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4)
-    batch["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
-    batch["mm_token_type_ids"] = (batch["input_ids"] == 120).long()
-    return AutoModelForImageTextToText.from_config(config), batch
-
-
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
-
-BUILDERS = {
-    "deberta-v2": _deberta,
-    **{name: functools.partial(_moe, name) for name in MOE},
-    "vit": _vit,
-    "clip": _clip,
-    "bart": _bart,
-    "t5": lambda: _t5("gated-gelu"),
-    "t5-relu": lambda: _t5("relu"),
-    "gemma3": _gemma3,
-    "llava": _llava,
-    "qwen2_vl": lambda: _qwen_vl(
-        "qwen2_vl", dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2)
-    ),
-    "qwen2_5_vl": lambda: _qwen_vl(
-        "qwen2_5_vl",
-        dict(
-            depth=2,
-            hidden_size=32,
-            out_hidden_size=32,
-            num_heads=4,
-            intermediate_size=64,
-            window_size=8,
-            fullatt_block_indexes=[1],
-        ),
-    ),  # fmt: skip
-}
-
-
-def _build(name):
-    torch.manual_seed(0)
-    model, batch = BUILDERS[name]()
-    return model.train(), batch
+from hf_actq.testing import MOE, MORE_MODELS, more_model
 
 
 def _step(model, batch):
@@ -254,9 +25,9 @@ def _step(model, batch):
     return out.loss.detach(), grads, meter.nbytes
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(MORE_MODELS))
 def test_registered_with_attention_compressed(name):
-    model, batch = _build(name)
+    model, batch = more_model(name)
     assert model.config.model_type in MODEL_TYPE_TO_APPLY_FN
     nbytes = {}
     for attention in (False, True):
@@ -271,9 +42,9 @@ def test_registered_with_attention_compressed(name):
     assert nbytes[True] < 0.9 * nbytes[False]
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(MORE_MODELS))
 def test_fewbit_keeps_the_loss_bit_identical_with_fewer_bytes_and_reverts(name):
-    model, batch = _build(name)
+    model, batch = more_model(name)
     loss, grads, nbytes = _step(model, batch)
     # Without the decoders' fused linear + cross-entropy, whose chunked sums some CPUs round
     # 1 ulp differently (its own tests bound it).
@@ -289,7 +60,7 @@ def test_fewbit_keeps_the_loss_bit_identical_with_fewer_bytes_and_reverts(name):
 
 @pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_vl", "qwen2_5_vl"])
 def test_vision_language_heads_take_the_fused_loss(name):
-    model, batch = _build(name)
+    model, batch = more_model(name)
     stock = model(**batch)
     stock.loss.backward()
     params = [p for p in model.parameters() if p.grad is not None]  # unused ones have none
@@ -318,9 +89,9 @@ def test_vision_language_heads_take_the_fused_loss(name):
     handle.revert()
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(MORE_MODELS))
 def test_uniform_8_bits_keeps_every_gradient_close_with_fewer_bytes(name):
-    model, batch = _build(name)
+    model, batch = more_model(name)
     _, grads, nbytes = _step(model, batch)
     hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
     torch.manual_seed(0)
@@ -337,19 +108,19 @@ def test_uniform_8_bits_keeps_every_gradient_close_with_fewer_bytes(name):
     ("recipe", "overrides"),
     [("fewbit", {}), ("uniform", {"bits": 4}), ("alam", {"bits": 1, "adaptive": False})],
 )
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(MORE_MODELS))
 def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overrides):
-    model, batch = _build(name)
+    model, batch = more_model(name)
     nbytes = _step(model, batch)[2]
     handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe, **overrides))
     assert _step(model, batch)[2] <= nbytes, handle.patched
 
 
-@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("name", sorted(MORE_MODELS))
 def test_training_under_uniform_4_bits_tracks_the_unpatched_loss(name):
     losses = {}
     for patched in (False, True):
-        model, batch = _build(name)
+        model, batch = more_model(name)
         if patched:
             hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -371,7 +142,7 @@ def test_training_under_uniform_4_bits_tracks_the_unpatched_loss(name):
 def test_t5_patches_every_stack_and_its_gated_mlp_and_reverts_each_config():
     # T5 gives its encoder and decoder copies of the model config; both must run the compressed
     # attention, and both must get their own implementation back.
-    model, batch = _build("t5")
+    model, batch = more_model("t5")
     stacks = (model.encoder.config, model.decoder.config)
     assert len({id(model.config), *map(id, stacks)}) == 3
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
@@ -387,7 +158,7 @@ def test_t5_patches_every_stack_and_its_gated_mlp_and_reverts_each_config():
 
 def test_t5_set_to_eager_attention_keeps_it_exact_and_says_why():
     torch.manual_seed(0)
-    model, _ = BUILDERS["t5"]()
+    model, _ = MORE_MODELS["t5"]()
     model.set_attn_implementation("eager")
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
     assert "attention" not in set(handle.slots.values())
@@ -396,7 +167,7 @@ def test_t5_set_to_eager_attention_keeps_it_exact_and_says_why():
 
 @pytest.mark.parametrize("name", MOE)
 def test_moe_experts_run_the_compressed_op_and_revert(name):
-    model, batch = _build(name)
+    model, batch = more_model(name)
     experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
     assert experts and all(e.config._experts_implementation == "grouped_mm" for e in experts)
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
@@ -417,7 +188,7 @@ def test_lora_on_the_expert_weights_trains_through_the_compressed_experts():
     # takes the effective weights as inputs, so the adapters get their gradients through it.
     import peft
 
-    model, batch = _build("mixtral")
+    model, batch = more_model("mixtral")
     lora = peft.LoraConfig(
         r=4,
         target_modules=["q_proj", "v_proj"],
@@ -446,9 +217,7 @@ def test_deberta_attention_with_exact_operands_and_dropout_gives_the_stock_gradi
     # its own code (dropout patched alike in both runs).
     results = []
     for attention in (False, True):
-        torch.manual_seed(0)
-        model, batch = _deberta(dropout=0.2)
-        model.train()
+        model, batch = more_model("deberta-v2", dropout=0.2)
         config = ActQConfig.from_recipe("uniform", bits=8, attention=attention)
         handle = hf_actq.apply(model, config)
         for path in [p for p, kind in handle.slots.items() if kind == "attention"]:
@@ -469,7 +238,7 @@ def test_gradient_checkpointing_gives_the_same_step(name):
     # loss and gradients match the step without it (the same rounding draws are replayed).
     results = []
     for checkpointing in (False, True):
-        model, batch = _build(name)
+        model, batch = more_model(name)
         if checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -488,7 +257,7 @@ def test_bf16_autocast_step_follows_the_unpatched_one(name):
     # The recomputing ops (DeBERTa's attention) replay the forward's autocast in backward.
     results = []
     for patched in (False, True):
-        model, batch = _build(name)
+        model, batch = more_model(name)
         if patched:
             hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
         torch.manual_seed(0)

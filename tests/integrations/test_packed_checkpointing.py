@@ -8,16 +8,14 @@ import logging
 
 import pytest
 import torch
-from test_apply import _model
-from test_more_models import _t5
 from test_trainer import Toy, _args, _bert
-from tiny_models import tiny_llama
 from transformers import Trainer
 
 import hf_actq
 from hf_actq import ActQCallback, ActQConfig, SavedTensorMeter
 from hf_actq.integrations.checkpointing import checkpointed_layers
 from hf_actq.ops.packed_checkpoint import packed_checkpoint
+from hf_actq.testing import more_model, tiny_llama, tiny_model
 
 
 def _step(model, batch):
@@ -48,7 +46,7 @@ def _longer_batch(model_type):
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 def test_checkpoint_recipe_keeps_the_loss_and_close_gradients_in_fewer_bytes(model_type):
-    model = _model(model_type)
+    model = tiny_model(model_type)
     batch = _longer_batch(model_type)
     loss, grads, nbytes = _step(model, batch)
     model.activation_checkpointing_enable()
@@ -87,7 +85,7 @@ def test_compress_checkpointed_also_patches_inside_the_layers_and_revert_keeps_s
     """With the ops inside compressed too (their packs happen in the recompute, norm outputs
     shared with the next linears there), 8 bits everywhere keeps every gradient close (few-bit
     activations off: their 4-bit derivative alone turns a tiny model's gradients by more)."""
-    model = _model(model_type)
+    model = tiny_model(model_type)
     batch = _longer_batch(model_type)
     _, exact, _ = _step(model, batch)
     model.activation_checkpointing_enable()
@@ -105,9 +103,7 @@ def test_compress_checkpointed_also_patches_inside_the_layers_and_revert_keeps_s
 def test_t5_position_bias_given_as_a_keyword_gets_its_gradient():
     """T5's first layer computes the relative position bias and passes it to the others as a
     keyword; reentrant checkpointing would drop its gradient from every later layer."""
-    torch.manual_seed(0)
-    model, batch = _t5("relu")
-    model.train()
+    model, batch = more_model("t5-relu")
     _, grads, _ = _step(model, batch)
     names = [name for name, p in model.named_parameters() if p.grad is not None]
     hf_actq.apply(model, ActQConfig.from_recipe("checkpoint", bits=8))
@@ -188,7 +184,7 @@ def test_config_checks():
 def test_bf16_autocast_recompute_runs_under_the_forward_autocast():
     """The recompute runs in backward, outside the caller's autocast: it must restore the
     forward's, or the layer would recompute in fp32."""
-    model = _model("llama")
+    model = tiny_model("llama")
     batch = _longer_batch("llama")
 
     def step():
@@ -216,7 +212,7 @@ def test_rotated_layer_inputs_keep_the_bytes_and_round_finer():
     """``checkpoint_codec="rotated"``: each layer's input keeps uniform rounding's bytes and,
     where a few features are large (as a pretrained model's are), its gradients come closer to
     exact than unrotated rounding's."""
-    model = _model("llama")
+    model = tiny_model("llama")
     with torch.no_grad():  # outlier features in every layer's input, from the embedding on
         model.model.embed_tokens.weight[:, :3] *= 25
     batch = _longer_batch("llama")

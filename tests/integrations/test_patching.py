@@ -5,10 +5,10 @@ import logging
 
 import pytest
 import torch
-from tiny_models import tiny_llama as _llama
 from torch import nn
 
 import hf_actq
+from hf_actq.testing import tiny_llama as _llama
 
 accelerate_hooks = pytest.importorskip("accelerate.hooks")
 
@@ -127,14 +127,15 @@ def test_a_model_forward_wrapped_after_apply_runs_stock_once_reverted(name):
 
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from test_more_models import _build
+
+    from hf_actq.testing import more_model
 
     if name == "llama":
         model = _llama()
         ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(1))
         batch = dict(input_ids=ids, labels=ids)
     else:
-        model, batch = _build("bart")
+        model, batch = more_model("bart")
     reference = copy.deepcopy(model)
     # A process-wide state: an earlier test's (without mixed precision) would refuse bf16.
     AcceleratorState._reset_state(reset_partial_state=True)

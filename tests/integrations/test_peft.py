@@ -1,9 +1,9 @@
 import pytest
 import torch
-from tiny_models import tiny_llama
 
 import hf_actq
 from hf_actq import SavedTensorMeter
+from hf_actq.testing import tiny_llama
 
 peft = pytest.importorskip("peft")
 

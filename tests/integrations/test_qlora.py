@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
 import hf_actq
 from hf_actq import SavedTensorMeter
+from hf_actq.testing import tiny_llama
 
 pytest.importorskip("bitsandbytes")
 peft = pytest.importorskip("peft")

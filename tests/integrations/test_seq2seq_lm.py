@@ -5,14 +5,14 @@ tensor kept, logits where asked for, and the stock forward back after revert."""
 import pytest
 import torch
 from test_causal_lm import LOSS_ONLY, _loss_and_grads
-from test_more_models import BUILDERS, _build
 
 import hf_actq
 from hf_actq import ActQConfig
+from hf_actq.testing import MORE_MODELS, more_model
 
 
 def _untied_t5():
-    model, batch = BUILDERS["t5"]()
+    model, batch = MORE_MODELS["t5"]()
     # Flan-T5 / T5 v1.1: a head of its own and no scaling of the decoder's output.
     config = model.config
     config.tie_word_embeddings, config.scale_decoder_outputs = False, False
@@ -24,7 +24,7 @@ def _model(name):
         torch.manual_seed(0)
         model, batch = _untied_t5()
         return model.train(), batch
-    model, batch = _build(name)
+    model, batch = more_model(name)
     if name == "bart":  # a final logits bias that is not zero, as in pretrained BART
         model.final_logits_bias.normal_()
     return model, batch

@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_llama as _llama
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -13,6 +12,7 @@ from transformers import (
 from transformers.trainer_utils import SaveStrategy
 
 from hf_actq import ActQCallback, SavedTensorMeter
+from hf_actq.testing import tiny_llama as _llama
 
 
 class Toy(torch.utils.data.Dataset):
@@ -216,7 +216,8 @@ def _sft_losses(tmp_path, callbacks, peft_config=None, steps=12, learning_rate=1
     return _losses(trainer), trainer
 
 
-@pytest.mark.parametrize("peft", [False, True])
+# With PEFT: 13 s, and tests/integrations/test_peft.py trains a PEFT model with the callback.
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_trl_sft_trainer_with_the_callback_tracks_the_unpatched_loss(tmp_path, peft):
     """TRL's SFTTrainer reads the logits in training (TRL 0.x and 1.0: its entropy and token
     accuracy) or computes the loss with a fused LM head of its own around the model's forward
@@ -257,7 +258,8 @@ def _measured(plan) -> dict:
     return {**plan.to_dict(), "info": {**plan.info, "seconds": None}}
 
 
-@pytest.mark.parametrize("restore_states", [False, True])
+# Restoring the callback's own state from the checkpoint: 8 s more, with -m slow.
+@pytest.mark.parametrize("restore_states", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_resuming_from_a_checkpoint_keeps_the_plan_and_the_losses(tmp_path, restore_states):
     # restore_callback_states_from_checkpoint=True: Trainer builds a new callback from the
     # checkpoint's state() and drops the given one.

@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
-from tiny_models import tiny_bert, tiny_llama, tiny_qwen2, tiny_t5
 
 import hf_actq
 from hf_actq import ActQConfig
+from hf_actq.testing import tiny_bert, tiny_llama, tiny_qwen2, tiny_t5
 
 # "llama-lora": PEFT LoRA on q and v, a frozen head (the fused loss's other path).
 MODELS = ("llama", "qwen2", "bert", "t5", "llama-lora")

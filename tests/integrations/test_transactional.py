@@ -7,13 +7,13 @@ import pickle
 
 import pytest
 import torch
-from tiny_models import tiny_bert, tiny_llama
 
 import hf_actq
 from hf_actq import ActQConfig
 from hf_actq.adaptive.plan import BitPlan
 from hf_actq.integrations import layers, transformers
 from hf_actq.ops.state import STATE
+from hf_actq.testing import tiny_bert, tiny_llama
 
 
 def _snapshot(model):

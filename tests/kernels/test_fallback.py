@@ -6,12 +6,12 @@ import logging
 
 import pytest
 import torch
-from tiny_models import tiny_llama
 
 import hf_actq
 import hf_actq.kernels as kernels
 from hf_actq import ActQConfig
 from hf_actq.kernels import reference
+from hf_actq.testing import tiny_llama
 
 LAUNCHERS = [
     "fewbit.fewbit_forward_triton",
@@ -68,7 +68,7 @@ def test_a_failing_kernel_warns_once_and_its_twin_runs_from_then_on(failing_kern
 
 
 def _bert():
-    from tiny_models import tiny_bert
+    from hf_actq.testing import tiny_bert
 
     return tiny_bert(hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
 

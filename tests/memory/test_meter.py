@@ -4,7 +4,6 @@ import threading
 
 import pytest
 import torch
-from tiny_models import replicate_with_distinct_weights, tiny_llama
 from torch import nn
 
 import hf_actq
@@ -12,6 +11,7 @@ from hf_actq.memory import OP_KINDS, SavedTensorMeter, graph_saved_bytes, op_kin
 from hf_actq.memory.meter import ActivationMonitor
 from hf_actq.report import build_model
 from hf_actq.report.presets import preset_config
+from hf_actq.testing import replicate_with_distinct_weights, tiny_llama
 
 
 def test_linear_keeps_its_input_once_and_views_count_whole_storage():

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from tiny_models import tiny_bert
 from transformers.models.bert.modeling_bert import eager_attention_forward
 
 from hf_actq import SavedTensorMeter
@@ -9,6 +8,7 @@ from hf_actq.codecs.packed import draw_seed
 from hf_actq.ops.attention import compressed_eager_attention, register_attention
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.dropout import keep_mask
+from hf_actq.testing import tiny_bert
 
 B, H, S, D = 2, 4, 24, 16
 EXACT8 = uniform(8, stochastic=False)

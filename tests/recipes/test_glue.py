@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_actq.testing import free_port
+
 pytest.importorskip("datasets")
 pytest.importorskip("sklearn")
 
@@ -38,22 +40,17 @@ WORDS = ["good", "bad", "movie", "film", "plot", "actor", "great", "awful", "fin
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A 2-layer BERT with random weights and a word-level vocabulary, saved as a model dir."""
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertTokenizerFast
+
+    from hf_actq.testing import tiny_bert
 
     root = tmp_path_factory.mktemp("tiny_bert")
     vocab = root / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]) + "\n")
     tokenizer = BertTokenizerFast(vocab_file=str(vocab))
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    BertForSequenceClassification(config).save_pretrained(root)
+    sizes = dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    model = tiny_bert(vocab_size=tokenizer.vocab_size, max_position_embeddings=64, **sizes)
+    model.save_pretrained(root)
     tokenizer.save_pretrained(root)
     return root
 
@@ -274,12 +271,14 @@ def test_sweep_grid_and_table_statistics():
     )
 
 
+@pytest.mark.slow  # 21 s; tests/integrations/test_accelerate.py launches two processes too
 @pytest.mark.skipif(shutil.which("accelerate") is None, reason="no accelerate launcher")
 def test_run_under_accelerate_launch_with_two_processes(tiny_model, glue_dir, tmp_path):
     env = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
     command = [shutil.which("accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    command += ["--main_process_port", str(free_port())]
     command += [str(RECIPE_DIR / "run.py")]
     command += _arguments(tiny_model, glue_dir, tmp_path, "rte", "--recipe", "uniform")
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)

@@ -31,9 +31,10 @@ def tiny_model(tmp_path_factory):
 
 
 def _save_tiny_model(root, **overrides):
-    from tiny_models import tiny_llama
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from hf_actq.testing import tiny_llama
 
     prompt_words = (run.PROMPT_WITH_INPUT + run.PROMPT_WITHOUT_INPUT).split()
     words = dict.fromkeys(["<unk>", "<s>", "</s>", "<pad>", *WORDS.split(), *prompt_words, "#"])

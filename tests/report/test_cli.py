@@ -1,8 +1,13 @@
 """The ``hf-actq memory`` command."""
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
+import hf_actq
 from hf_actq.__main__ import main as hf_actq_main
 from hf_actq.report.cli import main, parse_size
 from hf_actq.report.presets import preset_config
@@ -31,6 +36,12 @@ def test_command_prints_the_table_and_writes_outputs(tmp_path, capsys):
     assert "| baseline |" in out and "| alam:bits=0.5 |" in out and "max batch on 24 GiB" in out
     assert "independent count (autograd graph walk) agrees within 0.00%" in out
     assert (tmp_path / "memory.json").exists() and (tmp_path / "memory.md").exists()
+    # The report names what made it: tools/results_age.py ages it by this commit.
+    made_by = json.loads((tmp_path / "memory.json").read_text())["provenance"]
+    assert made_by["command"].startswith("hf-actq memory tiny-llama --batch-size 2")
+    assert made_by["hf_actq"] and made_by["torch"] == torch.__version__
+    if (Path(hf_actq.__file__).resolve().parents[1] / ".git").exists():
+        assert re.fullmatch(r"[0-9a-f]{7,40}\+?", made_by["commit"])
 
 
 def test_console_entry_dispatches_memory(capsys):
@@ -61,8 +72,7 @@ def test_local_model_directory(tmp_path, capsys):
     assert "(llama, 2 layers)" in out and "bfloat16" in out and "| uniform:bits=4 |" in out
 
 
-def test_unknown_model_and_sizes_are_reported(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+def test_unknown_model_and_sizes_are_reported():
     with pytest.raises(SystemExit, match="is not a preset"):
         main(["bert-huge"])
     with pytest.raises(SystemExit, match="recipe"):

@@ -55,6 +55,7 @@ def test_layer_extrapolation_matches_the_whole_model():
     assert "extrapolated linearly to 4" in scaled.to_markdown()
 
 
+@pytest.mark.slow  # 24 s: a 32000-token vocabulary at 1 to 24 layers
 def test_the_peak_is_extrapolated_per_phase_when_its_phase_changes_with_depth():
     """Stock logits of a large vocabulary hold the peak at the head's backward in 1 and 2
     layers; 4-bit activations grow by less per layer than the gradients the optimizer step
@@ -85,6 +86,7 @@ def test_the_peak_is_extrapolated_per_phase_when_its_phase_changes_with_depth():
     assert "(optimizer step)" in scaled.to_markdown()
 
 
+@pytest.mark.slow  # 10 s
 def test_a_vision_language_model_is_measured_on_its_text_tower():
     # Its depth, vocabulary and positions are in text_config; LLaVA has no causal-LM auto class.
     from transformers import AutoConfig
@@ -111,6 +113,7 @@ def test_a_vision_language_model_is_measured_on_its_text_tower():
     assert "embedding backward" in whole.results[0].measurement.peak_by_phase
 
 
+@pytest.mark.slow  # 14 s; test_adaptive_recipes_show_and_write_their_plan plans in the default run
 def test_scaled_adaptive_recipes_extrapolate_one_plan(tmp_path):
     """The 1-layer model takes the 2-layer model's plan, so the extrapolation is the bytes of
     the full model under that plan with every later layer set like layer 1."""

@@ -1,0 +1,34 @@
+"""What every benchmark's results file records: the commit it ran at and the command that made it,
+so that ``tools/results_age.py`` can tell a result older than the code it measures."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def provenance() -> dict:
+    """The checkout's commit (``+``: uncommitted changes on top), the command, torch's version."""
+    sys.path.insert(0, str(REPO / "recipes"))
+    from common.records import checkout_commit
+
+    return {
+        "commit": checkout_commit(REPO),
+        "command": shlex.join(["python", *sys.argv]),
+        "torch": torch.__version__,
+    }
+
+
+def write_json(path: str | Path, payload: dict) -> None:
+    """``payload`` as JSON under ``path``, with its provenance first (replacing any the payload
+    carries from an earlier run it extends)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    data = {"provenance": provenance()}
+    data.update((key, value) for key, value in payload.items() if key != "provenance")
+    Path(path).write_text(json.dumps(data, indent=1, default=str) + "\n")

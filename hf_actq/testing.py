@@ -1,0 +1,465 @@
+"""Tiny Hugging Face models with random weights, built from configs (no downloads): the one
+fixture module of the tests, and the models the benchmarks that set the tests' bounds measure
+(``benchmarks/bench_gradients.py``). As ``torchao.testing``: shipped so that benchmarks need not
+import from ``tests/``.
+
+- ``tiny_llama``, ``tiny_qwen2``, ``tiny_t5``, ``tiny_bert``: one architecture each, seed 0.
+- ``tiny_model(model_type)`` and ``tiny_batch(model_type)``: every registered dense encoder and
+  decoder (``TINY_SIZES``), 2 layers, 32 wide, with a 2x12-token batch.
+- ``more_model(name)``: mixture-of-experts, DeBERTa-v3, ViT, CLIP, BART, T5 and vision-language
+  models (``MORE_MODELS``), each with its own batch.
+- ``metered_step`` and ``gradient_cosines``: one training step's gradients and saved bytes, and
+  a recipe's gradient against the exact one.
+- ``replicate_with_distinct_weights`` (``nn.DataParallel`` on CPU) and ``free_port`` (for
+  ``accelerate launch``).
+"""
+
+import functools
+import sys
+from unittest import mock
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageClassification,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    CLIPConfig,
+    CLIPModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+_SIZES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+)  # fmt: skip
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    settings = dict(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaConfig(**{**settings, **overrides})
+
+
+def tiny_llama(**overrides) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(**overrides))
+
+
+def tiny_qwen2(**overrides):
+    """Qwen2 at tiny_llama's sizes (attention biases on q, k, v; random weights, seed 0)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    settings = tiny_llama_config().to_dict()
+    settings = {k: settings[k] for k in _SIZES + ("num_key_value_heads",)}
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**{**settings, **_TOKENS, **overrides}))
+
+
+def tiny_t5(**overrides):
+    """A 2-layer, 32-wide T5 (random weights, seed 0, no dropout)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    settings = dict(
+        vocab_size=100, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+        dropout_rate=0.0, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(T5Config(**{**settings, **overrides}))
+
+
+def tiny_bert(**overrides):
+    """A 2-layer, 64-wide BERT classifier (random weights, seed 0)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    settings = dict(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+    )
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a launch's rendezvous: launches that run side by
+    side (``pytest -n``) must not both take torch's default 29500."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def replicate_with_distinct_weights(model, replicas=2):
+    """``nn.DataParallel``'s own replication (``torch.nn.parallel.replicate``) on CPU: its
+    per-device broadcast (CUDA only) stood in for by copies that stay differentiable and differ
+    per replica, so that a replica computing with another's weights shows in its output."""
+    module = sys.modules["torch.nn.parallel.replicate"]
+
+    def broadcast(tensors, devices, detach=False):
+        def copy(t, index):
+            t = t.detach() if detach else t
+            return t + 0.01 * (index + 1) if t.is_floating_point() else t.clone()
+
+        return [[copy(t, index) for t in tensors] for index in range(len(devices))]
+
+    with mock.patch.object(module, "_broadcast_coalesced_reshape", broadcast):
+        return module.replicate(model, list(range(replicas)))
+
+
+_ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_DECODER = dict(_ENCODER, num_key_value_heads=2)
+# head_dim given where the config's default is not hidden_size / heads (Qwen3 128, Gemma 256).
+_DECODER_8 = dict(_DECODER, head_dim=8)
+TINY_SIZES = {
+    "bert": _ENCODER,
+    "roberta": _ENCODER,
+    "xlm-roberta": _ENCODER,
+    "electra": dict(_ENCODER, embedding_size=32),
+    "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
+    "deberta-v2": _ENCODER,
+    "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
+    "gpt_neox": _ENCODER,
+    "llama": _DECODER,
+    "mistral": _DECODER,
+    "qwen2": _DECODER,
+    "phi3": _DECODER,
+    "qwen3": _DECODER_8,
+    "gemma": _DECODER_8,
+    "gemma2": _DECODER_8,
+    # Decoders registered by layout alone; a 4-token sliding window where the model has one,
+    # so that the 12-token batches see it.
+    "ministral": dict(_DECODER_8, sliding_window=4),
+    "smollm3": _DECODER_8,
+    "olmo": _DECODER_8,
+    "olmo2": _DECODER_8,
+    "starcoder2": dict(_DECODER_8, sliding_window=4),
+    "stablelm": _DECODER_8,
+    "phi": _DECODER_8,
+    "glm": _DECODER_8,
+    "exaone4": dict(_DECODER_8, sliding_window=4),
+    "gemma3_text": dict(_DECODER_8, sliding_window=4),
+    # Heads that scale their logits (Cohere by logit_scale, 0.0625 by default).
+    "granite": dict(_DECODER_8, logits_scaling=4.0),
+    "cohere": _DECODER_8,
+}
+ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2"}
+NO_DROPOUT = {
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+    "seq_classif_dropout": 0.0,
+    "hidden_dropout": 0.0,
+    "residual_dropout": 0.0,
+    "embedding_dropout": 0.0,
+}
+
+
+def tiny_model(model_type: str, dropout: bool = False, **overrides):
+    """A 2-layer, 32-wide ``model_type`` in training mode (seed 0): a 2-label classifier for
+    encoders, a causal LM otherwise; every dropout at 0 unless ``dropout``."""
+    kwargs = dict(
+        TINY_SIZES[model_type], vocab_size=100, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    if not dropout:
+        kwargs.update(NO_DROPOUT)
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    if model_type == "distilbert":
+        config.dropout = config.attention_dropout = 0.0 if not dropout else 0.1
+    torch.manual_seed(0)
+    auto = AutoModelForSequenceClassification if model_type in ENCODERS else AutoModelForCausalLM
+    if model_type in ENCODERS:
+        config.num_labels = 2
+    return auto.from_config(config).train()
+
+
+def tiny_batch(model_type: str) -> dict:
+    """Two 12-token sequences (seed 1), labelled for ``tiny_model(model_type)``."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12))
+    labels = torch.tensor([0, 1]) if model_type in ENCODERS else ids
+    return dict(input_ids=ids, labels=labels)
+
+
+def metered_step(model, batch):
+    """One forward and backward: the forward's output, every parameter's gradient (None where it
+    has none) and the bytes autograd kept for backward."""
+    from hf_actq.memory.meter import SavedTensorMeter
+
+    model.zero_grad()
+    params = list(model.parameters())
+    with SavedTensorMeter(exclude=params) as meter:
+        out = model(**batch, output_hidden_states=True)
+    out.loss.backward()
+    grads = [p.grad.clone() if p.grad is not None else None for p in params]
+    # A patched causal LM trains without logits (the fused loss): the forward's exactness shows
+    # in the last hidden states, compared for patched and unpatched decoders alike.
+    forward = out.logits if hasattr(model, "num_labels") else out.hidden_states[-1]
+    return forward.detach(), grads, meter.nbytes
+
+
+def _cosine(a, b) -> float:
+    return torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+
+
+def gradient_cosines(model_type: str, config, batch=None):
+    """Cosine with the exact gradient of one step of ``tiny_model(model_type)`` under ``config``:
+    the whole model's, and each parameter tensor's (leaving out tensors whose exact gradient is
+    zero up to rounding, like attention key biases, which a softmax cannot see). Stochastic
+    rounding seeds from ``torch.manual_seed(0)``."""
+    import hf_actq
+
+    model = tiny_model(model_type)
+    batch = batch or tiny_batch(model_type)
+    _, grads, nbytes = metered_step(model, batch)
+    handle = hf_actq.apply(model, config)
+    torch.manual_seed(0)
+    _, patched_grads, patched_bytes = metered_step(model, batch)
+    handle.revert()
+    if patched_bytes >= nbytes:
+        raise AssertionError(f"{model_type}: {patched_bytes} bytes kept, unpatched {nbytes}")
+    pairs = [(g, p) for g, p in zip(grads, patched_grads) if g is not None]
+    whole = _cosine(
+        torch.cat([g.flatten() for g, _ in pairs]), torch.cat([p.flatten() for _, p in pairs])
+    )
+    scale = max(g.norm() for g, _ in pairs)
+    per_tensor = [_cosine(g, p) for g, p in pairs if g.norm() > 1e-4 * scale]
+    return whole, per_tensor
+
+
+def _vit():
+    config = AutoConfig.for_model(
+        "vit",
+        image_size=32,
+        patch_size=8,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **_ENCODER,
+    )
+    batch = dict(pixel_values=torch.randn(2, 3, 32, 32), labels=torch.tensor([0, 2]))
+    return AutoModelForImageClassification.from_config(config), batch
+
+
+def _clip():
+    config = CLIPConfig(
+        text_config=dict(vocab_size=100, bos_token_id=1, eos_token_id=2, **_ENCODER),
+        vision_config=dict(image_size=32, patch_size=8, **_ENCODER),
+        projection_dim=16,
+    )
+    batch = dict(
+        input_ids=torch.randint(3, 100, (3, 10)),
+        pixel_values=torch.randn(3, 3, 32, 32),
+        return_loss=True,
+    )
+    return CLIPModel(config), batch
+
+
+def _bart():
+    config = AutoConfig.for_model(
+        "bart",
+        vocab_size=100,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+    )
+    source = torch.randint(3, 100, (2, 14))
+    mask = torch.ones_like(source)
+    mask[1, 10:] = 0  # a padded source: the cross-attention mask matters
+    batch = dict(input_ids=source, attention_mask=mask, labels=torch.randint(3, 100, (2, 9)))
+    return AutoModelForSeq2SeqLM.from_config(config), batch
+
+
+def _t5(feed_forward_proj):
+    config = AutoConfig.for_model(
+        "t5",
+        vocab_size=100,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        feed_forward_proj=feed_forward_proj,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+    )
+    source = torch.randint(3, 100, (2, 14))
+    mask = torch.ones_like(source)
+    mask[1, 10:] = 0
+    batch = dict(input_ids=source, attention_mask=mask, labels=torch.randint(3, 100, (2, 9)))
+    return AutoModelForSeq2SeqLM.from_config(config), batch
+
+
+def _moe(model_type):
+    # Four experts, two per token; Qwen2-MoE adds a shared expert (a dense gated MLP).
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    ids = torch.randint(3, 100, (2, 12))
+    return AutoModelForCausalLM.from_config(config), dict(input_ids=ids, labels=ids)
+
+
+def _deberta(dropout=0.0):
+    # DeBERTa-v3's attention: relative positions in buckets, both disentangled terms, the
+    # position projections shared with the content keys and queries.
+    config = AutoConfig.for_model(
+        "deberta-v2",
+        vocab_size=100,
+        num_labels=3,
+        relative_attention=True,
+        position_buckets=8,
+        max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        **_ENCODER,
+    )
+    ids = torch.randint(3, 100, (2, 14))
+    mask = torch.ones_like(ids)
+    mask[1, 10:] = 0
+    batch = dict(input_ids=ids, attention_mask=mask, labels=torch.tensor([0, 2]))
+    return AutoModelForSequenceClassification.from_config(config), batch
+
+
+# Vision-language models: a 32x32 image in 8x8 patches, its tokens at positions 2.. of a
+# 128-token vocabulary (image token 120), the loss on the text tokens.
+_LANGUAGE = dict(_ENCODER, num_key_value_heads=2, head_dim=8, vocab_size=128)
+_VISION = dict(_ENCODER, image_size=32, patch_size=8)
+
+
+def _image_batch(image_tokens: int, token_types: bool) -> dict:
+    ids = torch.randint(3, 100, (2, 10 + image_tokens))
+    ids[:, 2 : 2 + image_tokens] = 120
+    labels = torch.where(ids == 120, -100, ids)
+    batch = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 32, 32), labels=labels)
+    if token_types:  # Gemma 3: image tokens attend to each other both ways
+        batch["token_type_ids"] = (ids == 120).long()
+    return batch
+
+
+def _gemma3():
+    # SigLIP vision tower, its patches pooled to 4 tokens, a sliding-window Gemma 3 decoder.
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=dict(_LANGUAGE, sliding_window=4),
+        vision_config=_VISION,
+        mm_tokens_per_image=4,
+        image_token_id=120,
+        boi_token_id=121,
+        eoi_token_id=122,
+    )
+    model = AutoModelForImageTextToText.from_config(config)
+    # transformers initialises the projection at zero; a trained one is not (at zero, every
+    # image token reaches the decoder's RMSNorm as 0, whose derivative there is 1/sqrt(eps)).
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
+    return model, _image_batch(4, token_types=True)
+
+
+def _llava():
+    # A CLIP vision tower (its 16 patch features, CLS dropped) into a LLaMA decoder.
+    config = AutoConfig.for_model(
+        "llava",
+        text_config=dict(_LANGUAGE, model_type="llama"),
+        vision_config=dict(_VISION, model_type="clip_vision_model"),
+        image_token_id=120,
+    )
+    return AutoModelForImageTextToText.from_config(config), _image_batch(16, token_types=False)
+
+
+def _qwen_vl(model_type, vision):
+    # Qwen2-VL / Qwen2.5-VL: two 16x16 images in 4x4 patches (the vision attention runs one
+    # image at a time), 2x2 patches merged into each of an image's 4 tokens, M-RoPE.
+    text = dict(_LANGUAGE, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})
+    text.pop("head_dim")
+    vision = dict(vision, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
+    config = AutoConfig.for_model(
+        model_type, text_config=text, vision_config=vision, image_token_id=120,
+        video_token_id=121, vision_start_token_id=122,
+    )  # fmt: skip
+    batch = _image_batch(4, token_types=False)
+    batch["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4)
+    batch["image_grid_thw"] = torch.tensor([[1, 4, 4], [1, 4, 4]])
+    batch["mm_token_type_ids"] = (batch["input_ids"] == 120).long()
+    return AutoModelForImageTextToText.from_config(config), batch
+
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+MORE_MODELS = {
+    "deberta-v2": _deberta,
+    **{name: functools.partial(_moe, name) for name in MOE},
+    "vit": _vit,
+    "clip": _clip,
+    "bart": _bart,
+    "t5": lambda: _t5("gated-gelu"),
+    "t5-relu": lambda: _t5("relu"),
+    "gemma3": _gemma3,
+    "llava": _llava,
+    "qwen2_vl": lambda: _qwen_vl(
+        "qwen2_vl", dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2)
+    ),
+    "qwen2_5_vl": lambda: _qwen_vl(
+        "qwen2_5_vl",
+        dict(
+            depth=2,
+            hidden_size=32,
+            out_hidden_size=32,
+            num_heads=4,
+            intermediate_size=64,
+            window_size=8,
+            fullatt_block_indexes=[1],
+        ),
+    ),  # fmt: skip
+}
+
+
+def more_model(name: str, **options):
+    """``MORE_MODELS[name]`` (given ``options``, e.g. DeBERTa's ``dropout``), seed 0, in
+    training mode, with its batch."""
+    torch.manual_seed(0)
+    model, batch = MORE_MODELS[name](**options)
+    return model.train(), batch
