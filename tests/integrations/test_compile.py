@@ -122,31 +122,37 @@ def test_compiled_gradients_differ_from_eager_only_by_the_shared_inputs_seeds():
     assert abs(cosines[True] - cosines[False]) < 0.05
 
 
-def test_compiled_consumers_of_a_shared_input_keep_it_packed_once(monkeypatch):
+def test_compiled_consumers_of_a_shared_input_keep_it_packed_once():
     """q, k and v (and gate and up) round their common input with one seed under compile, so
-    the compiler merges their pack ops and backward keeps one packed copy per layer."""
+    the compiler merges their pack ops and backward keeps one packed copy per layer, as eager
+    does (its cache packs a shared input once): a pack per consumer would keep at least k's
+    and v's copies more, in every layer."""
     base, batch = _llama()
     saved = {}
-    for shared in (True, False):
+    for compiled in (False, True):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        if not shared:  # what the trace did before: every pack with a seed of its own
-            monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
         handle = hf_actq.apply(model, RECIPES["uniform"])
         counters.clear()
-        loss = torch.compile(lambda m=model, **b: m(**b).loss, backend="aot_eager")(**batch)
-        # One graph (a break would split it): the gated MLP, RMSNorm, SDPA and the fused loss
-        # all trace. (counters["graph_break"] also lists breaks dynamo resolved by inlining.)
-        assert counters["stats"]["unique_graphs"] == 1
-        saved[shared] = graph_saved_bytes(loss, exclude=model.parameters())
+        run = torch.compile(_loss, backend="aot_eager") if compiled else _loss
+        loss = run(model, **batch)
+        if compiled:
+            # One graph (a break would split it): the gated MLP, RMSNorm, SDPA and the fused
+            # loss all trace. (counters["graph_break"] also lists breaks dynamo resolved.)
+            assert counters["stats"]["unique_graphs"] == 1
+        saved[compiled] = graph_saved_bytes(loss, exclude=model.parameters())
         loss.backward()
         handle.revert()
         assert not model._forward_pre_hooks and not model._forward_hooks
     config = model.config
     hidden = torch.zeros(batch["input_ids"].numel(), config.hidden_size)
     one_copy = RECIPES["uniform"].make_codec().pack(hidden).nbytes
-    # At least k's and v's copies of the attention input go, in every layer.
-    assert saved[True] <= saved[False] - 2 * config.num_hidden_layers * one_copy, saved
+    # Measured: 188 bytes more compiled (of 13 KB); a second copy of any input would add 576.
+    assert saved[True] < saved[False] + one_copy, saved
+
+
+def _loss(model, **batch):
+    return model(**batch).loss
 
 
 @pytest.mark.slow  # 26 s; the step seed advances: test_apply.py and tests/ops/test_dedup.py
