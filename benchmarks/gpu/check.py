@@ -28,6 +28,7 @@ random: nothing here needs pretrained ones.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import json
@@ -571,24 +572,24 @@ def main(argv=None) -> int:
     if args.part == "report":
         print(report(out))
         return 0
+    dispatch = contextlib.nullcontext()
     if args.dry_run:
-        import hf_actq.kernels as kernels
+        from hf_actq.kernels import kernels_on_cpu
 
-        # Under the interpreter the kernels run on CPU tensors: every op takes them.
-        kernels.uses_triton = lambda tensor, dtypes=kernels._TRITON_DTYPES: (
-            tensor.dtype in dtypes and os.environ.get("HF_ACTQ_DISABLE_TRITON", "0") in ("", "0")
-        )
-        device = torch.device("cpu")
+        # Under the interpreter the kernels run on CPU tensors: every op takes them, through
+        # the dispatch a GPU goes through.
+        dispatch, device = kernels_on_cpu(), torch.device("cpu")
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU, or pass --dry-run")
     else:
         device = torch.device("cuda")
     runners = {"tests": run_tests, "kernels": run_kernels, "steps": run_steps}
-    for part in PARTS if args.part == "all" else (args.part,):
-        budget = args.budget or BUDGETS[part]
-        began = time.monotonic()
-        runners[part](out, device, args.dry_run, began + budget)
-        print(f"{part}: {time.monotonic() - began:.0f} s", flush=True)
+    with dispatch:
+        for part in PARTS if args.part == "all" else (args.part,):
+            budget = args.budget or BUDGETS[part]
+            began = time.monotonic()
+            runners[part](out, device, args.dry_run, began + budget)
+            print(f"{part}: {time.monotonic() - began:.0f} s", flush=True)
     report(out)
     return 0
 

@@ -29,7 +29,7 @@ from hf_actq.codecs.packed import (
     validate_int,
 )
 from hf_actq.kernels import aq_dequantize, aq_quantize
-from hf_actq.kernels.reference import packed_nbytes
+from hf_actq.kernels.packing import packed_nbytes
 
 GROUP_SIZES = (1, 2, 4, 8, 16)
 
@@ -82,7 +82,7 @@ class AverageQuantCodec(Codec):
             source, group = x.reshape(-1), g  # groups are runs of the flat tensor
         else:
             source, group = self._means(x), 1  # partial groups: average them here
-        tensors = aq_quantize(source, group, self.bits, self.block_size, self.stochastic, seed)
+        tensors = aq_quantize(source, group, self.bits, self.block_size, self.stochastic, seed or 0)
         return Packed(self, x.shape, x.dtype, tensors)
 
     def unpack(self, packed: Packed) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from hf_actq.codecs.packed import Codec, Packed, numel_of
 from hf_actq.kernels import mask_pack, mask_unpack
-from hf_actq.kernels.reference import packed_nbytes
+from hf_actq.kernels.packing import packed_nbytes
 
 
 @dataclass(frozen=True)

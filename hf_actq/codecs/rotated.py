@@ -51,7 +51,7 @@ from hf_actq.codecs.packed import (
     validate_int,
 )
 from hf_actq.kernels import aq_dequantize, aq_quantize
-from hf_actq.kernels.reference import packed_nbytes
+from hf_actq.kernels.packing import packed_nbytes
 
 ROTATION = 128
 GROUP_SIZES = (1, 2, 4, 8, 16)

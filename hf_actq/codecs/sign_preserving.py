@@ -22,7 +22,7 @@ from hf_actq.codecs.packed import (
     validate_int,
 )
 from hf_actq.kernels import blpa_dequantize, blpa_quantize
-from hf_actq.kernels.reference import packed_nbytes
+from hf_actq.kernels.packing import packed_nbytes
 
 
 @dataclass(frozen=True)

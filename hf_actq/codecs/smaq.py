@@ -29,7 +29,7 @@ from hf_actq.codecs.packed import (
     validate_int,
 )
 from hf_actq.kernels import smaq_dequantize, smaq_quantize
-from hf_actq.kernels.reference import packed_nbytes
+from hf_actq.kernels.packing import packed_nbytes
 
 BLOCK_SIZES = (64, 128, 256)
 

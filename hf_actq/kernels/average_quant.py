@@ -1,6 +1,6 @@
-"""Triton kernels for average quantization (``codecs/average.py``): quantize (group means,
-per-block min and scale, stochastic rounding, bit packing in one pass) and dequantize (unpack,
-scale, repeat over the group). Twins: ``aq_quantize_reference`` / ``aq_dequantize_reference``.
+"""Average quantization (``codecs/average.py``): ``hf_actq::aq_quantize`` (group means, per-block
+min and scale, stochastic rounding, bit packing) and ``hf_actq::aq_dequantize`` (unpack, scale,
+repeat over the group), each a PyTorch twin and a Triton kernel that does it in one pass.
 
 Stochastic rounding uses Triton's Philox stream keyed by the codec's seed (drawn from torch's
 RNG), so ``torch.manual_seed`` and checkpointing's RNG replay reproduce codes; the noise differs
@@ -10,17 +10,143 @@ distribution, and bit for bit when deterministic.
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+import math
 
-from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
+import torch
+
+from hf_actq.kernels.compiled import mix_seed, run, uniform_noise, use_compiled
+from hf_actq.kernels.packing import (
+    CODEC_CHUNK,
+    COMPILED_CHUNK,
+    pack_uint8_codes_into,
+    packed_nbytes,
+    unpack_codes,
+)
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    load_codes,
+    store_packed,
+    tl,
+    to_dtype,
+    triton,
+)
 
 DEQUANT_BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["group", "bits", "stochastic", "seed"])
+def aq_quantize_reference(
+    source: torch.Tensor, group: int, bits: int, block: int, stochastic: bool, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize the means of consecutive ``group``-element runs of flat ``source``.
+
+    Returns packed ``bits``-bit codes and per-block fp32 minimums and scales. Means are fp32 sums
+    in order, divided by ``group`` and rounded to ``source``'s dtype (as the Triton kernel does)
+    before quantization; stochastic rounding adds :func:`uniform_noise` of each mean's index keyed
+    by ``seed``, deterministic rounding is ``floor(q + 0.5)``. Codes past the last mean are zero.
+    """
+    m = source.numel() // group
+    blocks = -(-m // block)
+    device = source.device
+    mins = torch.empty(blocks, dtype=torch.float32, device=device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=device)
+    packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=device)
+    compiled = use_compiled(source)
+    noise_key = torch.tensor(mix_seed(seed if stochastic else 0), dtype=torch.int32)
+    key = (source.dtype, group, bits, stochastic)
+    step = COMPILED_CHUNK if compiled else CODEC_CHUNK
+    for start in range(0, m, step):
+        count = min(step, m - start)
+        rows = -(-count // block)
+        chunk = source[start * group : (start + count) * group]
+        if count < rows * block:  # the last block is partial: repeat the last mean's run
+            repeat = chunk[-group:].repeat(rows * block - count)
+            chunk = torch.cat([chunk, repeat])
+        offset = torch.tensor(_as_int32(start), dtype=torch.int32)
+        rows_view = chunk.view(rows, block, group)
+        codes, lo, scale = run(
+            compiled, _aq_codes, key, rows_view, bits, noise_key, offset, group, stochastic
+        )
+        codes = codes.view(-1)
+        codes[count:] = 0
+        mins[start // block : start // block + rows] = lo
+        scales[start // block : start // block + rows] = scale
+        pack_uint8_codes_into(codes, bits, packed, start, compiled)
+    return packed, mins, scales
+
+
+def _aq_codes(rows, bits: int, noise_key, offset, group: int, stochastic: bool):
+    """Codes (uint8 [R, block]) and fp32 minimum and scale per row of ``rows`` [R, block, group].
+    One pass when compiled; the Triton kernel's arithmetic, step for step."""
+    total = rows[..., 0].float()
+    for k in range(1, group):  # in order, as the Triton kernel sums
+        total = total + rows[..., k].float()
+    means = (total / group).to(rows.dtype).float()
+    top = float(2**bits - 1)
+    lo, hi = means.amin(dim=1), means.amax(dim=1)
+    # hi / top - lo / top rather than (hi - lo) / top, which overflows for huge ranges.
+    scale = hi / top - lo / top
+    inv = torch.where(scale > 0, 1.0 / scale, 0.0)
+    q = means * inv[:, None] - (lo * inv)[:, None]
+    if stochastic:
+        index = torch.arange(q.numel(), dtype=torch.int32, device=q.device).view(q.shape)
+        q = q + uniform_noise(index + offset, noise_key)
+    else:
+        q = q + 0.5
+    return q.floor().clamp(0.0, top).to(torch.uint8), lo, scale
+
+
+def aq_dequantize_reference(
+    data: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    shape: list[int],
+    dtype: torch.dtype,
+    bits: int,
+    group: int,
+    block: int,
+) -> torch.Tensor:
+    """The tensor of ``shape``: each dequantized mean repeated over its group along the last dim
+    (the last group of a row may be partial)."""
+    n = math.prod(shape)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=data.device)
+    last = shape[-1] if len(shape) else 1
+    per_row = -(-last // group)
+    m = (n // last) * per_row
+    means = torch.empty(m, dtype=dtype, device=data.device)
+    compiled = use_compiled(means)
+    step = COMPILED_CHUNK if compiled else CODEC_CHUNK
+    for start in range(0, m, step):
+        count = min(step, m - start)
+        rows = -(-count // block)
+        b0, byte_start = start // block, start * bits // 8
+        chunk = data[byte_start : byte_start + packed_nbytes(count, bits)]
+        codes = torch.zeros(rows * block, dtype=torch.uint8, device=data.device)
+        codes[:count] = unpack_codes(chunk, count, bits)
+        lo, scale = mins[b0 : b0 + rows], scales[b0 : b0 + rows]
+        values = run(compiled, _aq_values, (dtype,), codes.view(rows, block), lo, scale, dtype)
+        means[start : start + count] = values.view(-1)[:count]
+    if group == 1:
+        return means.view(shape)
+    rows = n // last
+    repeated = means.view(rows, per_row, 1).expand(rows, per_row, group)
+    return repeated.reshape(rows, per_row * group)[:, :last].reshape(shape)
+
+
+def _aq_values(codes, lo, scale, dtype: torch.dtype):
+    """``lo[r] + code * scale[r]`` in fp32, rounded to ``dtype``, for uint8 ``codes`` [R, block]."""
+    return (codes.float() * scale[:, None] + lo[:, None]).to(dtype)
+
+
+def _as_int32(value: int) -> int:
+    """``value`` modulo 2**32 as a signed int32 (noise counters wrap)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+@jit(do_not_specialize=["group", "bits", "stochastic", "seed"])
 def aq_quantize_kernel(
     src_ptr,
     packed_ptr,
@@ -63,7 +189,7 @@ def aq_quantize_kernel(
     tl.store(scales_ptr + pid, scale)
 
 
-@triton.jit(do_not_specialize=["last", "per_row", "group", "block", "bits"])
+@jit(do_not_specialize=["last", "per_row", "group", "block", "bits"])
 def aq_dequantize_kernel(
     packed_ptr,
     mins_ptr,
@@ -90,7 +216,7 @@ def aq_dequantize_kernel(
 
 
 def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
-    """Triton twin of :func:`hf_actq.kernels.reference.aq_quantize_reference`."""
+    """The Triton side of :func:`aq_quantize_reference`."""
     source = source.contiguous()
     m = source.numel() // group
     blocks = triton.cdiv(m, block)
@@ -108,7 +234,7 @@ def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
             group,
             bits,
             int(stochastic),
-            seed if seed is not None else 0,  # deterministic rounding: unused
+            seed,  # deterministic rounding: unused
             BLOCK=block,
             **LAUNCH_OPTIONS,
         )
@@ -116,8 +242,8 @@ def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
 
 
 def aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block):
-    """Triton twin of :func:`hf_actq.kernels.reference.aq_dequantize_reference`."""
-    n = shape.numel()
+    """The Triton side of :func:`aq_dequantize_reference`."""
+    n = math.prod(shape)
     out = torch.empty(n, dtype=dtype, device=mins.device)
     if n:
         last = shape[-1] if len(shape) else 1
@@ -138,3 +264,28 @@ def aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block):
             **LAUNCH_OPTIONS,
         )
     return out.view(shape)
+
+
+def _aq_quantize_fake(source, group, bits, block, stochastic, seed=0):
+    means = source.numel() // group
+    return (
+        source.new_empty(packed_nbytes(means, bits), dtype=torch.uint8),
+        source.new_empty(-(-means // block), dtype=torch.float32),
+        source.new_empty(-(-means // block), dtype=torch.float32),
+    )
+
+
+aq_quantize = register(
+    "aq_quantize",
+    aq_quantize_reference,
+    aq_quantize_triton,
+    fake=_aq_quantize_fake,
+    takes=lambda source, *_: source.dtype in FLOATS,
+)
+aq_dequantize = register(
+    "aq_dequantize",
+    aq_dequantize_reference,
+    aq_dequantize_triton,
+    fake=lambda data, mins, scales, shape, dtype, *_: data.new_empty(shape, dtype=dtype),
+    takes=lambda data, mins, scales, shape, dtype, *_: dtype in FLOATS,
+)

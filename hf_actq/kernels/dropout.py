@@ -1,23 +1,46 @@
-"""Triton kernel for dropout regenerated from a seed (``ops/dropout.py``, ``mode="seed"``): the
-keep decision of each element comes from Triton's Philox stream keyed by the seed and the
-element's index, so forward and backward draw the same mask without materialising it; no
-random tensor and no mask is ever allocated. Twin: ``seeded_dropout_reference`` (torch's
-generator: the same mask law, not the same bits, so a tensor stays on one device between its
-forward and backward, as it does).
+"""Dropout regenerated from a seed (``ops/dropout.py``, ``mode="seed"``):
+``hf_actq::seeded_dropout``. The Triton kernel draws each element's keep decision from Philox keyed by the seed and the
+element's index, so forward and backward draw the same mask without materialising it; no random
+tensor and no mask is ever allocated. The twin draws from torch's generator: the same mask law, not
+the same bits, so a tensor stays on one device between its forward and backward, as it does.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, to_dtype
+from hf_actq.kernels.packing import CHUNK_ELEMENTS
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    tl,
+    to_dtype,
+    triton,
+)
 
 BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["seed"])
+def dropout_keep_reference(shape, p: float, seed: int, device) -> torch.Tensor:
+    """The dropout keep-mask a seed stands for, from torch's generator (regenerated identically
+    in backward), drawn a chunk at a time so that no full-size fp32 random tensor exists."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    keep = torch.empty(shape, dtype=torch.bool, device=device)
+    flat = keep.view(-1)
+    for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+        count = min(CHUNK_ELEMENTS, flat.numel() - start)
+        flat[start : start + count] = torch.rand(count, device=device, generator=generator) >= p
+    return keep
+
+
+def seeded_dropout_reference(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
+    """Dropout of ``x`` with the mask ``seed`` stands for: ``x * keep / (1 - p)``."""
+    return x * dropout_keep_reference(x.shape, p, seed, x.device) * (1.0 / (1.0 - p))
+
+
+@jit(do_not_specialize=["seed"])
 def seeded_dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = offsets < n_elements
@@ -29,7 +52,7 @@ def seeded_dropout_kernel(x_ptr, out_ptr, n_elements, p, scale, seed, BLOCK: tl.
 
 
 def seeded_dropout_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
-    """Triton twin of :func:`hf_actq.kernels.reference.seeded_dropout_reference`."""
+    """The Triton side of :func:`seeded_dropout_reference`."""
     x = x.contiguous()
     out = torch.empty_like(x)
     n = x.numel()
@@ -39,3 +62,12 @@ def seeded_dropout_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
             x, out, n, float(p), 1.0 / (1.0 - p), seed, BLOCK=BLOCK, **LAUNCH_OPTIONS
         )
     return out
+
+
+seeded_dropout = register(
+    "seeded_dropout",
+    seeded_dropout_reference,
+    seeded_dropout_triton,
+    fake=lambda x, p, seed: torch.empty_like(x),
+    takes=lambda x, p, seed: x.dtype in FLOATS,
+)

@@ -1,29 +1,46 @@
-"""Triton kernels for few-bit activations: fused forward (activation + bucket search + bit
-packing) and backward (unpack + table lookup + multiply), with their launchers.
+"""Few-bit activations: ``hf_actq::fewbit_codes`` (bucket search + bit packing) and
+``hf_actq::fewbit_backward`` (unpack + table lookup + multiply), each a PyTorch twin and a Triton
+kernel. The kernels' packed codes are bit-identical to the twins' (same fp32 comparisons, same
+layout).
 
-The PyTorch twins are ``fewbit_forward_reference`` / ``fewbit_backward_reference`` in
-``reference.py``; packed codes are bit-identical to theirs (same fp32 comparisons, same layout).
-
-The ops ask for the codes alone (``output=False``) and take the activation's value from PyTorch:
-on a GPU, Triton's transcendentals differ from PyTorch's in the last bits (seen on an H100), and
-the forward is promised exact. With ``output=True`` (the kernel tests, and callers that want one
-pass over x) the fused forward computes the activation in fp32 with Triton math. Transcendentals are written
-with ``tl.math`` primitives only (``libdevice`` does not run under the Triton interpreter, where
-the tests run), using Kahan's forms of expm1/log1p so that tanh, ELU and softplus stay accurate
-near 0. HF's formula activations (gelu_new, gelu_fast, quick_gelu, ...) round to the input dtype
-after every op, as the eager PyTorch expression does, so half-precision outputs follow the same
-rounding path.
+The ops ask for the codes alone and take the activation's value from PyTorch: on a GPU, Triton's
+transcendentals differ from PyTorch's in the last bits (seen on an H100), and the forward is
+promised exact. With ``output=True`` (the kernel tests) the fused forward also computes the
+activation, in fp32 with Triton math. Transcendentals are written with ``tl.math`` primitives only
+(``libdevice`` does not run under the Triton interpreter, where the tests run), using Kahan's forms
+of expm1/log1p so that tanh, ELU and softplus stay accurate near 0. HF's formula activations
+(gelu_new, gelu_fast, quick_gelu, ...) round to the input dtype after every op, as the eager
+PyTorch expression does, so half-precision outputs follow the same rounding path.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
+import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from hf_actq.fewbit.activations import get_activation
-from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
+from hf_actq.kernels.compiled import run, use_compiled
+from hf_actq.kernels.packing import (
+    CHUNK,
+    COMPILED_CHUNK,
+    expanded_lookup,
+    pack_into,
+    pack_uint8_codes_into,
+    packed_nbytes,
+)
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    load_codes,
+    store_packed,
+    tl,
+    to_dtype,
+    triton,
+)
 
 # constexpr id of each activation's Triton forward.
 ACTIVATION_IDS = {
@@ -56,7 +73,152 @@ FORWARD_GROUPS = 256  # 8 elements per group: 2048 elements per program
 BACKWARD_BLOCK = 2048
 
 
-@triton.jit
+def fewbit_forward_reference(
+    x: torch.Tensor,
+    activation: str,
+    borders: torch.Tensor,
+    bits: int,
+    params: tuple[float, ...] = (),
+    output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Activation output (None with ``output=False``), packed ``bits``-bit codes and a NaN flag,
+    in one call.
+
+    ``borders`` (fp32) are the table's interior cut points, or ``(lo, hi)`` for activations whose
+    derivative takes two values. Returns ``y`` (exactly ``activation``'s PyTorch output),
+    ``packed`` (uint8, ``ceil(n*bits/8)`` bytes) and ``nan_flag`` (int32 of shape (1,), non-zero
+    when ``x`` holds a NaN: codes cannot say where, so backward then yields NaN gradients rather
+    than silently finite ones).
+    """
+    spec = get_activation(activation)
+    y = spec.forward(x, **dict(zip(spec.params, params))) if output else None
+    n = x.numel()
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=x.device)
+    flat = x.reshape(-1)
+    cuts = tuple(borders.tolist())
+    if use_compiled(flat):
+        # Comparisons and packing fused by the compiler: a few passes instead of a dozen.
+        nan_seen = torch.zeros(1, dtype=torch.bool, device=x.device)
+        key = (x.dtype, cuts, spec.code_mode, bits)
+        for start in range(0, n, COMPILED_CHUNK):
+            part = flat[start : start + COMPILED_CHUNK]
+            m = part.numel()
+            if m % 8:
+                part = torch.cat([part, part.new_zeros(8 - m % 8)])
+            nan_seen |= torch.isnan(part.max())
+            codes = run(True, _chunk_codes, key, part, cuts, spec.code_mode)
+            codes[m:] = 0  # as the eager path packs the tail
+            pack_uint8_codes_into(codes, bits, packed, start, True)
+        return y, packed, nan_seen.to(torch.int32)
+    lut = None
+    if spec.code_mode in ("table", "symmetric"):
+        lut = code_lookup_table(cuts, spec.code_mode == "symmetric", x.dtype, x.device)
+    nan_seen = torch.zeros(1, dtype=torch.bool, device=x.device)
+    codes = torch.zeros(min(n, CHUNK) + 8, dtype=torch.float32, device=x.device)
+    hits = torch.empty(min(n, CHUNK), dtype=torch.float32, device=x.device)
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        m = stop - start
+        part = flat[start:stop]
+        # max() propagates NaN, so one cheap reduction over cached data finds any NaN.
+        nan_seen |= torch.isnan(part.max())
+        c = codes[:m]
+        if lut is not None:
+            torch.index_select(lut, 0, _top16_bits(part), out=c)
+        else:
+            # Compare in fp32 as the Triton kernel does: a Python scalar against a bf16 tensor
+            # would be rounded to bf16 first and move the border.
+            v = part.float()
+            torch.gt(v, cuts[0], out=c)
+            if spec.code_mode == "interval":
+                torch.lt(v, cuts[1], out=hits[:m])
+                c.mul_(hits[:m])
+        padded = (m + 7) // 8 * 8
+        codes[m:padded] = 0
+        byte_start, nbytes = start * bits // 8, packed_nbytes(m, bits)
+        if padded == m:
+            pack_into(codes[:padded], bits, packed[byte_start : byte_start + nbytes])
+        else:
+            tail = torch.empty(padded * bits // 8, dtype=torch.uint8, device=x.device)
+            pack_into(codes[:padded], bits, tail)
+            packed[byte_start : byte_start + nbytes] = tail[:nbytes]
+    return y, packed, nan_seen.to(torch.int32)
+
+
+def _chunk_codes(part, cuts: tuple, code_mode: str):
+    """uint8 codes of ``part``: the comparisons that :func:`code_lookup_table` tabulates (on the
+    top 16 bits of the fp32 value for "table" and "symmetric", on the fp32 value otherwise),
+    written out for the compiler. Counted in fp32: inductor's uint8 additions do not vectorize.
+    """
+    v = part.float()
+    if code_mode in ("table", "symmetric"):
+        v = (v.view(torch.int32) & -65536).view(torch.float32)
+        if code_mode == "symmetric":
+            v = v.abs()
+    codes = torch.where(v > cuts[0], 1.0, 0.0)
+    if code_mode == "interval":
+        codes = torch.where(v < cuts[1], codes, 0.0)
+    elif code_mode in ("table", "symmetric"):
+        for cut in cuts[1:]:
+            codes = codes + torch.where(v > cut, 1.0, 0.0)
+    return codes.to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def code_lookup_table(
+    cuts: tuple[float, ...], symmetric: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The code of every 16-bit pattern: ``x``'s top 16 bits for fp32 (bf16 truncation), the
+    whole value for bf16 and fp16. Exactly the Triton kernel's comparisons, one lookup each."""
+    patterns = np.arange(65536, dtype=np.uint32)
+    if dtype == torch.float16:
+        values = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+        values = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    else:
+        values = (patterns << np.uint32(16)).view(np.float32)
+    if symmetric:
+        values = np.abs(values)
+    with np.errstate(invalid="ignore"):
+        codes = (values[:, None] > np.asarray(cuts, dtype=np.float32)[None, :]).sum(axis=1)
+    return torch.from_numpy(codes.astype(np.float32)).to(device)
+
+
+def _top16_bits(part: torch.Tensor) -> torch.Tensor:
+    """int32 index of each element's 16-bit pattern (see :func:`code_lookup_table`)."""
+    if part.dtype in (torch.bfloat16, torch.float16):
+        return part.view(torch.uint16).to(torch.int32)
+    if part.dtype != torch.float32:
+        part = part.float()
+    return part.view(torch.uint16)[1::2].to(torch.int32)  # the high half, little-endian
+
+
+def fewbit_backward_reference(
+    grad_y: torch.Tensor,
+    packed: torch.Tensor,
+    levels: torch.Tensor,
+    nan_flag: torch.Tensor,
+    bits: int,
+) -> torch.Tensor:
+    """``grad_y * levels[code]``, the product taken in fp32 and rounded once to grad_y's dtype."""
+    n = grad_y.numel()
+    flat = grad_y.reshape(-1)
+    lut = levels.float() * torch.where(nan_flag.bool(), math.nan, 1.0)
+    expanded, index_of = expanded_lookup(lut, bits)
+    out = torch.empty(n, dtype=grad_y.dtype, device=grad_y.device)
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        m = stop - start
+        byte_start = start * bits // 8
+        chunk = packed[byte_start : byte_start + packed_nbytes(m, bits)]
+        group_bytes = (m + 7) // 8 * bits
+        if chunk.numel() < group_bytes:
+            chunk = torch.cat([chunk, chunk.new_zeros(group_bytes - chunk.numel())])
+        level = expanded.index_select(0, index_of(chunk)).view(-1)[:m]
+        torch.mul(flat[start:stop], level, out=out[start:stop])
+    return out.view(grad_y.shape)
+
+
+@jit
 def _expm1(x):
     # Kahan: (u - 1) * x / log(u) cancels the rounding error of u = exp(x).
     u = tl.exp(x)
@@ -68,7 +230,7 @@ def _expm1(x):
     return tl.where(u == float("inf"), float("inf"), out)
 
 
-@triton.jit
+@jit
 def _log1p(x):
     u = 1.0 + x
     um1 = u - 1.0
@@ -77,7 +239,7 @@ def _log1p(x):
     return tl.where(u == float("inf"), float("inf"), out)
 
 
-@triton.jit
+@jit
 def _tanh(x):
     a = tl.abs(x)
     e = _expm1(2.0 * tl.minimum(a, 20.0))
@@ -85,18 +247,18 @@ def _tanh(x):
     return tl.where(x < 0.0, -t, t)
 
 
-@triton.jit
+@jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@jit
 def _rnd(v, DTYPE: tl.constexpr):
     # Round to the input dtype, as each op of an eager half-precision expression does.
     return to_dtype(v, DTYPE).to(tl.float32)
 
 
-@triton.jit
+@jit
 def _activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
     if ACTIVATION == 0:  # F.gelu
         y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -158,7 +320,7 @@ def _activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
     return y
 
 
-@triton.jit(do_not_specialize=["num_borders", "bits"])
+@jit(do_not_specialize=["num_borders", "bits"])
 def fewbit_forward_kernel(
     x_ptr,
     y_ptr,
@@ -206,7 +368,7 @@ def fewbit_forward_kernel(
     tl.atomic_max(nan_flag_ptr, has_nan, mask=has_nan > 0)
 
 
-@triton.jit(do_not_specialize=["bits"])
+@jit(do_not_specialize=["bits"])
 def fewbit_backward_kernel(
     grad_ptr,
     packed_ptr,
@@ -235,7 +397,7 @@ def fewbit_forward_triton(
     params: tuple[float, ...] = (),
     output: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Triton twin of :func:`hf_actq.kernels.reference.fewbit_forward_reference`."""
+    """The Triton side of :func:`fewbit_forward_reference`."""
     spec = get_activation(activation)
     x = x.contiguous()
     n = x.numel()
@@ -275,7 +437,7 @@ def fewbit_backward_triton(
     nan_flag: torch.Tensor,
     bits: int,
 ) -> torch.Tensor:
-    """Triton twin of :func:`hf_actq.kernels.reference.fewbit_backward_reference`."""
+    """The Triton side of :func:`fewbit_backward_reference`."""
     grad_y = grad_y.contiguous()
     n = grad_y.numel()
     out = torch.empty_like(grad_y)
@@ -294,3 +456,36 @@ def fewbit_backward_triton(
             **LAUNCH_OPTIONS,
         )
     return out
+
+
+def fewbit_codes_reference(
+    x: torch.Tensor, activation: str, borders: torch.Tensor, bits: int, params: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed codes and NaN flag of :func:`fewbit_forward_reference`, without the output:
+    what the ops save (the activation's value comes from PyTorch, exact)."""
+    _, packed, nan_flag = fewbit_forward_reference(x, activation, borders, bits, params, False)
+    return packed, nan_flag
+
+
+def _fewbit_codes_triton(x, activation, borders, bits, params):
+    _, packed, nan_flag = fewbit_forward_triton(x, activation, borders, bits, params, False)
+    return packed, nan_flag
+
+
+fewbit_codes = register(
+    "fewbit_codes",
+    fewbit_codes_reference,
+    _fewbit_codes_triton,
+    fake=lambda x, activation, borders, bits, params: (
+        x.new_empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8),
+        x.new_empty(1, dtype=torch.int32),
+    ),
+    takes=lambda x, *_: x.dtype in FLOATS,
+)
+fewbit_backward = register(
+    "fewbit_backward",
+    fewbit_backward_reference,
+    fewbit_backward_triton,
+    fake=lambda grad_y, *_: torch.empty_like(grad_y, memory_format=torch.contiguous_format),
+    takes=lambda grad_y, *_: grad_y.dtype in FLOATS,
+)

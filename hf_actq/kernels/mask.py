@@ -1,20 +1,40 @@
-"""Triton kernels for 1-bit masks (``codecs/mask.py``). Twins: ``mask_pack_reference`` /
-``mask_unpack_reference``."""
+"""1-bit masks (``codecs/mask.py``): ``hf_actq::mask_pack`` and ``hf_actq::mask_unpack``, each a
+PyTorch twin and a Triton kernel."""
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+import math
 
-from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
+import torch
+
+from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    load_codes,
+    store_packed,
+    tl,
+    to_dtype,
+    triton,
+)
 
 GROUPS = 256
 UNPACK_BLOCK = 2048
+MASK_DTYPES = (torch.bool, torch.uint8, *FLOATS)  # what the kernels read and write
 
 
-@triton.jit
+def mask_pack_reference(source: torch.Tensor) -> torch.Tensor:
+    """``source != 0`` packed to 1 bit per element."""
+    # `!= 0` on a bool tensor would first promote it to int64.
+    return pack_codes(source if source.dtype == torch.bool else source != 0, 1)
+
+
+def mask_unpack_reference(data: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return unpack_codes(data, math.prod(shape), 1).to(dtype).view(shape)
+
+
+@jit
 def mask_pack_kernel(src_ptr, packed_ptr, n_elements, n_bytes, GROUPS: tl.constexpr):
     groups8 = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     offsets = groups8[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -23,7 +43,7 @@ def mask_pack_kernel(src_ptr, packed_ptr, n_elements, n_bytes, GROUPS: tl.conste
     store_packed(packed_ptr, groups8, (valid & (x != 0)).to(tl.uint32), 1, n_bytes)
 
 
-@triton.jit
+@jit
 def mask_unpack_kernel(packed_ptr, out_ptr, n_elements, n_bytes, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
@@ -32,7 +52,7 @@ def mask_unpack_kernel(packed_ptr, out_ptr, n_elements, n_bytes, BLOCK: tl.const
 
 
 def mask_pack_triton(source: torch.Tensor) -> torch.Tensor:
-    """Triton twin of :func:`hf_actq.kernels.reference.mask_pack_reference`."""
+    """The Triton side of :func:`mask_pack_reference`."""
     source = source.contiguous()
     if source.dtype == torch.bool:
         source = source.view(torch.uint8)
@@ -44,11 +64,27 @@ def mask_pack_triton(source: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def mask_unpack_triton(data: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Triton twin of :func:`hf_actq.kernels.reference.mask_unpack_reference`."""
-    n = shape.numel()
+def mask_unpack_triton(data: torch.Tensor, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The Triton side of :func:`mask_unpack_reference`."""
+    n = math.prod(shape)
     out = torch.empty(n, dtype=torch.uint8 if dtype == torch.bool else dtype, device=data.device)
     if n:
         grid = (triton.cdiv(n, UNPACK_BLOCK),)
         mask_unpack_kernel[grid](data, out, n, data.numel(), BLOCK=UNPACK_BLOCK, **LAUNCH_OPTIONS)
     return (out.view(torch.bool) if dtype == torch.bool else out).view(shape)
+
+
+mask_pack = register(
+    "mask_pack",
+    mask_pack_reference,
+    mask_pack_triton,
+    fake=lambda source: source.new_empty(packed_nbytes(source.numel(), 1), dtype=torch.uint8),
+    takes=lambda source: source.dtype in MASK_DTYPES,
+)
+mask_unpack = register(
+    "mask_unpack",
+    mask_unpack_reference,
+    mask_unpack_triton,
+    fake=lambda data, shape, dtype: data.new_empty(shape, dtype=dtype),
+    takes=lambda data, shape, dtype: dtype in MASK_DTYPES,
+)

@@ -1,7 +1,8 @@
-"""Triton kernels for the backward of LayerNorm and RMSNorm from the normalized input
-(``ops/norm.py``): ``grad_x = rstd * (g*w - centered * mean(g*w) - x_hat * mean(g*w * x_hat))``
-with the weight and bias gradients, read straight from ``grad_y`` and the decoded ``x_hat`` in
-their own dtype, with no fp32 temporaries in global memory. Twin: ``norm_backward_reference``.
+"""The backward of LayerNorm and RMSNorm from the normalized input (``ops/norm.py``):
+``hf_actq::norm_backward``, ``grad_x = rstd * (g*w - centered * mean(g*w) - x_hat * mean(g*w *
+x_hat))`` with the weight and bias gradients. The Triton kernels read ``grad_y`` and the decoded
+``x_hat`` in their own dtype, with no fp32 temporaries in global memory; the twin works in fp32,
+chunked over rows.
 
 Two kernels, so that any width runs with one fixed column tile (one compiled variant per dtype,
 not one per power of two): the first reduces each row to its two means, the second writes
@@ -12,10 +13,16 @@ partial weight and bias gradients, which the launcher adds up (a [blocks, width]
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, to_dtype
+from hf_actq.kernels.packing import row_chunks
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    tl,
+    to_dtype,
+    triton,
+)
 
 BLOCK = 1024  # columns per tile
 # At most this many row blocks, so the partial weight gradients stay small ([256, width] fp32)
@@ -23,7 +30,37 @@ BLOCK = 1024  # columns per tile
 MAX_ROW_BLOCKS = 256
 
 
-@triton.jit
+def norm_backward_reference(
+    grad_y: torch.Tensor,
+    x_hat: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    centered: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of LayerNorm (``centered``) or RMSNorm from the normalized input ``x_hat`` and the
+    per-row ``rstd``: ``grad_x`` in ``grad_y``'s dtype, and the fp32 weight and bias gradients
+    (``sum g * x_hat`` and ``sum g`` over rows). fp32 arithmetic, chunked over rows."""
+    width = grad_y.shape[-1]
+    grad = grad_y.reshape(-1, width)
+    x_hat = x_hat.reshape(-1, width)
+    rstd = rstd.reshape(-1, 1)
+    w = None if weight is None else weight.float()
+    grad_x = torch.empty_like(grad)
+    grad_w = torch.zeros(width, dtype=torch.float32, device=grad.device)
+    grad_b = torch.zeros_like(grad_w)
+    for rows in row_chunks(grad.shape[0], width):
+        g, xh = grad[rows].float(), x_hat[rows].float()
+        gw = g if w is None else g * w
+        mean_gwx = (gw * xh).mean(-1, keepdim=True)
+        if centered:
+            gw = gw - gw.mean(-1, keepdim=True)
+        grad_x[rows] = rstd[rows] * (gw - xh * mean_gwx)
+        grad_w += (g * xh).sum(0)
+        grad_b += g.sum(0)
+    return grad_x.view(grad_y.shape), grad_w, grad_b
+
+
+@jit
 def norm_row_means_kernel(
     grad_ptr, xhat_ptr, w_ptr, means_ptr, width, inv_width, centered, BLOCK: tl.constexpr
 ):
@@ -43,7 +80,7 @@ def norm_row_means_kernel(
     tl.store(means_ptr + 2 * row + 1, tl.sum(sum_gwx, axis=0) * inv_width)
 
 
-@triton.jit
+@jit
 def norm_backward_kernel(
     grad_ptr,
     xhat_ptr,
@@ -85,7 +122,7 @@ def norm_backward_kernel(
 
 
 def norm_backward_triton(grad_y, x_hat, rstd, weight, centered):
-    """Triton twin of :func:`hf_actq.kernels.reference.norm_backward_reference`."""
+    """The Triton side of :func:`norm_backward_reference`."""
     width = grad_y.shape[-1]
     rows = grad_y.numel() // width if width else 0
     g = grad_y.reshape(rows, width).contiguous()
@@ -125,3 +162,21 @@ def norm_backward_triton(grad_y, x_hat, rstd, weight, centered):
         **LAUNCH_OPTIONS,
     )
     return grad_x.view(grad_y.shape), partial_w.sum(0), partial_b.sum(0)
+
+
+def _norm_backward_fake(grad_y, x_hat, rstd, weight, centered):
+    width = grad_y.shape[-1]
+    return (
+        torch.empty_like(grad_y, memory_format=torch.contiguous_format),
+        grad_y.new_empty(width, dtype=torch.float32),
+        grad_y.new_empty(width, dtype=torch.float32),
+    )
+
+
+norm_backward = register(
+    "norm_backward",
+    norm_backward_reference,
+    norm_backward_triton,
+    fake=_norm_backward_fake,
+    takes=lambda grad_y, *_: grad_y.dtype in FLOATS,
+)

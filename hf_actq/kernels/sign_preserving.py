@@ -1,21 +1,81 @@
-"""Triton kernels for sign-preserving quantization (``codecs/sign_preserving.py``): quantize
-(block absmax, step, ceil-based codes, bit packing) and dequantize. Deterministic, so packed
-codes equal the twins' (``blpa_quantize_reference`` / ``blpa_dequantize_reference``) bit for bit.
+"""Sign-preserving quantization (``codecs/sign_preserving.py``): ``hf_actq::blpa_quantize`` (block
+absmax, step, ceil-based codes, bit packing) and ``hf_actq::blpa_dequantize``, each a PyTorch twin
+and a Triton kernel. Deterministic, so the kernels' packed codes equal the twins' bit for bit.
 """
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
+import math
 
-from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
+import torch
+
+from hf_actq.kernels.packing import (
+    CODEC_CHUNK,
+    pack_chunk_into,
+    packed_nbytes,
+    pad_to,
+    unpack_codes,
+)
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    load_codes,
+    store_packed,
+    tl,
+    to_dtype,
+    triton,
+)
 
 DEQUANT_BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["bits"])
+def blpa_quantize_reference(
+    source: torch.Tensor, bits: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed codes and per-block fp32 steps; ``x > 0`` maps to the upper half of the codes."""
+    n = source.numel()
+    half = 2 ** (bits - 1)
+    blocks = -(-n // block)
+    steps = torch.empty(blocks, dtype=torch.float32, device=source.device)
+    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=source.device)
+    for start in range(0, n, CODEC_CHUNK):
+        stop = min(n, start + CODEC_CHUNK)
+        chunk = source[start:stop].float()
+        rows = -(-chunk.numel() // block)
+        step = pad_to(chunk.abs(), rows * block, 0.0).view(rows, block).amax(dim=1) / half
+        steps[start // block : start // block + rows] = step
+        inv = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+        # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
+        rows_view = pad_to(chunk, rows * block, 0.0).view(rows, block)
+        q = torch.ceil(rows_view * inv[:, None]).view(-1)[: stop - start]
+        pack_chunk_into(q.sub_(1.0).clamp_(-half, half - 1).add_(half), bits, packed, start)
+    return packed, steps
+
+
+def blpa_dequantize_reference(
+    data: torch.Tensor,
+    steps: torch.Tensor,
+    shape: list[int],
+    dtype: torch.dtype,
+    bits: int,
+    block: int,
+) -> torch.Tensor:
+    n = math.prod(shape)
+    middle = 2 ** (bits - 1) - 0.5
+    codes = unpack_codes(data, n, bits)
+    out = torch.empty(n, dtype=dtype, device=data.device)
+    for start in range(0, n, CODEC_CHUNK):
+        stop = min(n, start + CODEC_CHUNK)
+        rows = -(-(stop - start) // block)
+        b0 = start // block
+        c = pad_to(codes[start:stop].float() - middle, rows * block, 0.0).view(rows, block)
+        values = c * steps[b0 : b0 + rows, None]
+        out[start:stop] = values.view(-1)[: stop - start].to(dtype)
+    return out.view(shape)
+
+
+@jit(do_not_specialize=["bits"])
 def blpa_quantize_kernel(
     src_ptr, packed_ptr, steps_ptr, n_elements, n_bytes, bits, BLOCK: tl.constexpr
 ):
@@ -33,7 +93,7 @@ def blpa_quantize_kernel(
     tl.store(steps_ptr + pid, step)
 
 
-@triton.jit(do_not_specialize=["block", "bits"])
+@jit(do_not_specialize=["block", "bits"])
 def blpa_dequantize_kernel(
     packed_ptr, steps_ptr, out_ptr, n_elements, n_bytes, block, bits, BLOCK: tl.constexpr
 ):
@@ -48,7 +108,7 @@ def blpa_dequantize_kernel(
 
 
 def blpa_quantize_triton(source, bits, block):
-    """Triton twin of :func:`hf_actq.kernels.reference.blpa_quantize_reference`."""
+    """The Triton side of :func:`blpa_quantize_reference`."""
     source = source.contiguous()
     n = source.numel()
     blocks = triton.cdiv(n, block)
@@ -62,8 +122,8 @@ def blpa_quantize_triton(source, bits, block):
 
 
 def blpa_dequantize_triton(data, steps, shape, dtype, bits, block):
-    """Triton twin of :func:`hf_actq.kernels.reference.blpa_dequantize_reference`."""
-    n = shape.numel()
+    """The Triton side of :func:`blpa_dequantize_reference`."""
+    n = math.prod(shape)
     out = torch.empty(n, dtype=dtype, device=steps.device)
     if n:
         grid = (triton.cdiv(n, DEQUANT_BLOCK),)
@@ -71,3 +131,22 @@ def blpa_dequantize_triton(data, steps, shape, dtype, bits, block):
             data, steps, out, n, data.numel(), block, bits, BLOCK=DEQUANT_BLOCK, **LAUNCH_OPTIONS
         )
     return out.view(shape)
+
+
+blpa_quantize = register(
+    "blpa_quantize",
+    blpa_quantize_reference,
+    blpa_quantize_triton,
+    fake=lambda source, bits, block: (
+        source.new_empty(packed_nbytes(source.numel(), bits), dtype=torch.uint8),
+        source.new_empty(-(-source.numel() // block), dtype=torch.float32),
+    ),
+    takes=lambda source, bits, block: source.dtype in FLOATS,
+)
+blpa_dequantize = register(
+    "blpa_dequantize",
+    blpa_dequantize_reference,
+    blpa_dequantize_triton,
+    fake=lambda data, steps, shape, dtype, bits, block: data.new_empty(shape, dtype=dtype),
+    takes=lambda data, steps, shape, dtype, bits, block: dtype in FLOATS,
+)

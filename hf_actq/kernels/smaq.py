@@ -1,20 +1,116 @@
-"""Triton kernels for SmaQ (``codecs/smaq.py``): quantize (z-score, stochastic rounding, 6-bit
-main codes, per-block 2-bit extension slots filled in element order by a block-local cumsum)
-and dequantize. Twins: ``smaq_quantize_reference`` / ``smaq_dequantize_reference``; bit-exact
-with deterministic rounding, equal in distribution with stochastic rounding (Philox noise).
+"""SmaQ (``codecs/smaq.py``): ``hf_actq::smaq_quantize`` (z-score, stochastic rounding, 6-bit main
+codes, per-block 2-bit extension slots filled in element order by a block-local cumsum) and
+``hf_actq::smaq_dequantize``, each a PyTorch twin and a Triton kernel. The two are bit-exact with
+deterministic rounding, equal in distribution with stochastic rounding (the kernel's noise is
+Philox, the twin's torch's generator).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
-import triton
-import triton.language as tl
 
-from hf_actq.kernels.reference import packed_nbytes
-from hf_actq.kernels.triton_common import LAUNCH_OPTIONS, load_codes, store_packed, to_dtype
+from hf_actq.kernels.packing import pack_chunk_into, pack_codes, packed_nbytes, pad_to, unpack_codes
+from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.triton_common import (
+    LAUNCH_OPTIONS,
+    jit,
+    load_codes,
+    store_packed,
+    tl,
+    to_dtype,
+    triton,
+)
+
+CHUNK_BLOCKS = 256
 
 
-@triton.jit(do_not_specialize=["slots", "stochastic", "seed"])
+def smaq_quantize_reference(
+    source: torch.Tensor,
+    stats: torch.Tensor,
+    block: int,
+    slots: int,
+    stochastic: bool,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed 6-bit main codes and packed 2-bit extension slots (``slots`` per block) of flat
+    ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout."""
+    n = source.numel()
+    device = source.device
+    mean, std = stats[0], stats[1]
+    inv_std = torch.where(std > 0, 1.0 / std, torch.zeros_like(std))
+    generator = None
+    if stochastic:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    blocks = -(-n // block)
+    main = torch.empty(packed_nbytes(n, 6), dtype=torch.uint8, device=device)
+    extension = torch.zeros(blocks, max(slots, 1), dtype=torch.float32, device=device)
+    step = CHUNK_BLOCKS * block
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = -(-(stop - start) // block)
+        chunk = pad_to(source[start:stop].float(), rows * block, 0.0)
+        z = ((chunk - mean) * inv_std).clamp_(-2.0, 2.0).view(rows, block)
+        if stochastic:
+            u = torch.rand(z.shape, device=device, generator=generator)
+        else:
+            u = torch.full_like(z, 0.5)
+        valid = (torch.arange(rows * block, device=device) < stop - start).view(rows, block)
+        outlier = (z.abs() > 1.0) & valid
+        inlier_code = torch.floor((z + 1.0) * 15.5 + u).clamp_(0, 31)
+        magnitude = z.abs() - 1.0
+        fine = torch.floor(magnitude * 63.0 + u).clamp_(0, 63)
+        coarse = torch.floor(magnitude * 15.0 + u).clamp_(0, 15)
+        rank = torch.cumsum(outlier.to(torch.int32), dim=1) - 1
+        extended = outlier & (rank < slots)
+        top = torch.where(extended, torch.floor(fine / 4), coarse)
+        code = torch.where(outlier, 32 + 16 * (z < 0).float() + top, inlier_code)
+        pack_chunk_into(code.view(-1)[: stop - start], 6, main, start)
+        if slots:
+            low = fine - 4 * torch.floor(fine / 4)
+            ext = extension[start // block : start // block + rows]
+            row_index = torch.arange(rows, device=device)[:, None].expand_as(rank)
+            ext[row_index[extended], rank[extended].long()] = low[extended]
+    if not slots:
+        return main, main.new_empty(0)
+    return main, pack_codes(extension[:, :slots].reshape(-1), 2)
+
+
+def smaq_dequantize_reference(
+    main: torch.Tensor,
+    extension: torch.Tensor,
+    stats: torch.Tensor,
+    shape: list[int],
+    dtype: torch.dtype,
+    block: int,
+    slots: int,
+) -> torch.Tensor:
+    n = math.prod(shape)
+    device = main.device
+    if n == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    blocks = -(-n // block)
+    codes = torch.zeros(blocks * block, dtype=torch.int32, device=device)
+    codes[:n] = unpack_codes(main, n, 6).to(torch.int32)
+    codes = codes.view(blocks, block)
+    outlier = codes >= 32
+    top = (codes & 15).float()
+    rank = torch.cumsum(outlier.to(torch.int32), dim=1) - 1
+    extended = outlier & (rank < slots)
+    magnitude = top / 15.0
+    if slots:
+        ext = unpack_codes(extension, blocks * slots, 2).view(blocks, slots).float()
+        low = ext.gather(1, rank.clamp(0, slots - 1).to(torch.int64))
+        magnitude = torch.where(extended, (4 * top + low) / 63.0, magnitude)
+    sign = torch.where((codes & 16) > 0, -1.0, 1.0)
+    z = torch.where(outlier, sign * (1.0 + magnitude), codes.float() / 15.5 - 1.0)
+    values = z.view(-1)[:n] * stats[1] + stats[0]
+    return values.to(dtype).view(shape)
+
+
+@jit(do_not_specialize=["slots", "stochastic", "seed"])
 def smaq_quantize_kernel(
     src_ptr,
     stats_ptr,
@@ -67,7 +163,7 @@ def smaq_quantize_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["slots"])
+@jit(do_not_specialize=["slots"])
 def smaq_dequantize_kernel(
     main_ptr,
     ext_ptr,
@@ -97,7 +193,7 @@ def smaq_dequantize_kernel(
 
 
 def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
-    """Triton twin of :func:`hf_actq.kernels.reference.smaq_quantize_reference`."""
+    """The Triton side of :func:`smaq_quantize_reference`."""
     source = source.contiguous()
     n = source.numel()
     blocks = triton.cdiv(n, block)
@@ -113,7 +209,7 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
             main.numel(),
             slots,
             int(stochastic),
-            seed if seed is not None else 0,  # deterministic rounding: unused
+            seed,  # deterministic rounding: unused
             BLOCK=block,
             SLOTS_PAD=block,
             **LAUNCH_OPTIONS,
@@ -122,8 +218,8 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
 
 
 def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
-    """Triton twin of :func:`hf_actq.kernels.reference.smaq_dequantize_reference`."""
-    n = shape.numel()
+    """The Triton side of :func:`smaq_dequantize_reference`."""
+    n = math.prod(shape)
     out = torch.empty(n, dtype=dtype, device=stats.device)
     if n:
         smaq_dequantize_kernel[(triton.cdiv(n, block),)](
@@ -139,3 +235,27 @@ def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
             **LAUNCH_OPTIONS,
         )
     return out.view(shape)
+
+
+def _smaq_quantize_fake(source, stats, block, slots, stochastic, seed=0):
+    extension = packed_nbytes(-(-source.numel() // block) * slots, 2)
+    return (
+        source.new_empty(packed_nbytes(source.numel(), 6), dtype=torch.uint8),
+        source.new_empty(extension, dtype=torch.uint8),
+    )
+
+
+smaq_quantize = register(
+    "smaq_quantize",
+    smaq_quantize_reference,
+    smaq_quantize_triton,
+    fake=_smaq_quantize_fake,
+    takes=lambda source, *_: source.dtype in FLOATS,
+)
+smaq_dequantize = register(
+    "smaq_dequantize",
+    smaq_dequantize_reference,
+    smaq_dequantize_triton,
+    fake=lambda main, extension, stats, shape, dtype, *_: main.new_empty(shape, dtype=dtype),
+    takes=lambda main, extension, stats, shape, dtype, *_: dtype in FLOATS,
+)

@@ -1,13 +1,27 @@
-"""Triton helpers shared by the kernels.
+"""Triton helpers shared by the kernels, and Triton itself where it is installed.
 
-Bit layout (as in ``reference.py``): code ``i`` of width ``b`` occupies bits ``[i*b, (i+1)*b)``
+Bit layout (as in ``packing.py``): code ``i`` of width ``b`` occupies bits ``[i*b, (i+1)*b)``
 of a little-endian stream, so 8 codes fill ``b`` whole bytes.
+
+Without Triton (a CPU install) the kernels are still defined, as plain functions that nothing
+launches: each op file holds its twin and its kernel, and the twins must import everywhere.
 """
 
 from __future__ import annotations
 
-import triton
-import triton.language as tl
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = tl = None
+
+
+def jit(fn=None, **options):
+    """``triton.jit``, or the function itself where Triton is not installed."""
+    if triton is None:
+        return fn if fn is not None else (lambda function: function)
+    return triton.jit(fn, **options) if fn is not None else triton.jit(**options)
+
 
 # Compile options of every launch: no FMA contraction, so a GPU rounds each product and sum as the
 # twins and the interpreter do (codes and values must match them bit for bit). The kernels are
@@ -19,7 +33,7 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 # value would be its own compilation that ahead-of-time compilation never saw.
 
 
-@triton.jit
+@jit
 def store_packed(packed_ptr, group, code, bits, n_bytes):
     """Store ``code`` ([G, 8] integers < 2**bits, bits <= 8) of 8-element groups ``group``."""
     lane = tl.arange(0, 8)
@@ -30,7 +44,7 @@ def store_packed(packed_ptr, group, code, bits, n_bytes):
     tl.store(packed_ptr + byte_offsets, values.to(tl.uint8), mask=byte_mask)
 
 
-@triton.jit
+@jit
 def load_codes(packed_ptr, offsets, mask, bits, n_bytes):
     """The codes of elements ``offsets`` (int64); a code can straddle two bytes."""
     bit_pos = offsets * bits
@@ -42,7 +56,7 @@ def load_codes(packed_ptr, offsets, mask, bits, n_bytes):
     return ((low | (high << 8)) >> shift) & ((1 << bits) - 1)
 
 
-@triton.jit
+@jit
 def to_dtype(v, DTYPE: tl.constexpr):
     """fp32 -> DTYPE, round to nearest even.
 

@@ -15,7 +15,7 @@ from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import draw_seed
 from hf_actq.kernels import mask_pack, mask_unpack, seeded_dropout
-from hf_actq.kernels.reference import dropout_keep_reference
+from hf_actq.kernels.dropout import dropout_keep_reference
 from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
 
 MODES = ("seed", "mask")

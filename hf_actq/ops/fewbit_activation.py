@@ -14,7 +14,7 @@ from torch.autograd.function import once_differentiable
 from hf_actq.fewbit.activations import get_activation, resolve_params
 from hf_actq.fewbit.dp import FewBitTable
 from hf_actq.fewbit.tables import table_for, validate_bits
-from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.kernels import fewbit_backward, fewbit_codes
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import OpState, keep_rng_stream, set_state, state_of, wants_backward
 
@@ -26,7 +26,7 @@ class FewBitActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, params, borders, levels, bits):
         # The value from PyTorch's own function (exact on every device), the codes from the kernel.
-        _, packed, nan_flag = fewbit_forward(x, activation, borders, bits, params, output=False)
+        packed, nan_flag = fewbit_codes(x, activation, borders, bits, params)
         spec = get_activation(activation)
         y = spec.forward(x, **dict(zip(spec.params, params)))
         ctx.save_for_backward(packed, levels, nan_flag)

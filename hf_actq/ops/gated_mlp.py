@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.kernels import fewbit_backward, fewbit_codes
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.linear import CompressedLinearFunction
@@ -51,9 +51,7 @@ class GatedDownFunction(torch.autograd.Function):
         borders, levels = act.tensors(gate.device)
         # The value from PyTorch's own function (as every other path computes it), codes from
         # the kernel.
-        _, codes, nan_flag = fewbit_forward(
-            gate, act.spec.name, borders, act.bits, act.param_values, output=False
-        )
+        codes, nan_flag = fewbit_codes(gate, act.spec.name, borders, act.bits, act.param_values)
         activated = act.plain(gate)
         y = activated * up
         if weight is not None:

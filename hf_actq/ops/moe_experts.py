@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from hf_actq.kernels import fewbit_backward, fewbit_forward
+from hf_actq.kernels import fewbit_backward, fewbit_codes
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, wants_backward
 
@@ -49,9 +49,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
         if watcher is not None:
             watcher.on_fewbit(state.slot_id("act"), gate, act)
         borders, levels = act.tensors(gate.device)
-        _, codes, nan_flag = fewbit_forward(
-            gate, act.spec.name, borders, act.bits, act.param_values, output=False
-        )
+        codes, nan_flag = fewbit_codes(gate, act.spec.name, borders, act.bits, act.param_values)
         activated = act.plain(gate)
         out = _grouped_linear(activated * up, down_proj, offsets) * weight_of_row.unsqueeze(-1)
         inverse = torch.empty_like(perm)

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.kernels import norm_backward
-from hf_actq.kernels.reference import row_chunks
+from hf_actq.kernels.packing import row_chunks
 from hf_actq.ops.dedup import under_checkpoint
 from hf_actq.ops.slots import observer, per_slot_seeds
 from hf_actq.ops.state import default_state, keep_rng_stream, set_state, state_of, wants_backward

@@ -14,13 +14,26 @@ if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DE
     )
 
 from hf_actq.codecs.packed import BLOCK_SIZES, draw_seed  # noqa: E402
-from hf_actq.kernels import reference  # noqa: E402
-from hf_actq.kernels.average_quant import aq_dequantize_triton, aq_quantize_triton  # noqa: E402
-from hf_actq.kernels.mask import mask_pack_triton, mask_unpack_triton  # noqa: E402
-from hf_actq.kernels.sign_preserving import (  # noqa: E402
+from hf_actq.kernels.average_quant import (  # noqa: E402  # noqa: E402
+    aq_dequantize_reference,
+    aq_dequantize_triton,
+    aq_quantize_reference,
+    aq_quantize_triton,
+)
+from hf_actq.kernels.mask import (  # noqa: E402  # noqa: E402
+    mask_pack_reference,
+    mask_pack_triton,
+    mask_unpack_reference,
+    mask_unpack_triton,
+)
+from hf_actq.kernels.packing import unpack_codes  # noqa: E402
+from hf_actq.kernels.sign_preserving import (  # noqa: E402  # noqa: E402
+    blpa_dequantize_reference,
     blpa_dequantize_triton,
+    blpa_quantize_reference,
     blpa_quantize_triton,
 )
+from hf_actq.kernels.smaq import smaq_dequantize_reference, smaq_quantize_reference  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -34,13 +47,13 @@ def test_aq_deterministic_kernel_matches_twin(bits, group, block, dtype):
     n_means = 1000 + bits  # not a multiple of the block or of 8
     source = (torch.randn(n_means * group) * 3).to(dtype)
     got = aq_quantize_triton(source, group, bits, block, stochastic=False)
-    expected = reference.aq_quantize_reference(source, group, bits, block, stochastic=False)
+    expected = aq_quantize_reference(source, group, bits, block, stochastic=False)
     # Group means are fp32 sums in a different order: equal up to the last bit.
     tolerance = 0 if group == 1 else 1e-6
     torch.testing.assert_close(got[1], expected[1], rtol=tolerance, atol=0)
     torch.testing.assert_close(got[2], expected[2], rtol=max(tolerance, 1e-6), atol=0)
-    codes_got = reference.unpack_codes(got[0], n_means, bits).int()
-    codes_expected = reference.unpack_codes(expected[0], n_means, bits).int()
+    codes_got = unpack_codes(got[0], n_means, bits).int()
+    codes_expected = unpack_codes(expected[0], n_means, bits).int()
     if group == 1:
         assert torch.equal(codes_got, codes_expected)
     else:
@@ -49,18 +62,16 @@ def test_aq_deterministic_kernel_matches_twin(bits, group, block, dtype):
         assert (codes_got != codes_expected).float().mean() < 0.01
     shape = torch.Size([n_means, group])
     out = aq_dequantize_triton(*expected, shape, dtype, bits, group, block)
-    assert torch.equal(
-        out, reference.aq_dequantize_reference(*expected, shape, dtype, bits, group, block)
-    )
+    assert torch.equal(out, aq_dequantize_reference(*expected, shape, dtype, bits, group, block))
 
 
 def test_aq_dequantize_partial_groups_and_shapes():
     shape = torch.Size([5, 7, 10])  # last dim not a multiple of the group
     means = 5 * 7 * 3
     source = torch.randn(means)
-    packed = reference.aq_quantize_reference(source, 1, 3, 32, stochastic=False)
+    packed = aq_quantize_reference(source, 1, 3, 32, stochastic=False)
     got = aq_dequantize_triton(*packed, shape, torch.bfloat16, 3, 4, 32)
-    expected = reference.aq_dequantize_reference(*packed, shape, torch.bfloat16, 3, 4, 32)
+    expected = aq_dequantize_reference(*packed, shape, torch.bfloat16, 3, 4, 32)
     assert torch.equal(got, expected)
 
 
@@ -86,13 +97,11 @@ def test_blpa_kernel_matches_twin(bits, block, dtype):
     source = (torch.randn(3001) * 2).to(dtype)
     source[:4] = torch.tensor([0.0, -0.0, 1e-3, -1e-3]).to(dtype)
     got = blpa_quantize_triton(source, bits, block)
-    expected = reference.blpa_quantize_reference(source, bits, block)
+    expected = blpa_quantize_reference(source, bits, block)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     shape = torch.Size([3001])
     out = blpa_dequantize_triton(*expected, shape, dtype, bits, block)
-    assert torch.equal(
-        out, reference.blpa_dequantize_reference(*expected, shape, dtype, bits, block)
-    )
+    assert torch.equal(out, blpa_dequantize_reference(*expected, shape, dtype, bits, block))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16])
@@ -100,11 +109,11 @@ def test_mask_kernels_match_twin(dtype):
     torch.manual_seed(0)
     x = (torch.rand(5000) > 0.4).to(dtype)
     packed = mask_pack_triton(x)
-    assert torch.equal(packed, reference.mask_pack_reference(x))
+    assert torch.equal(packed, mask_pack_reference(x))
     shape = torch.Size([50, 100])
     assert torch.equal(
         mask_unpack_triton(packed, shape, dtype),
-        reference.mask_unpack_reference(packed, shape, dtype),
+        mask_unpack_reference(packed, shape, dtype),
     )
 
 
@@ -125,13 +134,11 @@ def test_smaq_deterministic_kernels_match_twin(block, capacity, dtype):
     slots = SmaQCodec(block_size=block, capacity=capacity).slots
     stats = _mean_std(source)
     got = smaq_quantize_triton(source, stats, block, slots, False)
-    expected = reference.smaq_quantize_reference(source, stats, block, slots, False)
+    expected = smaq_quantize_reference(source, stats, block, slots, False)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     shape = torch.Size([1000])
     out = smaq_dequantize_triton(*expected, stats, shape, dtype, block, slots)
-    assert torch.equal(
-        out, reference.smaq_dequantize_reference(*expected, stats, shape, dtype, block, slots)
-    )
+    assert torch.equal(out, smaq_dequantize_reference(*expected, stats, shape, dtype, block, slots))
 
 
 def test_smaq_stochastic_kernel_is_unbiased():

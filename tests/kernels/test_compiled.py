@@ -10,7 +10,9 @@ if os.environ.get("HF_ACTQ_TEST_DEVICE", "cpu") != "cpu":
     pytest.skip("the compiled twins are the CPU path", allow_module_level=True)
 
 from hf_actq.fewbit import table_for
-from hf_actq.kernels import compiled, reference
+from hf_actq.kernels import average_quant, compiled
+from hf_actq.kernels.average_quant import aq_dequantize_reference, aq_quantize_reference
+from hf_actq.kernels.fewbit import fewbit_forward_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -22,7 +24,7 @@ def eager_and_compiled(monkeypatch):
 
     def both(fn):
         monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1 << 60)
-        monkeypatch.setattr(reference, "_CODEC_CHUNK", 256)
+        monkeypatch.setattr(average_quant, "CODEC_CHUNK", 256)
         eager = fn()
         monkeypatch.setattr(compiled, "MIN_ELEMENTS", 0)
         got = fn()
@@ -43,13 +45,13 @@ def test_aq_compiled_equals_eager(eager_and_compiled, dtype, bits, group, block,
         dtype
     )
     eager, got = eager_and_compiled(
-        lambda: reference.aq_quantize_reference(source, group, bits, block, stochastic, seed=11)
+        lambda: aq_quantize_reference(source, group, bits, block, stochastic, seed=11)
     )
     for expected, actual in zip(eager, got):
         assert torch.equal(expected, actual)
     shape = torch.Size([n_means, group])
     eager, got = eager_and_compiled(
-        lambda: reference.aq_dequantize_reference(*eager, shape, dtype, bits, group, block)
+        lambda: aq_dequantize_reference(*eager, shape, dtype, bits, group, block)
     )
     assert torch.equal(eager, got)
 
@@ -61,9 +63,7 @@ def test_fewbit_codes_compiled_equal_eager(eager_and_compiled, dtype, activation
     x[7] = float("nan")
     x[8:12] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")]).to(dtype)
     borders = torch.tensor(table_for(activation, bits).borders, dtype=torch.float32)
-    eager, got = eager_and_compiled(
-        lambda: reference.fewbit_forward_reference(x, activation, borders, bits)
-    )
+    eager, got = eager_and_compiled(lambda: fewbit_forward_reference(x, activation, borders, bits))
     torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0, equal_nan=True)
     assert torch.equal(eager[1], got[1]) and torch.equal(eager[2], got[2])
     assert got[2].item() == 1  # the NaN is seen
@@ -95,10 +95,10 @@ def test_failed_compilation_falls_back_to_eager_and_warns_once(monkeypatch):
     compiled._compiled.cache_clear()
     source = torch.randn(4096)
     with pytest.warns(UserWarning, match="compiling the CPU kernels failed .*no C\\+\\+ compiler"):
-        got = reference.aq_quantize_reference(source, 1, 3, 128, True, seed=5)
+        got = aq_quantize_reference(source, 1, 3, 128, True, seed=5)
     assert compiled._broken and not compiled.use_compiled(source)
     monkeypatch.setattr(compiled, "MIN_ELEMENTS", 1 << 60)
-    expected = reference.aq_quantize_reference(source, 1, 3, 128, True, seed=5)
+    expected = aq_quantize_reference(source, 1, 3, 128, True, seed=5)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     compiled._compiled.cache_clear()
 

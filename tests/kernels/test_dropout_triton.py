@@ -13,8 +13,10 @@ if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DE
         allow_module_level=True,
     )
 
-from hf_actq.kernels import reference  # noqa: E402
-from hf_actq.kernels.dropout import seeded_dropout_triton  # noqa: E402
+from hf_actq.kernels.dropout import (
+    seeded_dropout_reference,  # noqa: E402
+    seeded_dropout_triton,  # noqa: E402
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -31,7 +33,7 @@ def test_seeded_dropout_kernel_matches_its_twin_in_law_and_arithmetic(dtype, p):
     assert torch.equal(seeded_dropout_triton(torch.ones(n, dtype=dtype), p, 1234) != 0, kept)
     assert not torch.equal(seeded_dropout_triton(x, p, 1235) != 0, kept)
     # Keep rate 1 - p within 4 standard deviations, as the twin's.
-    twin_kept = reference.seeded_dropout_reference(torch.ones(n), p, 1234) != 0
+    twin_kept = seeded_dropout_reference(torch.ones(n), p, 1234) != 0
     tolerance = 4 * (p * (1 - p) / n) ** 0.5
     for rate in (kept.float().mean().item(), twin_kept.float().mean().item()):
         assert abs(rate - (1 - p)) < tolerance
@@ -45,4 +47,4 @@ def test_seeded_dropout_kernel_keeps_nan_of_dropped_infinities_as_torch_does():
     # inf * keep * scale: kept -> inf, dropped -> inf * 0 = nan (torch's x * mask does the same).
     out = seeded_dropout_triton(x, 0.5, seed=7)
     assert out.isnan().any() and out.isinf().any() and not (out == 0).any()
-    assert reference.seeded_dropout_reference(x, 0.5, 7).isnan().any()
+    assert seeded_dropout_reference(x, 0.5, 7).isnan().any()

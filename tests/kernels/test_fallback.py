@@ -1,6 +1,7 @@
 """A Triton kernel that fails to compile or launch never ends a user's training: one warning
 names it, and its PyTorch twin runs from then on, giving the twin's results."""
 
+import contextlib
 import copy
 import logging
 
@@ -10,61 +11,61 @@ import torch
 import hf_actq
 import hf_actq.kernels as kernels
 from hf_actq import ActQConfig
-from hf_actq.kernels import reference
+from hf_actq.kernels import registry
+from hf_actq.kernels.average_quant import aq_quantize_reference
 from hf_actq.testing import tiny_llama
-
-LAUNCHERS = [
-    "fewbit.fewbit_forward_triton",
-    "fewbit.fewbit_backward_triton",
-    "average_quant.aq_quantize_triton",
-    "average_quant.aq_dequantize_triton",
-    "sign_preserving.blpa_quantize_triton",
-    "sign_preserving.blpa_dequantize_triton",
-    "mask.mask_pack_triton",
-    "mask.mask_unpack_triton",
-    "smaq.smaq_quantize_triton",
-    "smaq.smaq_dequantize_triton",
-    "dropout.seeded_dropout_triton",
-    "norm.norm_backward_triton",
-]
 
 
 @pytest.fixture
 def failing_kernels(monkeypatch):
-    return _fail_every_kernel(monkeypatch)
+    with _fail_every_kernel(monkeypatch) as calls:
+        yield calls
 
 
+@contextlib.contextmanager
 def _fail_every_kernel(monkeypatch):
-    """Every launcher raises as a compile failure would, and every tensor counts as one the
-    kernels would take; returns the launchers' call counts."""
-    import importlib
-
-    calls = dict.fromkeys(LAUNCHERS, 0)
-    for name in LAUNCHERS:
-        module, launcher = name.split(".")
+    """Every launcher raises as a compile failure would, and CPU tensors take the CUDA path
+    (dispatch, dtype check, fallback); yields the launchers' call counts."""
+    calls = dict.fromkeys(registry.KERNELS, 0)
+    for name, kernel in registry.KERNELS.items():
 
         def fail(*args, _name=name, **kwargs):
             calls[_name] += 1
             raise RuntimeError(f"simulated compile failure in {_name}")
 
-        monkeypatch.setattr(importlib.import_module(f"hf_actq.kernels.{module}"), launcher, fail)
-    monkeypatch.setattr(kernels, "uses_triton", lambda tensor, dtypes=None: True)
-    monkeypatch.setattr(kernels, "FAILED", {})
-    return calls
+        monkeypatch.setattr(kernel, "launcher", fail)
+    monkeypatch.setattr(registry, "triton_enabled", lambda: True)
+    monkeypatch.setattr(registry, "FAILED", {})
+    with registry.kernels_on_cpu():
+        yield calls
 
 
 def test_a_failing_kernel_warns_once_and_its_twin_runs_from_then_on(failing_kernels, caplog):
     x = torch.randn(6, 256)
-    expected = reference.aq_quantize_reference(x, 1, 4, 128, True, 7)
+    expected = aq_quantize_reference(x, 1, 4, 128, True, 7)
     with caplog.at_level(logging.WARNING, logger="hf_actq"):
         for _ in range(3):
             got = kernels.aq_quantize(x, 1, 4, 128, True, 7)
             assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    assert failing_kernels["average_quant.aq_quantize_triton"] == 1  # never tried again
+    assert failing_kernels["aq_quantize"] == 1  # never tried again
     warnings = [r.getMessage() for r in caplog.records if "Triton kernel" in r.getMessage()]
     assert len(warnings) == 1
-    assert "average_quant.aq_quantize_triton failed (RuntimeError: simulated" in warnings[0]
+    assert "hf_actq::aq_quantize failed (RuntimeError: simulated" in warnings[0]
     assert "its PyTorch twin runs instead" in warnings[0]
+
+
+def test_cpu_tensors_take_the_kernel_path_only_inside_kernels_on_cpu(monkeypatch):
+    x = torch.randn(300)
+    expected = kernels.mask_pack(x)
+    seen = []
+    kernel = registry.KERNELS["mask_pack"]
+    monkeypatch.setattr(kernel, "launcher", lambda source: seen.append(source) or kernel.twin(x))
+    monkeypatch.setattr(registry, "triton_enabled", lambda: True)
+    with registry.kernels_on_cpu():
+        assert torch.equal(kernels.mask_pack(x), expected)
+    assert len(seen) == 1
+    assert torch.equal(kernels.mask_pack(x), expected)
+    assert len(seen) == 1  # the CPU registration left with the context
 
 
 def _bert():
@@ -79,24 +80,22 @@ CASES = {
     "llama-uniform": (
         lambda: tiny_llama(hidden_act="gelu"),
         ActQConfig.from_recipe("uniform"),
-        {"average_quant.aq_quantize_triton", "average_quant.aq_dequantize_triton"},
+        {"aq_quantize", "aq_dequantize"},
     ),
     "llama-fewbit": (tiny_llama, ActQConfig.from_recipe("fewbit"), set()),
     "bert-blpa-masks": (
         _bert,
         ActQConfig(bits=4, codec="blpa", dropout_mode="mask"),
-        {"sign_preserving.blpa_quantize_triton", "sign_preserving.blpa_dequantize_triton"}
-        | {"mask.mask_pack_triton", "mask.mask_unpack_triton"},
+        {"blpa_quantize", "blpa_dequantize"} | {"mask_pack", "mask_unpack"},
     ),
     "bert-smaq-seeds": (
         _bert,
         ActQConfig(codec="smaq", bits=8),
-        {"smaq.smaq_quantize_triton", "smaq.smaq_dequantize_triton"}
-        | {"dropout.seeded_dropout_triton"},
+        {"smaq_quantize", "smaq_dequantize"} | {"seeded_dropout"},
     ),
 }
-ALWAYS = {"fewbit.fewbit_forward_triton", "fewbit.fewbit_backward_triton"}
-ALWAYS |= {"norm.norm_backward_triton"}
+ALWAYS = {"fewbit_codes", "fewbit_backward"}
+ALWAYS |= {"norm_backward"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -116,9 +115,8 @@ def test_training_goes_on_with_the_twins_when_every_kernel_fails(case, monkeypat
     handle = hf_actq.apply(twins, config)
     expected = step(twins)
     handle.revert()
-    failing = _fail_every_kernel(monkeypatch)
     handle = hf_actq.apply(model, config)
-    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+    with _fail_every_kernel(monkeypatch) as failing, caplog.at_level(logging.WARNING, "hf_actq"):
         got = step(model)
         step(model)  # the failed kernels are not tried again
     handle.revert()
@@ -127,20 +125,10 @@ def test_training_goes_on_with_the_twins_when_every_kernel_fails(case, monkeypat
     tried = {name for name, count in failing.items() if count}
     assert tried == ALWAYS | kernels_run
     assert all(count == 1 for count in failing.values() if count)
-    assert set(kernels.FAILED) == tried
+    assert set(registry.FAILED) == tried
     warned = [r for r in caplog.records if "Triton kernel" in r.getMessage()]
     assert len(warned) == len(tried)
 
 
 def test_the_cases_run_every_launcher():
-    import importlib
-
-    defined = {
-        f"{module}.{name}"
-        for module in ("fewbit", "average_quant", "sign_preserving", "mask", "smaq", "dropout")
-        + ("norm",)
-        for name in vars(importlib.import_module(f"hf_actq.kernels.{module}"))
-        if name.endswith("_triton")
-    }
-    assert defined == set(LAUNCHERS)
-    assert set().union(ALWAYS, *(case[2] for case in CASES.values())) == set(LAUNCHERS)
+    assert set().union(ALWAYS, *(case[2] for case in CASES.values())) == set(registry.KERNELS)

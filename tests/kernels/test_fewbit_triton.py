@@ -18,14 +18,12 @@ if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DE
     )
 
 from hf_actq.fewbit import ACTIVATIONS, table_for  # noqa: E402
-from hf_actq.kernels.fewbit import (  # noqa: E402
+from hf_actq.kernels.fewbit import (  # noqa: E402  # noqa: E402
     ACTIVATION_IDS,
-    fewbit_backward_triton,
-    fewbit_forward_triton,
-)
-from hf_actq.kernels.reference import (  # noqa: E402
     fewbit_backward_reference,
+    fewbit_backward_triton,
     fewbit_forward_reference,
+    fewbit_forward_triton,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -15,7 +15,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DE
     )
 
 from hf_actq.kernels import norm as norm_kernels  # noqa: E402
-from hf_actq.kernels.reference import norm_backward_reference  # noqa: E402
+from hf_actq.kernels.norm import norm_backward_reference  # noqa: E402
 
 
 def _inputs(rows, width, dtype, centered):

@@ -9,14 +9,9 @@ if os.environ.get("HF_ACTQ_TEST_DEVICE", "cpu") != "cpu":
     pytest.skip("the twins against NumPy: CPU tensors only", allow_module_level=True)
 
 from hf_actq.fewbit import table_for
-from hf_actq.kernels import reference
-from hf_actq.kernels.reference import (
-    fewbit_backward_reference,
-    fewbit_forward_reference,
-    pack_codes,
-    packed_nbytes,
-    unpack_codes,
-)
+from hf_actq.kernels import fewbit, packing
+from hf_actq.kernels.fewbit import fewbit_backward_reference, fewbit_forward_reference
+from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 
 
 def _bf16_truncated(v: np.ndarray) -> np.ndarray:
@@ -31,9 +26,9 @@ def _bitstream_pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4097])
-@pytest.mark.parametrize("chunk", [reference.CHUNK, 64], ids=["one_chunk", "many_chunks"])
+@pytest.mark.parametrize("chunk", [packing.CHUNK, 64], ids=["one_chunk", "many_chunks"])
 def test_pack_matches_bitstream_oracle_and_round_trips(bits, n, chunk, monkeypatch):
-    monkeypatch.setattr(reference, "CHUNK", chunk)  # packing crosses chunks, the last partial
+    monkeypatch.setattr(packing, "CHUNK", chunk)  # packing crosses chunks, the last partial
     rng = np.random.default_rng(bits * 1000 + n)
     codes = rng.integers(0, 2**bits, size=n, dtype=np.uint8)
     packed = pack_codes(torch.from_numpy(codes), bits)
@@ -45,7 +40,7 @@ def test_pack_matches_bitstream_oracle_and_round_trips(bits, n, chunk, monkeypat
 @pytest.mark.parametrize("bits", [1, 3])
 def test_chunk_boundaries_do_not_shift_codes(monkeypatch, bits):
     # A tiny chunk makes every path cross many chunk boundaries, including a partial last one.
-    monkeypatch.setattr(reference, "CHUNK", 64)
+    monkeypatch.setattr(fewbit, "CHUNK", 64)
     table = table_for("gelu", bits)
     x = torch.randn(1001)
     borders = torch.tensor(table.borders, dtype=torch.float32)
@@ -99,11 +94,11 @@ def test_packed_nbytes():
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_code_lookup_equals_comparisons_on_every_edge_case(dtype, symmetric):
     cuts = table_for("tanh" if symmetric else "gelu", 3).borders
-    lut = reference.code_lookup_table(tuple(cuts), symmetric, dtype, torch.device("cpu"))
+    lut = fewbit.code_lookup_table(tuple(cuts), symmetric, dtype, torch.device("cpu"))
     special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, -1e-40, 65504.0]
     near = [c * (1 + e) for c in cuts for e in (-1e-3, -1e-6, 0.0, 1e-6, 1e-3)]
     x = torch.tensor(special + near + torch.randn(10000).mul(5).tolist()).to(dtype)
-    got = lut.index_select(0, reference._top16_bits(x))
+    got = lut.index_select(0, fewbit._top16_bits(x))
     v = _bf16_truncated(x.float().numpy())
     if symmetric:
         v = np.abs(v)

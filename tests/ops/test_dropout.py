@@ -5,7 +5,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from hf_actq import SavedTensorMeter
-from hf_actq.kernels.reference import CHUNK_ELEMENTS
+from hf_actq.kernels.packing import CHUNK_ELEMENTS
 from hf_actq.memory.peak import PeakMemory
 from hf_actq.ops.dropout import CompressedDropout
 

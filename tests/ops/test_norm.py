@@ -7,7 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import uniform
 from hf_actq.codecs.packed import ExactCodec
-from hf_actq.kernels.reference import CHUNK_ELEMENTS
+from hf_actq.kernels.packing import CHUNK_ELEMENTS
 from hf_actq.memory.peak import PeakMemory
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
