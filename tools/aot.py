@@ -320,19 +320,23 @@ def _compile_star(args):
     return compile_variant(*args)
 
 
-def representatives(all_variants: list[Variant]) -> list[Variant]:
-    """One variant per kernel and argument types (every float type and index width each kernel
-    takes): the variants left out differ only in folded constexprs (block sizes, activation
-    branches), which the full compile covers."""
+def representatives(all_variants: list[Variant], per: str = "types") -> list[Variant]:
+    """One variant per kernel and argument types (``per="types"``: every float type and index
+    width each kernel takes), or per kernel (``per="kernel"``: its bf16 variant where it has
+    one, bf16 rounding being the hand-written path). The variants left out differ only in
+    folded constexprs (block sizes, activation branches) or argument types, which the full
+    compile covers."""
     chosen: dict[tuple, Variant] = {}
     for variant in all_variants:
         types = tuple(t for t in variant.signature.values() if t != "constexpr")
-        chosen.setdefault((variant.kernel, types), variant)
+        key = (variant.kernel, types) if per == "types" else (variant.kernel,)
+        if key not in chosen or ("bf16" in variant.label and "bf16" not in chosen[key].label):
+            chosen[key] = variant
     return list(chosen.values())
 
 
-def compile_all(ccs=(80, 90), jobs: int = 2, representative: bool = False) -> list[dict]:
-    chosen = representatives(variants()) if representative else variants()
+def compile_all(ccs=(80, 90), jobs: int = 2, representative: str | None = None) -> list[dict]:
+    chosen = representatives(variants(), representative) if representative else variants()
     work = [(v, cc) for v in chosen for cc in ccs]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_compile_star, work, chunksize=4))
@@ -345,8 +349,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the per-variant results here")
     parser.add_argument(
         "--representative",
-        action="store_true",
-        help="one variant per kernel and argument types instead of every constexpr choice",
+        choices=["types", "kernel"],
+        help="one variant per kernel and argument types, or per kernel, instead of every "
+        "constexpr choice",
     )
     args = parser.parse_args(argv)
     start = time.perf_counter()

@@ -116,7 +116,18 @@ def test_no_recipe_keeps_more_bytes_than_the_unpatched_model(name, recipe, overr
     assert _step(model, batch)[2] <= nbytes, handle.patched
 
 
-@pytest.mark.parametrize("name", sorted(MORE_MODELS))
+# One model per kind in the default run (DeBERTa's attention, an MoE, an encoder-decoder, a vision
+# encoder, a vision-language decoder); every model with -m slow.
+TRAINED_BY_DEFAULT = {"deberta-v2", "mixtral", "bart", "vit", "qwen2_5_vl"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        name if name in TRAINED_BY_DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+        for name in sorted(MORE_MODELS)
+    ],
+)
 def test_training_under_uniform_4_bits_tracks_the_unpatched_loss(name):
     losses = {}
     for patched in (False, True):

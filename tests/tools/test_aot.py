@@ -36,14 +36,25 @@ def _compile(tmp_path, *extra) -> list[dict]:
     return results
 
 
-def test_every_kernel_compiles_for_sm80_and_sm90_with_each_of_its_argument_types(tmp_path):
-    """The default run: every kernel at every float type and index width it takes (the full
-    constexpr grid, about 5 minutes on 2 cores, is the slow test below)."""
+def test_every_kernel_compiles_for_sm80_and_sm90(tmp_path):
+    """The default run: every kernel once, in bf16 where it takes bf16. Every float type and
+    index width (``--representative types``) and the full constexpr grid are the slow tests."""
     from aot import representatives, variants
 
-    chosen = representatives(variants())
+    chosen = representatives(variants(), "kernel")
     assert {v.kernel for v in chosen} == {v.kernel for v in variants()}
-    results = _compile(tmp_path, "--representative")
+    assert len(chosen) == len({v.kernel for v in variants()})
+    results = _compile(tmp_path, "--representative", "kernel")
+    assert sorted(r["variant"] for r in results) == sorted(2 * [v.label for v in chosen])
+    assert any("fewbit_backward_kernel" in r["variant"] and "bf16" in r["variant"] for r in results)
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_with_each_of_its_argument_types(tmp_path):
+    from aot import representatives, variants
+
+    chosen = representatives(variants(), "types")
+    results = _compile(tmp_path, "--representative", "types")
     assert sorted(r["variant"] for r in results) == sorted(2 * [v.label for v in chosen])
     labels = {r["variant"] for r in results}
     for dtype in ("fp32", "fp16", "bf16"):
