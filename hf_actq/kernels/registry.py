@@ -15,12 +15,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib.util
 import logging
 import os
 from collections.abc import Callable, Iterator
 
 import torch
+
+from hf_actq.kernels import triton_common
 
 logger = logging.getLogger("hf_actq")
 
@@ -41,9 +42,8 @@ KERNELS: dict[str, Kernel] = {}
 FAILED: dict[str, str] = {}
 
 
-@functools.cache
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return triton_common.triton is not None
 
 
 def triton_enabled() -> bool:

@@ -132,3 +132,23 @@ def test_training_goes_on_with_the_twins_when_every_kernel_fails(case, monkeypat
 
 def test_the_cases_run_every_launcher():
     assert set().union(ALWAYS, *(case[2] for case in CASES.values())) == set(registry.KERNELS)
+
+
+def test_without_triton_the_package_imports_and_the_twins_run():
+    """A CPU install without Triton: every op file still imports (its kernels defined as plain
+    functions that nothing launches), and the ops run their twins."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['triton'] = None  # import triton raises ImportError\n"
+        "import torch, hf_actq\n"
+        "from hf_actq import kernels\n"
+        "assert not kernels.triton_available() and len(kernels.KERNELS) == 12\n"
+        "x = torch.randn(100)\n"
+        "assert torch.equal(kernels.mask_unpack(kernels.mask_pack(x), [100], torch.bool), x != 0)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
