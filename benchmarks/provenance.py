@@ -10,14 +10,13 @@ from pathlib import Path
 
 import torch
 
+from hf_actq.report.provenance import checkout_commit
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def provenance() -> dict:
     """The checkout's commit (``+``: uncommitted changes on top), the command, torch's version."""
-    sys.path.insert(0, str(REPO / "recipes"))
-    from common.records import checkout_commit
-
     return {
         "commit": checkout_commit(REPO),
         "command": shlex.join(["python", *sys.argv]),

@@ -117,11 +117,11 @@ def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> 
 
 
 def _describe(kind: str, state: OpState) -> str:
-    codecs = set(map(repr, state.codecs.values()))
-    if codecs == {repr(ExactCodec())}:
+    if state.codecs and all(isinstance(c, ExactCodec) for c in state.codecs.values()):
         return f"attention ({kind}) exact operands, dropout mask as " + (
             "a seed" if kind == "eager" else "its RNG state"
         )
+    codecs = set(map(repr, state.codecs.values()))
     shown = (
         codecs.pop()
         if len(codecs) == 1

@@ -132,39 +132,6 @@ def load_config(model: str):
         ) from None
 
 
-def provenance(argv=None) -> dict:
-    """The command, hf_actq's and torch's versions and, from a git checkout of the source, its
-    commit (``+``: uncommitted changes), so that a report names the code it measured."""
-    import shlex
-    import subprocess
-    from importlib.metadata import PackageNotFoundError, version
-    from pathlib import Path
-
-    import torch
-
-    try:
-        hf_actq_version = version("hf_actq")
-    except PackageNotFoundError:  # run from a source tree that is not installed
-        hf_actq_version = None
-    source = Path(__file__).resolve().parents[2]
-    commit = None
-    if (source / ".git").exists():
-
-        def git(*args):
-            done = subprocess.run(["git", *args], cwd=source, capture_output=True, text=True)
-            return done.stdout.strip()
-
-        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "hf_actq")
-        commit = (git("rev-parse", "--short", "HEAD") + ("+" if dirty else "")) or None
-    words = sys.argv[1:] if argv is None else list(argv)
-    return {
-        "command": shlex.join(["hf-actq", "memory", *words]),
-        "commit": commit,
-        "hf_actq": hf_actq_version,
-        "torch": torch.__version__,
-    }
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
@@ -233,6 +200,8 @@ def main(argv=None) -> int:
     )
     print(f"independent count (autograd graph walk) agrees within {100 * worst:.2f}%")
     if args.output:
+        from hf_actq.report.provenance import provenance
+
         report.provenance = provenance(argv)
         for path in report.write(args.output):
             print(f"wrote {path}")

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -216,21 +215,6 @@ def take_lock(path: Path) -> bool:
     os.write(fd, str(os.getpid()).encode())
     os.close(fd)
     return True
-
-
-def checkout_commit(repo: Path) -> str | None:
-    """The checkout's commit (``+`` when it has uncommitted changes), for provenance."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=repo, capture_output=True, text=True,
-        ).stdout.strip()  # fmt: skip
-    except OSError:
-        return None
-    return (head + ("+" if dirty else "")) or None
 
 
 def replace_marked_section(readme: Path, text: str, name: str = "results") -> None:

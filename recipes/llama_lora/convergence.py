@@ -51,7 +51,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: common/ is shared
 
-from common.records import checkout_commit, replace_marked_section, take_lock
+from common.records import replace_marked_section, take_lock
+from hf_actq.report.provenance import checkout_commit
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

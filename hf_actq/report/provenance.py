@@ -1,0 +1,50 @@
+"""What a result records about the code that made it: the command, the versions and the source
+commit, so that ``tools/results_age.py`` can tell a result older than the code it measures. The
+one home of this for the CLI's reports, the benchmarks and the recipes."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).resolve().parents[2]
+
+
+def checkout_commit(repo: Path, *paths: str) -> str | None:
+    """The short commit of the git checkout at ``repo``, with ``+`` when it has uncommitted
+    changes (under ``paths``, else anywhere); None without git or a checkout."""
+    try:
+        head, dirty = (
+            subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
+            for args in (
+                ("rev-parse", "--short", "HEAD"),
+                ("status", "--porcelain", "--untracked-files=no", "--", *paths),
+            )
+        )
+    except OSError:
+        return None
+    return (head + ("+" if dirty else "")) or None
+
+
+def provenance(argv=None) -> dict:
+    """``hf-actq memory``'s record: the command, hf_actq's and torch's versions and, when hf_actq
+    runs from a git checkout of its source, the commit (``+``: uncommitted changes in the
+    package)."""
+    try:
+        hf_actq_version = version("hf_actq")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        hf_actq_version = None
+    # An installed copy's parent directory may lie inside some other checkout: ours has .git.
+    commit = checkout_commit(SOURCE, "hf_actq") if (SOURCE / ".git").exists() else None
+    words = sys.argv[1:] if argv is None else list(argv)
+    return {
+        "command": shlex.join(["hf-actq", "memory", *words]),
+        "commit": commit,
+        "hf_actq": hf_actq_version,
+        "torch": torch.__version__,
+    }
