@@ -139,7 +139,5 @@ def test_the_plan_meets_alams_budget_in_code_bits_and_gelu_keeps_its_input(bits)
             code_bits += 32 * slot_info.numel
         else:
             code_bits += 8 * codec.buffers(slot_info.shape)[0][0]
-    assert code_bits // 8 == info["bytes"]
-    again = hf_actq.apply(_bert_and_batch()[0], ActQConfig.from_recipe("alam", bits=bits))
-    assert again.calibrate(batch).slots == plan.slots  # deterministic
+    assert code_bits // 8 == info["bytes"]  # determinism: tests/adaptive/test_calibrate.py
     handle.revert()
