@@ -356,9 +356,9 @@ class ActQConfig:
                 return setting
         return None
 
-    def codec_for_setting(self, setting: dict) -> Codec | None:
-        """The codec a setting gives a codec slot (None for ``"codec": "exact"``); what the
-        setting leaves out is the config's (``hf_actq.codecs.settings``)."""
+    def codec_for_setting(self, setting: dict) -> Codec:
+        """The codec a setting gives a codec slot (``ExactCodec`` for ``"codec": "exact"``);
+        what the setting leaves out is the config's (``hf_actq.codecs.settings``)."""
         return codec_for_setting(setting, self.default_setting())
 
 

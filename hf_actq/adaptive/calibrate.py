@@ -37,6 +37,7 @@ import torch
 
 from hf_actq.adaptive import alam
 from hf_actq.adaptive.plan import BitPlan
+from hf_actq.codecs.packed import ExactCodec
 from hf_actq.ops.slots import SlotObserver, observe, slot_seeds
 
 logger = logging.getLogger("hf_actq")
@@ -354,7 +355,8 @@ def _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_by
             settings[slot] = dict(setting)
         info = recorder.infos[leader]
         codec = config.codec_for_setting(setting)
-        counted += info.numel * info.dtype.itemsize if codec is None else codec.nbytes(info.shape)
+        exact = isinstance(codec, ExactCodec)
+        counted += info.numel * info.dtype.itemsize if exact else codec.nbytes(info.shape)
     even_setting = {"codec": config.codec, "bits": config.bits, "group_size": config.group_size}
     for slot in handle.slots:
         if slot in settings:

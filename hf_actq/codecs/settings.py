@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from hf_actq.codecs.average import AverageQuantCodec
-from hf_actq.codecs.packed import BLOCK_SIZES, Codec
+from hf_actq.codecs.packed import BLOCK_SIZES, Codec, ExactCodec
 from hf_actq.codecs.rotated import RotatedSampleCodec
 from hf_actq.codecs.sign_preserving import SignPreservingCodec
 from hf_actq.codecs.smaq import SmaQCodec
@@ -49,9 +49,9 @@ def check_fields(codec, bits, group_size, block_size) -> None:
         )
 
 
-def codec_for_setting(setting: dict, default: dict) -> Codec | None:
+def codec_for_setting(setting: dict, default: dict) -> Codec:
     """The codec ``setting`` gives a slot, its missing keys taken from ``default`` (a full
-    setting); None for ``"codec": "exact"``. ValueError for a setting no codec can be made of."""
+    setting); ``ExactCodec`` for ``"codec": "exact"``. ValueError for a setting no codec can be made of."""
     unknown = set(setting) - set(SETTING_KEYS) if isinstance(setting, dict) else None
     if unknown is None or unknown:
         raise ValueError(
@@ -66,7 +66,7 @@ def codec_for_setting(setting: dict, default: dict) -> Codec | None:
         full["group_size"] = None
     name, bits, group, block = (full[key] for key in SETTING_KEYS)
     if name == "exact":
-        return None
+        return ExactCodec()
     if name == "rotated" and "codec" in setting:
         return _rotated(bits, group, block)
     check_fields(name, bits, group, block)

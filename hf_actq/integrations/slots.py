@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from hf_actq.codecs.packed import Codec, ExactCodec
+from hf_actq.codecs.packed import Codec
 from hf_actq.config import ActQConfig
 from hf_actq.ops.fewbit_activation import ActivationTable
-
-
-def setting_codec(config: ActQConfig, setting: dict) -> Codec:
-    """The codec ``setting`` gives a codec slot; "exact" is ``ExactCodec``."""
-    return config.codec_for_setting(setting) or ExactCodec()
 
 
 def slot_codec(config: ActQConfig, slot_id: str, default: Codec | None) -> Codec | None:
     """The codec of codec slot ``slot_id``: its per-slot setting's, else ``default``."""
     setting = config.setting_for(slot_id)
-    return default if setting is None else setting_codec(config, setting)
+    return default if setting is None else config.codec_for_setting(setting)
 
 
 def slot_activation(found, config: ActQConfig, slot_id: str) -> ActivationTable:

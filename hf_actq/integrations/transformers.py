@@ -28,7 +28,6 @@ from hf_actq.integrations.patching import (
     unbind_forward,
 )
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
-from hf_actq.integrations.slots import setting_codec
 from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.state import NOT_PICKLABLE, OpState
@@ -98,7 +97,7 @@ class ActQHandle:
                     act = state.activation
                     value = ActivationTable(act.spec.name, setting["bits"], act.params)
                 else:
-                    value = setting_codec(self.config, setting)
+                    value = self.config.codec_for_setting(setting)
             except ValueError as error:
                 raise ValueError(f"bit plan: slot {slot_id!r}: {error}") from None
             changes.append((state, slot, value))

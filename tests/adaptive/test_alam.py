@@ -7,6 +7,7 @@ import torch
 
 from hf_actq import ActQConfig
 from hf_actq.adaptive import alam
+from hf_actq.codecs.packed import ExactCodec
 
 
 def test_sensitivity_takes_the_seed_change_or_twice_the_change_against_8_bits():
@@ -66,7 +67,7 @@ def test_every_precision_is_a_setting_our_codecs_build():
         config.check_setting(setting)
         codec = config.codec_for_setting(setting)
         if precision == "exact":
-            assert codec is None
+            assert codec == ExactCodec()
         else:
             shape = (4, 128)
             code_bits = 8 * codec.buffers(shape)[0][0]
@@ -135,7 +136,7 @@ def test_the_plan_meets_alams_budget_in_code_bits_and_gelu_keeps_its_input(bits)
         if slot_info.shared_with is not None:
             continue
         codec = handle.config.codec_for_setting(plan.slots[slot])
-        if codec is None:  # exact: ALAM counts 32 bits
+        if codec == ExactCodec():  # exact: ALAM counts 32 bits
             code_bits += 32 * slot_info.numel
         else:
             code_bits += 8 * codec.buffers(slot_info.shape)[0][0]

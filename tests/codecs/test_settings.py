@@ -3,6 +3,7 @@
 import pytest
 
 from hf_actq.codecs import AverageQuantCodec, RotatedSampleCodec, SignPreservingCodec
+from hf_actq.codecs.packed import ExactCodec
 from hf_actq.codecs.settings import codec_for_setting
 
 DEFAULT = {"codec": "uniform", "bits": 4, "group_size": None, "block_size": 128}
@@ -13,7 +14,7 @@ def test_a_setting_takes_what_it_leaves_out_from_the_default():
     assert codec_for_setting({"bits": 2, "block_size": 64}, DEFAULT) == AverageQuantCodec(
         bits=2, group_size=1, block_size=64
     )
-    assert codec_for_setting({"codec": "exact"}, DEFAULT) is None
+    assert codec_for_setting({"codec": "exact"}, DEFAULT) == ExactCodec()
     assert codec_for_setting({"codec": "blpa"}, DEFAULT) == SignPreservingCodec(bits=4)
 
 
