@@ -17,6 +17,20 @@ from hf_actq.kernels.fewbit import fewbit_forward_reference
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+def _by_dtype(cases: list[tuple], half: tuple) -> list:
+    """Every case in fp32, and ``half`` in bf16 and fp16; the other half-precision cases run
+    with -m slow (each is one more inductor compile, slow with the cold cache CI starts with)."""
+    return [
+        pytest.param(
+            dtype,
+            *case,
+            marks=[pytest.mark.slow] if dtype != torch.float32 and case != half else [],
+        )
+        for dtype in DTYPES
+        for case in cases
+    ]
+
+
 @pytest.fixture
 def eager_and_compiled(monkeypatch):
     """Run ``fn`` eagerly with many small chunks, then compiled with one: equal outputs mean the
@@ -34,10 +48,18 @@ def eager_and_compiled(monkeypatch):
     return both
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "bits,group,block,stochastic",
-    [(1, 1, 32, True), (3, 1, 128, True), (2, 4, 64, True), (4, 1, 128, False), (8, 2, 32, True)],
+    "dtype,bits,group,block,stochastic",
+    _by_dtype(
+        [
+            (1, 1, 32, True),
+            (3, 1, 128, True),
+            (2, 4, 64, True),
+            (4, 1, 128, False),
+            (8, 2, 32, True),
+        ],
+        half=(2, 4, 64, True),
+    ),
 )
 def test_aq_compiled_equals_eager(eager_and_compiled, dtype, bits, group, block, stochastic):
     n_means = 3000 + bits  # not a multiple of the block or of 8
@@ -56,8 +78,10 @@ def test_aq_compiled_equals_eager(eager_and_compiled, dtype, bits, group, block,
     assert torch.equal(eager, got)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("activation,bits", [("gelu", 3), ("silu", 4), ("gelu", 1), ("relu", 1)])
+@pytest.mark.parametrize(
+    "dtype,activation,bits",
+    _by_dtype([("gelu", 3), ("silu", 4), ("gelu", 1), ("relu", 1)], half=("gelu", 3)),
+)
 def test_fewbit_codes_compiled_equal_eager(eager_and_compiled, dtype, activation, bits):
     x = (torch.randn(5003, generator=torch.Generator().manual_seed(bits)) * 4).to(dtype)
     x[7] = float("nan")
