@@ -51,7 +51,8 @@ def check_fields(codec, bits, group_size, block_size) -> None:
 
 def codec_for_setting(setting: dict, default: dict) -> Codec:
     """The codec ``setting`` gives a slot, its missing keys taken from ``default`` (a full
-    setting); ``ExactCodec`` for ``"codec": "exact"``. ValueError for a setting no codec can be made of."""
+    setting); ``ExactCodec`` for ``"codec": "exact"``. ValueError for a setting no codec can be
+    made of."""
     unknown = set(setting) - set(SETTING_KEYS) if isinstance(setting, dict) else None
     if unknown is None or unknown:
         raise ValueError(

@@ -25,6 +25,7 @@ def _by_dtype(cases: list[tuple], half: tuple) -> list:
             dtype,
             *case,
             marks=[pytest.mark.slow] if dtype != torch.float32 and case != half else [],
+            id="-".join(str(v) for v in (*case, dtype)),
         )
         for dtype in DTYPES
         for case in cases
