@@ -1,6 +1,10 @@
 """Activation memory and max batch, side by side with the published numbers.
 
-    python benchmarks/bench_memory.py [--only fewbit|alam] [--output benchmarks/results/bench_memory.json]
+    python benchmarks/bench_memory.py --only fewbit --output benchmarks/results/bench_memory.json
+    python benchmarks/bench_memory.py --only alam --output benchmarks/results/bench_memory_alam.json
+
+Each part has its own results file, so that each file's provenance names the commit its figures
+were measured at (part 2 runs bf16 GEMMs for hours on a CPU without bf16 instructions).
 
 Part 1, few-bit paper App. B (ICML 2023): RoBERTa-base, RoBERTa-large and GPT-2, fp32, full
 fine-tuning, sequence 256, eager attention (as in the paper's transformers version); activation
