@@ -15,6 +15,15 @@ if TEST_DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
     os.environ["TRITON_INTERPRET"] = "0"
+# Under pytest-xdist (the README's `python -m pytest -n 2`) each worker is one process per core
+# and gets one intra-op thread: two workers of two threads each on two cores spin against each
+# other (the default suite took 863 s so, 303 s with one thread each, about 590 s in one process).
+# The environment variable reaches the processes the tests launch too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
