@@ -15,9 +15,16 @@ import torch
 SOURCE = Path(__file__).resolve().parents[2]
 
 
+# Results files are not code: a benchmark that writes one must not mark the next run's commit
+# as carrying uncommitted changes.
+RESULTS_EXCLUDED = (".", ":(exclude)benchmarks/results", ":(exclude,glob)recipes/*/results/**")
+
+
 def checkout_commit(repo: Path, *paths: str) -> str | None:
     """The short commit of the git checkout at ``repo``, with ``+`` when it has uncommitted
-    changes (under ``paths``, else anywhere); None without git or a checkout."""
+    changes (under ``paths``, else anywhere but the results directories); None without git or
+    a checkout."""
+    paths = paths or RESULTS_EXCLUDED
     try:
         head, dirty = (
             subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()

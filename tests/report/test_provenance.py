@@ -1,0 +1,28 @@
+import subprocess
+
+from hf_actq.report.provenance import checkout_commit
+
+
+def _git(repo, *args):
+    subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True)
+
+
+def test_a_written_results_file_does_not_mark_the_checkout_as_changed(tmp_path):
+    files = ["hf_actq/ops.py", "benchmarks/results/bench.json", "recipes/glue/results/rte/a.json"]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("0\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    clean = checkout_commit(tmp_path)
+    assert clean and not clean.endswith("+")
+
+    for name in files[1:]:  # what a benchmark or a recipe run writes
+        (tmp_path / name).write_text("1\n")
+    assert checkout_commit(tmp_path) == clean
+
+    (tmp_path / files[0]).write_text("1\n")  # a code change
+    assert checkout_commit(tmp_path) == clean + "+"
+    assert checkout_commit(tmp_path, "benchmarks") == clean + "+"  # paths given: only those
+    assert checkout_commit(tmp_path, "recipes/glue/results/rte") == clean + "+"
