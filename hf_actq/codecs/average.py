@@ -43,10 +43,6 @@ class AverageQuantCodec(Codec):
 
     name = "aq"
 
-    @property
-    def uses_rng(self) -> bool:
-        return self.stochastic
-
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
         validate_int("group_size", self.group_size, GROUP_SIZES)

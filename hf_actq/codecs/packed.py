@@ -55,10 +55,14 @@ class Codec:
     """Base of every codec: a frozen, validated dataclass with ``pack`` and ``unpack``."""
 
     name = "codec"
-    # Codecs that round stochastically take a seed drawn from torch's RNG (draw_seed).
-    uses_rng = False
     # Buffers kept on the CPU whatever the input's device (a seed that backward reads).
     cpu_buffers: tuple[int, ...] = ()
+
+    @property
+    def uses_rng(self) -> bool:
+        """Whether ``pack`` takes a seed drawn from torch's RNG (``draw_seed``): codecs that
+        round stochastically."""
+        return getattr(self, "stochastic", False)
 
     def __post_init__(self):
         # The codec as a string, the form the custom operators torch.compile traces take

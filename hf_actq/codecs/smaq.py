@@ -42,10 +42,6 @@ class SmaQCodec(Codec):
 
     name = "smaq"
 
-    @property
-    def uses_rng(self) -> bool:
-        return self.stochastic
-
     def __post_init__(self):
         validate_int("block_size", self.block_size, BLOCK_SIZES)
         if isinstance(self.capacity, bool) or not 0.0 <= self.capacity <= 1.0:
