@@ -1,0 +1,254 @@
+"""Check whether a recipe result still describes the code: replay its first steps at the commit it
+names and at HEAD, and compare.
+
+    python tools/replay_results.py recipes/glue/results [--steps 2] [--jobs 2]
+
+A recipe result (a JSON file with ``command`` and ``commit``, as ``recipes/*/run.py`` write them)
+takes minutes to hours to re-run. Most commits since it was made do not touch what it measured.
+This tool tells the two apart. For each result it reruns the recorded command twice for
+``--steps`` optimizer steps, logging the loss at every step: once in a worktree of the commit
+the result names, once in a worktree of HEAD. Same machine, same thread count, fresh processes.
+The verdict:
+
+- ``same``: the per-step losses are bit-identical, and so are the activation bytes and the
+  step peak. HEAD runs this recipe as the named commit did, so the result stands for HEAD.
+- ``same code``: the package and the recipe's directories are the same trees at both commits.
+  Nothing was run.
+- ``memory changed``: the same losses, other activation bytes or peak. Accuracy stands; the
+  memory figures are stale.
+- ``changed``: the losses differ. The result is stale: re-run it or remove it.
+- ``commit missing`` / ``no commit``: the named commit is not in this clone, or none is named.
+- ``failed``: a replay did not finish (its log's tail is recorded).
+
+A few steps cannot see a change that acts later in training (a recalibration at 10% of the
+steps, the learning-rate schedule's end). The verdict speaks for the steps replayed.
+
+Verdicts go to ``--record`` (default ``<first directory>/replays.json``), keyed by file and by
+the result's contents, so a second run skips what is already replayed against the same HEAD
+tree. ``tools/results_age.py`` reads it: a result replayed ``same`` against a commit is aged
+from that commit. A development check: nothing in hf_actq imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD_NAME = "replays.json"
+
+
+def _git(*args: str, repo: Path = REPO) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def code_paths(script: str) -> tuple[str, ...]:
+    """What a recipe run executes from the repository: the package, the recipe's own directory
+    and the recipes' shared module."""
+    return ("hf_actq", str(Path(script).parent), "recipes/common")
+
+
+def code_trees(commit: str, paths: tuple[str, ...], repo: Path = REPO) -> tuple[str, ...]:
+    trees = []
+    for path in paths:
+        try:
+            trees.append(_git("rev-parse", f"{commit}:{path}", repo=repo))
+        except subprocess.CalledProcessError:  # not there at that commit
+            trees.append("")
+    return tuple(trees)
+
+
+def script_in_repo(command: list[str]) -> str:
+    """The recipe script of a recorded command, relative to the repository it ran in."""
+    for word in command[1:]:
+        parts = Path(word).parts
+        if word.endswith(".py") and "recipes" in parts:
+            return str(Path(*parts[parts.index("recipes") :]))
+    raise ValueError(f"no recipes/*.py script in the command {shlex.join(command)!r}")
+
+
+def replay_command(command: list[str], worktree: Path, output_dir: Path, steps: int) -> list[str]:
+    """The recorded command, run from ``worktree`` for ``steps`` steps with the loss logged at
+    each. Later flags win in HfArgumentParser, so the overrides go at the end."""
+    script = script_in_repo(command)
+    at = command.index(next(w for w in command if w.endswith(script)))
+    return [
+        sys.executable,
+        str(worktree / script),
+        *command[at + 1 :],
+        *("--output_dir", str(output_dir), "--max_steps", str(steps), "--logging_steps", "1"),
+        *("--max_eval_samples", "32", "--save_strategy", "no", "--report_to", "none"),
+    ]
+
+
+class Worktrees:
+    """A detached worktree per commit under ``root``, made once and removed by ``close``."""
+
+    def __init__(self, root: Path, repo: Path = REPO):
+        self.root, self.repo, self.made = root, repo, {}
+        self.lock = threading.Lock()  # two replays may ask for HEAD's at once
+
+    def get(self, commit: str) -> Path:
+        full = _git("rev-parse", commit, repo=self.repo)
+        with self.lock:
+            return self._get(full)
+
+    def _get(self, full: str) -> Path:
+        if full not in self.made:
+            path = self.root / full[:12]
+            if not path.exists():
+                _git("worktree", "add", "--detach", "--force", str(path), full, repo=self.repo)
+            self.made[full] = path
+        return self.made[full]
+
+    def close(self) -> None:
+        for path in self.made.values():
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(path)], cwd=self.repo, check=False
+            )
+        subprocess.run(["git", "worktree", "prune"], cwd=self.repo, check=False)
+
+
+def run_steps(command: list[str], worktree: Path, scratch: Path, steps: int, threads: int) -> dict:
+    """Run ``command`` from ``worktree``; the fields of its results file that the verdict
+    compares, or ``{"error": <log tail>}``."""
+    output_dir = Path(tempfile.mkdtemp(dir=scratch))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(worktree),  # before the editable install: the worktree's hf_actq
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    argv = replay_command(command, worktree, output_dir, steps)
+    done = subprocess.run(argv, cwd=worktree, env=env, capture_output=True, text=True)
+    path = output_dir / "actq_results.json"
+    if done.returncode != 0 or not path.exists():
+        return {"error": (done.stdout + done.stderr)[-1500:]}
+    results = json.loads(path.read_text())
+    return {
+        "losses": [loss for _, loss in results.get("loss_history", [])],
+        "activation_bytes_step0": results.get("activation_bytes_step0"),
+        "step_peak_bytes": results.get("step_peak_bytes"),
+    }
+
+
+def verdict(then: dict, now: dict, steps: int) -> str:
+    if any("error" in run or len(run["losses"]) != steps for run in (then, now)):
+        return "failed"
+    if then["losses"] != now["losses"]:
+        return "changed"
+    memory = ("activation_bytes_step0", "step_peak_bytes")
+    return "same" if all(then[k] == now[k] for k in memory) else "memory changed"
+
+
+def content_key(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def replay(path: Path, steps: int, threads: int, worktrees: Worktrees, scratch: Path) -> dict:
+    result = json.loads(path.read_text())
+    named, command = result.get("commit"), result.get("command")
+    row = {"commit": named, "steps": steps, "threads": threads}
+    if not named or not command:
+        return {**row, "verdict": "no commit"}
+    commit = named.rstrip("+")
+    try:
+        _git("cat-file", "-e", f"{commit}^{{commit}}", repo=worktrees.repo)
+    except subprocess.CalledProcessError:
+        return {**row, "verdict": "commit missing"}
+    argv = shlex.split(command)
+    paths = code_paths(script_in_repo(argv))
+    head = _git("rev-parse", "--short", "HEAD", repo=worktrees.repo)
+    row["head"] = head
+    if code_trees(commit, paths, worktrees.repo) == code_trees(head, paths, worktrees.repo):
+        return {**row, "verdict": "same code"}
+    then = run_steps(argv, worktrees.get(commit), scratch, steps, threads)
+    now = run_steps(argv, worktrees.get(head), scratch, steps, threads)
+    return {**row, "verdict": verdict(then, now, steps), "then": then, "now": now}
+
+
+def results_with_commands(targets: list[Path]) -> list[Path]:
+    files = []
+    for target in targets:
+        candidates = sorted(target.rglob("*.json")) if target.is_dir() else [target]
+        for path in candidates:
+            if path.name == RECORD_NAME:
+                continue
+            try:
+                data = json.loads(path.read_text())
+            except ValueError:
+                continue
+            if isinstance(data, dict) and "command" in data:
+                files.append(path)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("targets", nargs="+", type=Path, help="results files or directories")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps to replay")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per run")
+    parser.add_argument("--jobs", type=int, default=2, help="results replayed at once")
+    parser.add_argument("--record", type=Path, help=f"default: <first directory>/{RECORD_NAME}")
+    parser.add_argument("--workdir", type=Path, help="worktrees and run outputs (default: temp)")
+    args = parser.parse_args(argv)
+
+    first = args.targets[0] if args.targets[0].is_dir() else args.targets[0].parent
+    record_path = args.record or first / RECORD_NAME
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    head = _git("rev-parse", "--short", "HEAD")
+    files = results_with_commands(args.targets)
+
+    def key(path: Path) -> str:
+        path = path.resolve()
+        return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+    def current(path: Path) -> bool:
+        row = record.get(key(path), {})
+        if row.get("content") != content_key(path):
+            return False
+        if row.get("verdict") in ("no commit", "commit missing"):
+            return True
+        paths = code_paths(script_in_repo(shlex.split(json.loads(path.read_text())["command"])))
+        return "head" in row and code_trees(row["head"], paths) == code_trees(head, paths)
+
+    todo = [path for path in files if not current(path)]
+    print(f"{len(files)} results with a command; {len(todo)} to replay at HEAD {head}", flush=True)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hf_actq_replay_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    worktrees = Worktrees(workdir / "worktrees")
+
+    def one(path: Path) -> tuple[Path, dict]:
+        return path, replay(path, args.steps, args.threads, worktrees, workdir)
+
+    try:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for done in as_completed([pool.submit(one, path) for path in todo]):
+                path, row = done.result()
+                record[key(path)] = {**row, "content": content_key(path)}
+                record_path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+                print(f"{key(path)}: {row['verdict']}", flush=True)
+    finally:
+        worktrees.close()
+    counts: dict[str, int] = {}
+    for path in files:
+        verdict_ = record.get(key(path), {}).get("verdict", "not replayed")
+        counts[verdict_] = counts.get(verdict_, 0) + 1
+    print(", ".join(f"{n} {v}" for v, n in sorted(counts.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
