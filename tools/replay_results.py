@@ -8,6 +8,10 @@ takes minutes to hours to re-run. Most commits since it was made do not touch wh
 This tool tells the two apart. For each result it reruns the recorded command twice for
 ``--steps`` optimizer steps, logging the loss at every step: once in a worktree of the commit
 the result names, once in a worktree of HEAD. Same machine, same thread count, fresh processes.
+A result a sweep made (``sweep_recipe``) is replayed at HEAD as the sweep would run it now: the
+sweep's present arguments for that recipe (``RECIPES`` in ``sweep.py`` beside the script) go
+after the recorded ones, so a recipe pinned since to what it used to mean (``checkpoint-4`` to
+the uniform codec when rotation became the default) is compared as the table labels it.
 The verdict:
 
 - ``same``: the per-step losses are bit-identical, and so are the activation bytes and the
@@ -17,6 +21,7 @@ The verdict:
 - ``memory changed``: the same losses, other activation bytes or peak. Accuracy stands; the
   memory figures are stale.
 - ``changed``: the losses differ. The result is stale: re-run it or remove it.
+- ``retired``: the sweep no longer defines the result's recipe. Nothing can re-run it.
 - ``commit missing`` / ``no commit``: the named commit is not in this clone, or none is named.
 - ``failed``: a replay did not finish (its log's tail is recorded).
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shlex
@@ -59,14 +65,12 @@ def code_paths(script: str) -> tuple[str, ...]:
     return ("hf_actq", str(Path(script).parent), "recipes/common")
 
 
-def code_trees(commit: str, paths: tuple[str, ...], repo: Path = REPO) -> tuple[str, ...]:
-    trees = []
-    for path in paths:
-        try:
-            trees.append(_git("rev-parse", f"{commit}:{path}", repo=repo))
-        except subprocess.CalledProcessError:  # not there at that commit
-            trees.append("")
-    return tuple(trees)
+def code_trees(commit: str, paths: tuple[str, ...], repo: Path = REPO) -> str:
+    """A digest of every file under ``paths`` at ``commit``, less the results folders: a new
+    result committed beside the recipe changes no code."""
+    listing = _git("ls-tree", "-r", commit, "--", *paths, repo=repo).splitlines()
+    code = [line for line in listing if "/results/" not in line.split("\t", 1)[1]]
+    return hashlib.sha256("\n".join(code).encode()).hexdigest()
 
 
 def script_in_repo(command: list[str]) -> str:
@@ -78,15 +82,19 @@ def script_in_repo(command: list[str]) -> str:
     raise ValueError(f"no recipes/*.py script in the command {shlex.join(command)!r}")
 
 
-def replay_command(command: list[str], worktree: Path, output_dir: Path, steps: int) -> list[str]:
+def replay_command(
+    command: list[str], worktree: Path, output_dir: Path, steps: int, present: list[str] = ()
+) -> list[str]:
     """The recorded command, run from ``worktree`` for ``steps`` steps with the loss logged at
-    each. Later flags win in HfArgumentParser, so the overrides go at the end."""
+    each, ``present`` (the sweep's arguments now) after the record's. Later flags win in
+    HfArgumentParser, so the overrides go at the end."""
     script = script_in_repo(command)
     at = command.index(next(w for w in command if w.endswith(script)))
     return [
         sys.executable,
         str(worktree / script),
         *command[at + 1 :],
+        *present,
         *("--output_dir", str(output_dir), "--max_steps", str(steps), "--logging_steps", "1"),
         *("--max_eval_samples", "32", "--save_strategy", "no", "--report_to", "none"),
     ]
@@ -120,7 +128,9 @@ class Worktrees:
         subprocess.run(["git", "worktree", "prune"], cwd=self.repo, check=False)
 
 
-def run_steps(command: list[str], worktree: Path, scratch: Path, steps: int, threads: int) -> dict:
+def run_steps(
+    command: list[str], worktree: Path, scratch: Path, steps: int, threads: int, present=()
+) -> dict:
     """Run ``command`` from ``worktree``; the fields of its results file that the verdict
     compares, or ``{"error": <log tail>}``."""
     output_dir = Path(tempfile.mkdtemp(dir=scratch))
@@ -131,7 +141,7 @@ def run_steps(command: list[str], worktree: Path, scratch: Path, steps: int, thr
         "MKL_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
     }
-    argv = replay_command(command, worktree, output_dir, steps)
+    argv = replay_command(command, worktree, output_dir, steps, present)
     done = subprocess.run(argv, cwd=worktree, env=env, capture_output=True, text=True)
     path = output_dir / "actq_results.json"
     if done.returncode != 0 or not path.exists():
@@ -142,6 +152,27 @@ def run_steps(command: list[str], worktree: Path, scratch: Path, steps: int, thr
         "activation_bytes_step0": results.get("activation_bytes_step0"),
         "step_peak_bytes": results.get("step_peak_bytes"),
     }
+
+
+_SWEEPS: dict[Path, dict] = {}
+_SWEEPS_LOCK = threading.Lock()
+
+
+def sweep_arguments(result: dict, script: str, worktree: Path) -> list[str] | None:
+    """The arguments the sweep beside ``script`` (its ``RECIPES``, in ``worktree``) gives the
+    result's sweep recipe now: [] for a result no sweep made, None for a recipe it retired."""
+    sweep = worktree / Path(script).parent / "sweep.py"
+    recipe = result.get("sweep_recipe")
+    if recipe is None or not sweep.exists():
+        return []
+    with _SWEEPS_LOCK:
+        if sweep not in _SWEEPS:
+            spec = importlib.util.spec_from_file_location(f"_sweep_{len(_SWEEPS)}", sweep)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _SWEEPS[sweep] = module.RECIPES
+    arguments = _SWEEPS[sweep].get(recipe)
+    return None if arguments is None else list(arguments)
 
 
 def verdict(then: dict, now: dict, steps: int) -> str:
@@ -174,9 +205,18 @@ def replay(path: Path, steps: int, threads: int, worktrees: Worktrees, scratch: 
     row["head"] = head
     if code_trees(commit, paths, worktrees.repo) == code_trees(head, paths, worktrees.repo):
         return {**row, "verdict": "same code"}
+    present = sweep_arguments(result, script_in_repo(argv), worktrees.get(head))
+    if present is None:
+        return {**row, "verdict": "retired"}
     then = run_steps(argv, worktrees.get(commit), scratch, steps, threads)
-    now = run_steps(argv, worktrees.get(head), scratch, steps, threads)
-    return {**row, "verdict": verdict(then, now, steps), "then": then, "now": now}
+    now = run_steps(argv, worktrees.get(head), scratch, steps, threads, present)
+    return {
+        **row,
+        "verdict": verdict(then, now, steps),
+        "present_arguments": present,
+        "then": then,
+        "now": now,
+    }
 
 
 def results_with_commands(targets: list[Path]) -> list[Path]:

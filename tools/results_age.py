@@ -6,13 +6,18 @@ For each results file (``benchmarks/results/**``, ``recipes/*/results/**``; JSON
 the commit it was made at is its own record's (``provenance.commit`` or ``commit``, as the
 benchmarks and recipes write it), else the commit that last changed the file. A result is older
 than the code when the package (``--code``) has changed since that commit; the list gives how
-many commits and files changed, oldest first, and says which files name no commit. A development
-check: nothing in hf_actq imports it.
+many commits and files changed, oldest first, and says which files name no commit.
+
+A recipe result that ``tools/replay_results.py`` replayed with the verdict ``same`` (or ``same
+code``) against a later commit is aged from that commit: its first steps, bytes and peak were
+the same there. The replay record (``replays.json`` beside the results) is not itself a result.
+A development check: nothing in hf_actq imports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import subprocess
@@ -21,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = ("benchmarks/results", ":(glob)recipes/*/results/**")
+REPLAYS = "replays.json"  # tools/replay_results.py's record
 
 
 def _git(*args: str, repo: Path = REPO) -> str:
@@ -47,14 +53,37 @@ def recorded_commit(path: Path) -> str | None:
 
 def results_files(repo: Path = REPO) -> list[Path]:
     tracked = _git("ls-files", "--", *RESULTS, repo=repo).splitlines()
-    return [repo / name for name in tracked if name.endswith((".json", ".md"))]
+    return [
+        repo / name
+        for name in tracked
+        if name.endswith((".json", ".md")) and Path(name).name != REPLAYS
+    ]
+
+
+def replayed_commit(path: Path, repo: Path = REPO) -> str | None:
+    """The commit at which ``tools/replay_results.py`` found that ``path``'s run behaves as it
+    did when made, if its record (``replays.json`` in a directory above, up to the repository)
+    says so for the file's present contents."""
+    for folder in path.parents:
+        record_path = folder / REPLAYS
+        if record_path.exists():
+            row = json.loads(record_path.read_text()).get(str(path.relative_to(repo)), {})
+            content = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+            if row.get("verdict") in ("same", "same code") and row.get("content") == content:
+                return row["head"]
+            return None
+        if folder == repo:
+            return None
+    return None
 
 
 def age(path: Path, code: str, repo: Path = REPO) -> dict:
     """When ``path`` was made and how much of ``code`` changed since."""
     commit = recorded_commit(path)
     source = "recorded"
-    if commit is None:
+    if (replayed := replayed_commit(path, repo)) is not None:
+        commit, source = replayed, "replayed the same"
+    elif commit is None:
         commit = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo)), repo=repo)
         source = "last change of the file"
     try:

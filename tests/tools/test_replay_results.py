@@ -1,0 +1,157 @@
+"""tools/replay_results.py on a small git repository made here, with a stand-in recipe whose
+losses and bytes come from the package: each verdict is reached by the change that should reach
+it, and tools/results_age.py ages a result replayed "same" from the commit it was replayed at."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import replay_results  # noqa: E402
+import results_age  # noqa: E402
+
+# Writes what recipes/*/run.py write: a loss per logged step, the activation bytes, the peak.
+RUN_PY = """
+import argparse, json, pathlib
+import hf_actq
+parser = argparse.ArgumentParser()
+parser.add_argument("--output_dir")
+parser.add_argument("--max_steps", type=int, default=10)
+parser.add_argument("--seed", type=int)
+parser.add_argument("--scale", type=float)
+args, _ = parser.parse_known_args()
+scale = hf_actq.SCALE if args.scale is None else args.scale
+out = pathlib.Path(args.output_dir)
+out.mkdir(parents=True, exist_ok=True)
+(out / "actq_results.json").write_text(json.dumps({
+    "loss_history": [[s, scale / s] for s in range(1, args.max_steps + 1)],
+    "activation_bytes_step0": hf_actq.BYTES,
+    "step_peak_bytes": 1000,
+}))
+"""
+
+
+def _git(repo, *args):
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
+    env |= {"GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _commit(repo, files: dict) -> str:
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "change")
+    return _git(repo, "rev-parse", "--short", "HEAD")
+
+
+def _verdict(repo, result, tmp_path) -> dict:
+    worktrees = replay_results.Worktrees(tmp_path / "worktrees", repo)
+    try:
+        return replay_results.replay(result, 2, 1, worktrees, tmp_path)
+    finally:
+        worktrees.close()
+
+
+def test_each_verdict_and_the_age_it_gives(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    made = _commit(
+        repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 100\n", "recipes/demo/run.py": RUN_PY}
+    )
+    result = repo / "recipes/demo/results/r.json"
+    command = f"python {repo}/recipes/demo/run.py --seed 0 --output_dir runs/r"
+    _commit(repo, {str(result.relative_to(repo)): json.dumps({"commit": made, "command": command})})
+
+    _commit(repo, {"README.md": "docs\n"})
+    assert _verdict(repo, result, tmp_path)["verdict"] == "same code"
+
+    head = _commit(repo, {"hf_actq/__init__.py": "# why\nSCALE = 1.0\nBYTES = 100\n"})
+    row = _verdict(repo, result, tmp_path)
+    assert (row["verdict"], row["head"]) == ("same", head)
+    assert (
+        row["then"]
+        == row["now"]
+        == {
+            "losses": [1.0, 0.5],
+            "activation_bytes_step0": 100,
+            "step_peak_bytes": 1000,
+        }
+    )
+    # Recorded beside the results, the replay ages the result from the commit it ran at.
+    record = {str(result.relative_to(repo)): {**row, "content": replay_results.content_key(result)}}
+    (result.parent / "replays.json").write_text(json.dumps(record))
+    _commit(repo, {"recipes/demo/results/replays.json": json.dumps(record)})
+    age = results_age.age(result, "hf_actq", repo)
+    assert (age["commit"], age["commit_from"], age["code_commits_since"]) == (
+        head,
+        "replayed the same",
+        0,
+    )
+    assert [p.name for p in results_age.results_files(repo)] == ["r.json"]
+
+    _commit(repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 90\n"})
+    assert _verdict(repo, result, tmp_path)["verdict"] == "memory changed"
+    _commit(repo, {"hf_actq/__init__.py": "SCALE = 2.0\nBYTES = 100\n"})
+    row = _verdict(repo, result, tmp_path)
+    assert (row["verdict"], row["then"]["losses"], row["now"]["losses"]) == (
+        "changed",
+        [1.0, 0.5],
+        [2.0, 1.0],
+    )
+    # The replayed "same" no longer holds for the result's age once the package changed since.
+    assert results_age.age(result, "hf_actq", repo)["code_commits_since"] == 2
+
+    _commit(repo, {"hf_actq/__init__.py": "raise ImportError('broken')\n"})
+    row = _verdict(repo, result, tmp_path)
+    assert row["verdict"] == "failed" and "broken" in row["now"]["error"]
+
+
+def test_a_sweep_result_is_replayed_as_the_sweep_runs_its_recipe_now(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    made = _commit(
+        repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 1\n", "recipes/demo/run.py": RUN_PY}
+    )
+    command = f"python {repo}/recipes/demo/run.py"
+    pinned = repo / "pinned.json"
+    pinned.write_text(json.dumps({"commit": made, "command": command, "sweep_recipe": "a"}))
+    gone = repo / "gone.json"
+    gone.write_text(json.dumps({"commit": made, "command": command, "sweep_recipe": "gone"}))
+    # The package's default moves; the sweep pins recipe "a" to what it meant, retires "gone".
+    sweep = "RECIPES = {'a': ['--scale', '1.0'], 'gone': None}\n"
+    _commit(
+        repo, {"hf_actq/__init__.py": "SCALE = 2.0\nBYTES = 1\n", "recipes/demo/sweep.py": sweep}
+    )
+    row = _verdict(repo, pinned, tmp_path)
+    assert (row["verdict"], row["present_arguments"]) == ("same", ["--scale", "1.0"])
+    assert _verdict(repo, gone, tmp_path)["verdict"] == "retired"
+
+
+def test_results_without_a_usable_commit_are_not_run(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _commit(repo, {"hf_actq/__init__.py": "SCALE = 1.0\n"})
+    command = f"python {repo}/recipes/demo/run.py"
+    nameless = repo / "a.json"
+    nameless.write_text(json.dumps({"command": command}))
+    assert _verdict(repo, nameless, tmp_path)["verdict"] == "no commit"
+    elsewhere = repo / "b.json"
+    elsewhere.write_text(json.dumps({"command": command, "commit": "1234567+"}))
+    assert _verdict(repo, elsewhere, tmp_path)["verdict"] == "commit missing"
+
+
+def test_the_replay_command_runs_the_worktree_script_with_the_overrides_last():
+    recorded = "/venv/bin/python /old/checkout/recipes/glue/run.py --task_name mrpc --max_steps 9"
+    argv = replay_results.replay_command(recorded.split(), Path("/wt"), Path("/out"), 2)
+    assert argv[1:4] == ["/wt/recipes/glue/run.py", "--task_name", "mrpc"]
+    # argparse keeps the last value of a repeated flag: the overrides come after the record's.
+    assert argv[-12:-8] == ["--output_dir", "/out", "--max_steps", "2"]
