@@ -10,14 +10,22 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import torch
-
 SOURCE = Path(__file__).resolve().parents[2]
 
 
-# Results files are not code: a benchmark that writes one must not mark the next run's commit
-# as carrying uncommitted changes.
-RESULTS_EXCLUDED = (".", ":(exclude)benchmarks/results", ":(exclude,glob)recipes/*/results/**")
+# Where results live, as git pathspecs. Results files are not code: a benchmark that writes one
+# must not mark the next run's commit as carrying uncommitted changes. tools/results_age.py
+# loads this file by path to list the same files: no torch here, so it needs no package import.
+RESULTS = ("benchmarks/results", ":(glob)recipes/*/results/**")
+
+
+def _excluding(pathspec: str) -> str:
+    """The pathspec that leaves ``pathspec``'s files out: ``:(glob)a/**`` -> ``:(exclude,glob)a/**``."""
+    magic, path = pathspec[2:].split(")", 1) if pathspec.startswith(":(") else ("", pathspec)
+    return f":({','.join(['exclude', *filter(None, [magic])])}){path}"
+
+
+RESULTS_EXCLUDED = (".", *map(_excluding, RESULTS))
 
 
 def checkout_commit(repo: Path, *paths: str) -> str | None:
@@ -49,6 +57,8 @@ def provenance(argv=None) -> dict:
     # An installed copy's parent directory may lie inside some other checkout: ours has .git.
     commit = checkout_commit(SOURCE, "hf_actq") if (SOURCE / ".git").exists() else None
     words = sys.argv[1:] if argv is None else list(argv)
+    import torch  # here, not at the top: tools/results_age.py loads this file without torch
+
     return {
         "command": shlex.join(["hf-actq", "memory", *words]),
         "commit": commit,
