@@ -9,7 +9,7 @@ than the code when the package (``--code``) has changed since that commit; the l
 many commits and files changed, oldest first, and says which files name no commit.
 
 A recipe result that ``tools/replay_results.py`` replayed with the verdict ``same`` (or ``same
-code``) against a later commit is aged from that commit: its first steps, bytes and peak were
+code``, ``prefix same``) against a later commit is aged from that commit: its first steps, bytes and peak were
 the same there. The replay record (``replays.json`` beside the results) is not itself a result.
 A development check: nothing in hf_actq imports it.
 """
@@ -40,6 +40,7 @@ def _provenance():
 
 RESULTS = _provenance().RESULTS  # where results live, the pathspecs provenance leaves out
 REPLAYS = "replays.json"  # tools/replay_results.py's record
+SAME = ("same", "same code", "prefix same")  # its verdicts under which a result stands
 
 
 def _git(*args: str, repo: Path = REPO) -> str:
@@ -82,7 +83,7 @@ def replayed_commit(path: Path, repo: Path = REPO) -> str | None:
         if record_path.exists():
             row = json.loads(record_path.read_text()).get(str(path.relative_to(repo)), {})
             content = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-            if row.get("verdict") in ("same", "same code") and row.get("content") == content:
+            if row.get("verdict") in SAME and row.get("content") == content:
                 return row["head"]
             return None
         if folder == repo:

@@ -37,6 +37,14 @@ class RecipeArguments:
             "optimizer state exists and is counted as already live)."
         },
     )
+    stop_after_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Stop training after this many optimizer steps, keeping the full run's "
+            "learning-rate schedule (--max_steps would shorten it): the first steps of a "
+            "recorded run, for tools/replay_results.py to compare with its record."
+        },
+    )
 
 
 class StepStats(TrainerCallback):
@@ -45,8 +53,9 @@ class StepStats(TrainerCallback):
     from the profiler's allocation events, see :mod:`hf_actq.memory.peak`), and, for the
     unpatched baseline, the activation memory of step 0 metered as ``ActQCallback`` meters it."""
 
-    def __init__(self, peak_step: int, meter_activations: bool):
+    def __init__(self, peak_step: int, meter_activations: bool, stop_after_steps=None):
         self.peak_step = peak_step
+        self.stop_after_steps = stop_after_steps
         self.meter_activations = meter_activations
         self.step_seconds: dict[int, float] = {}
         self.peak_bytes: int | None = None
@@ -77,6 +86,8 @@ class StepStats(TrainerCallback):
         if self._monitor is not None and self._monitor.armed:
             self._monitor.disarm()
             self.activation_bytes = self._monitor.max_bytes
+        if self.stop_after_steps is not None and state.global_step >= self.stop_after_steps:
+            control.should_training_stop = True  # after this step's log: the loop checks later
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._monitor is not None:
@@ -167,7 +178,9 @@ def setup_logging(training_args, *names: str) -> None:
 def recipe_callbacks(config: ActQConfig | None, recipe_args: RecipeArguments):
     """``(stats, actq_callback, callbacks)``: the step statistics, ``ActQCallback`` (``None``
     for the baseline, whose activations ``stats`` meters instead) and the list for Trainer."""
-    stats = StepStats(recipe_args.peak_step, meter_activations=config is None)
+    stats = StepStats(
+        recipe_args.peak_step, config is None, stop_after_steps=recipe_args.stop_after_steps
+    )
     actq_callback = None
     if config is not None:
         from hf_actq.integrations.trainer import ActQCallback

@@ -122,6 +122,20 @@ def test_run_writes_results_patched_and_unpatched(tiny_model, glue_dir, tmp_path
     assert 0 < patched["activation_bytes_step0"] < baseline["activation_bytes_step0"]
 
 
+def test_stop_after_steps_keeps_the_full_runs_first_steps(tiny_model, glue_dir, tmp_path):
+    # tools/replay_results.py checks a result's first logged loss this way: the schedule stays
+    # the full run's, so the first steps' losses are the full run's, bit for bit.
+    def losses(out, *extra):
+        arguments = _arguments(tiny_model, glue_dir, tmp_path / out, "rte", "--recipe", "uniform")
+        return run.main([*arguments, "--logging_steps", "1", *extra])
+
+    full, stopped = losses("full"), losses("stopped", "--stop_after_steps", "3")
+    assert (full["steps"], stopped["steps"]) == (6, 3)
+    assert stopped["loss_history"] == full["loss_history"][:3]
+    shortened = losses("shortened", "--max_steps", "3")  # a 3-step schedule: other rates
+    assert shortened["loss_history"][1:] != full["loss_history"][1:3]
+
+
 def test_run_regression_task_and_adaptive_recipe(tiny_model, glue_dir, tmp_path):
     result = run.main(
         _arguments(

@@ -21,12 +21,16 @@ parser.add_argument("--output_dir")
 parser.add_argument("--max_steps", type=int, default=10)
 parser.add_argument("--seed", type=int)
 parser.add_argument("--scale", type=float)
+parser.add_argument("--stop_after_steps", type=int)
 args, _ = parser.parse_known_args()
 scale = hf_actq.SCALE if args.scale is None else args.scale
+history = [[s, scale / s] for s in range(1, args.max_steps + 1)]
+if args.stop_after_steps:  # the first logged loss of the full run
+    history = [[args.stop_after_steps, scale / args.stop_after_steps]]
 out = pathlib.Path(args.output_dir)
 out.mkdir(parents=True, exist_ok=True)
 (out / "actq_results.json").write_text(json.dumps({
-    "loss_history": [[s, scale / s] for s in range(1, args.max_steps + 1)],
+    "loss_history": history,
     "activation_bytes_step0": hf_actq.BYTES,
     "step_peak_bytes": 1000,
 }))
@@ -50,10 +54,10 @@ def _commit(repo, files: dict) -> str:
     return _git(repo, "rev-parse", "--short", "HEAD")
 
 
-def _verdict(repo, result, tmp_path) -> dict:
+def _verdict(repo, result, tmp_path, prefix=False) -> dict:
     worktrees = replay_results.Worktrees(tmp_path / "worktrees", repo)
     try:
-        return replay_results.replay(result, 2, 1, worktrees, tmp_path)
+        return replay_results.replay(result, 2, 1, worktrees, tmp_path, prefix)
     finally:
         worktrees.close()
 
@@ -149,9 +153,33 @@ def test_results_without_a_usable_commit_are_not_run(tmp_path):
     assert _verdict(repo, elsewhere, tmp_path)["verdict"] == "commit missing"
 
 
+def test_a_result_without_its_commit_is_checked_against_its_first_logged_loss(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    # HEAD's first logged loss (at step 5) is 1.000001 / 5: within the tolerance of 0.2.
+    code = "SCALE = 1.000001\nBYTES = 100\n"
+    _commit(repo, {"hf_actq/__init__.py": code, "recipes/demo/run.py": RUN_PY})
+    command = f"python {repo}/recipes/demo/run.py"
+    memory = {"activation_bytes_step0": 100, "step_peak_bytes": 1000}
+    verdicts = {}
+    for first_loss in (0.2, 0.3):
+        nameless = repo / f"{first_loss}.json"
+        record = {"command": command, "loss_history": [[5, first_loss], [10, 0.1]], **memory}
+        nameless.write_text(json.dumps(record))
+        row = _verdict(repo, nameless, tmp_path, prefix=True)
+        verdicts[first_loss] = row["verdict"]
+        assert row["prefix_steps"] == 5 and row["now"]["losses"] == [1.000001 / 5]
+    assert verdicts == {0.2: "prefix same", 0.3: "prefix changed"}
+
+
 def test_the_replay_command_runs_the_worktree_script_with_the_overrides_last():
     recorded = "/venv/bin/python /old/checkout/recipes/glue/run.py --task_name mrpc --max_steps 9"
-    argv = replay_results.replay_command(recorded.split(), Path("/wt"), Path("/out"), 2)
+    overrides = replay_results.first_steps(2)
+    argv = replay_results.replay_command(recorded.split(), Path("/wt"), Path("/out"), overrides)
     assert argv[1:4] == ["/wt/recipes/glue/run.py", "--task_name", "mrpc"]
     # argparse keeps the last value of a repeated flag: the overrides come after the record's.
-    assert argv[-12:-8] == ["--output_dir", "/out", "--max_steps", "2"]
+    assert (
+        argv.index("--max_steps", 5) > argv.index("9")
+        and argv[argv.index("2") - 1] == "--max_steps"
+    )
