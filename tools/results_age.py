@@ -9,8 +9,10 @@ than the code when the package (``--code``) has changed since that commit; the l
 many commits and files changed, oldest first, and says which files name no commit.
 
 A recipe result that ``tools/replay_results.py`` replayed with the verdict ``same`` (or ``same
-code``, ``prefix same``) against a later commit is aged from that commit: its first steps, bytes and peak were
-the same there. The replay record (``replays.json`` beside the results) is not itself a result.
+code``, ``prefix same``) against a later commit is aged from that commit: its first steps, bytes
+and peak were the same there. The replay record (``replays.json`` beside the results) is not itself a result.
+Each row shows the replay's verdict; results the replay found ``retired`` (a recipe the sweep
+no longer defines) are listed apart: nothing can re-run them, and they are no claim about HEAD.
 A development check: nothing in hf_actq imports it.
 """
 
@@ -74,29 +76,27 @@ def results_files(repo: Path = REPO) -> list[Path]:
     ]
 
 
-def replayed_commit(path: Path, repo: Path = REPO) -> str | None:
-    """The commit at which ``tools/replay_results.py`` found that ``path``'s run behaves as it
-    did when made, if its record (``replays.json`` in a directory above, up to the repository)
-    says so for the file's present contents."""
+def replay_row(path: Path, repo: Path = REPO) -> dict:
+    """``tools/replay_results.py``'s row for ``path``'s present contents, from its record
+    (``replays.json`` in the nearest directory above that has one), or {}."""
     for folder in path.parents:
         record_path = folder / REPLAYS
         if record_path.exists():
             row = json.loads(record_path.read_text()).get(str(path.relative_to(repo)), {})
             content = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-            if row.get("verdict") in SAME and row.get("content") == content:
-                return row["head"]
-            return None
+            return row if row.get("content") == content else {}
         if folder == repo:
-            return None
-    return None
+            break
+    return {}
 
 
 def age(path: Path, code: str, repo: Path = REPO) -> dict:
     """When ``path`` was made and how much of ``code`` changed since."""
     commit = recorded_commit(path)
     source = "recorded"
-    if (replayed := replayed_commit(path, repo)) is not None:
-        commit, source = replayed, "replayed the same"
+    replay = replay_row(path, repo)
+    if replay.get("verdict") in SAME:
+        commit, source = replay["head"], "replayed the same"
     elif commit is None:
         commit = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo)), repo=repo)
         source = "last change of the file"
@@ -111,6 +111,7 @@ def age(path: Path, code: str, repo: Path = REPO) -> dict:
         "commit_from": source,
         "code_commits_since": commits,
         "code_files_changed": len(changed.splitlines()) if changed else 0,
+        "replay": replay.get("verdict", ""),
     }
 
 
@@ -122,18 +123,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [age(path, args.code) for path in results_files()]
     rows.sort(key=lambda r: (-r["code_commits_since"], r["file"]))
-    behind = [r for r in rows if r["code_commits_since"] >= args.min_commits]
-    unknown = [r for r in rows if r["code_commits_since"] < 0]
-    print(f"{len(behind)} of {len(rows)} results files are older than {args.code}/:\n")
-    print(f"| file | made at | from | {args.code} commits since | files changed |")
-    print("|---|---|---|---:|---:|")
+    retired = [r for r in rows if r["replay"] == "retired"]
+    rows_now = [r for r in rows if r["replay"] != "retired"]
+    behind = [r for r in rows_now if r["code_commits_since"] >= args.min_commits]
+    unknown = [r for r in rows_now if r["code_commits_since"] < 0]
+    print(f"{len(behind)} of {len(rows_now)} results files are older than {args.code}/:\n")
+    print(f"| file | made at | from | {args.code} commits since | files changed | replay |")
+    print("|---|---|---|---:|---:|---|")
     for r in behind:
         print(
             f"| {r['file']} | {r['commit']} | {r['commit_from']} | {r['code_commits_since']} "
-            f"| {r['code_files_changed']} |"
+            f"| {r['code_files_changed']} | {r['replay']} |"
         )
     for r in unknown:
         print(f"{r['file']}: commit {r['commit']} is not in this clone")
+    if retired:
+        print(
+            f"\n{len(retired)} results of recipes the sweeps retired (a record; none can re-run):"
+        )
+        print("\n".join(f"- {r['file']} ({r['commit']})" for r in retired))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0
