@@ -9,9 +9,10 @@ This tool tells the two apart. For each result it reruns the recorded command tw
 ``--steps`` optimizer steps, logging the loss at every step: once in a worktree of the commit
 the result names, once in a worktree of HEAD. Same machine, same thread count, fresh processes.
 A result a sweep made (``sweep_recipe``) is replayed at HEAD as the sweep would run it now: the
-sweep's present arguments for that recipe (``RECIPES`` in ``sweep.py`` beside the script) go
-after the recorded ones, so a recipe pinned since to what it used to mean (``checkpoint-4`` to
-the uniform codec when rotation became the default) is compared as the table labels it.
+sweep's present arguments for that recipe (``RECIPES`` in the ``sweep.py`` or
+``convergence.py`` beside the script) go after the recorded ones, so a recipe pinned since to
+what it used to mean (``checkpoint-4`` to the uniform codec when rotation became the default) is
+compared as the table labels it.
 The verdict:
 
 - ``same``: the per-step losses are bit-identical, and so are the activation bytes and the
@@ -166,12 +167,16 @@ _SWEEPS: dict[Path, dict] = {}
 _SWEEPS_LOCK = threading.Lock()
 
 
+SWEEPS = ("sweep.py", "convergence.py")  # the drivers that give recipes names (RECIPES)
+
+
 def sweep_arguments(result: dict, script: str, worktree: Path) -> list[str] | None:
     """The arguments the sweep beside ``script`` (its ``RECIPES``, in ``worktree``) gives the
     result's sweep recipe now: [] for a result no sweep made, None for a recipe it retired."""
-    sweep = worktree / Path(script).parent / "sweep.py"
+    folder = worktree / Path(script).parent
+    sweep = next((folder / name for name in SWEEPS if (folder / name).exists()), None)
     recipe = result.get("sweep_recipe")
-    if recipe is None or not sweep.exists():
+    if recipe is None or sweep is None:
         return []
     with _SWEEPS_LOCK:
         if sweep not in _SWEEPS:
