@@ -14,7 +14,8 @@ SOURCE = Path(__file__).resolve().parents[2]
 
 
 # Where results live, as git pathspecs. Results files are not code: a benchmark that writes one
-# must not mark the next run's commit as carrying uncommitted changes. tools/results_age.py
+# must not mark the next run's commit as carrying uncommitted changes. Nor is Markdown: the
+# sweeps rewrite their README's results section after each run. tools/results_age.py
 # loads this file by path to list the same files: no torch here, so it needs no package import.
 RESULTS = ("benchmarks/results", ":(glob)recipes/*/results/**")
 
@@ -25,14 +26,14 @@ def _excluding(pathspec: str) -> str:
     return f":({','.join(['exclude', *filter(None, [magic])])}){path}"
 
 
-RESULTS_EXCLUDED = (".", *map(_excluding, RESULTS))
+CODE_PATHSPECS = (".", *map(_excluding, RESULTS), ":(exclude,glob)**/*.md")
 
 
 def checkout_commit(repo: Path, *paths: str) -> str | None:
     """The short commit of the git checkout at ``repo``, with ``+`` when it has uncommitted
-    changes (under ``paths``, else anywhere but the results directories); None without git or
+    changes (under ``paths``, else anywhere but the results directories and Markdown); None without git or
     a checkout."""
-    paths = paths or RESULTS_EXCLUDED
+    paths = paths or CODE_PATHSPECS
     try:
         head, dirty = (
             subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
