@@ -71,7 +71,7 @@ def code_paths(script: str) -> tuple[str, ...]:
     return ("hf_actq", str(Path(script).parent), "recipes/common")
 
 
-def code_trees(commit: str, paths: tuple[str, ...], repo: Path = REPO) -> str:
+def code_digest(commit: str, paths: tuple[str, ...], repo: Path = REPO) -> str:
     """A digest of every file under ``paths`` at ``commit``, less the results folders: a new
     result committed beside the recipe changes no code."""
     listing = _git("ls-tree", "-r", commit, "--", *paths, repo=repo).splitlines()
@@ -224,7 +224,7 @@ def replay(
     present = sweep_arguments(result, script_in_repo(argv), worktrees.get(head))
     if "verdict" in row:  # no commit to replay: HEAD's first logged steps against the record
         return {**row, **first_logged_steps(result, argv, present, threads, worktrees, scratch)}
-    if code_trees(commit, paths, worktrees.repo) == code_trees(head, paths, worktrees.repo):
+    if code_digest(commit, paths, worktrees.repo) == code_digest(head, paths, worktrees.repo):
         return {**row, "verdict": "same code"}
     if present is None:
         return {**row, "verdict": "retired"}
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("verdict") in ("no commit", "commit missing"):
             return not args.prefix
         paths = code_paths(script_in_repo(shlex.split(json.loads(path.read_text())["command"])))
-        return "head" in row and code_trees(row["head"], paths) == code_trees(head, paths)
+        return "head" in row and code_digest(row["head"], paths) == code_digest(head, paths)
 
     todo = [path for path in files if not current(path)]
     print(f"{len(files)} results with a command; {len(todo)} to replay at HEAD {head}", flush=True)

@@ -3,14 +3,16 @@ losses and bytes come from the package: each verdict is reached by the change th
 it, and tools/results_age.py ages a result replayed "same" from the commit it was replayed at."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scratch_git
 
 import replay_results  # noqa: E402
 import results_age  # noqa: E402
+from scratch_git import commit as _commit  # noqa: E402
+from scratch_git import new_repo  # noqa: E402
 
 # Writes what recipes/*/run.py write: a loss per logged step, the activation bytes, the peak.
 RUN_PY = """
@@ -37,23 +39,6 @@ out.mkdir(parents=True, exist_ok=True)
 """
 
 
-def _git(repo, *args):
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
-    env |= {"GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
-    return subprocess.run(
-        ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def _commit(repo, files: dict) -> str:
-    for name, text in files.items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", "change")
-    return _git(repo, "rev-parse", "--short", "HEAD")
-
-
 def _verdict(repo, result, tmp_path, prefix=False) -> dict:
     worktrees = replay_results.Worktrees(tmp_path / "worktrees", repo)
     try:
@@ -63,9 +48,7 @@ def _verdict(repo, result, tmp_path, prefix=False) -> dict:
 
 
 def test_each_verdict_and_the_age_it_gives(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
+    repo = new_repo(tmp_path / "repo")
     made = _commit(
         repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 100\n", "recipes/demo/run.py": RUN_PY}
     )
@@ -118,9 +101,7 @@ def test_each_verdict_and_the_age_it_gives(tmp_path):
 
 
 def test_a_sweep_result_is_replayed_as_the_sweep_runs_its_recipe_now(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
+    repo = new_repo(tmp_path / "repo")
     made = _commit(
         repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 1\n", "recipes/demo/run.py": RUN_PY}
     )
@@ -140,9 +121,7 @@ def test_a_sweep_result_is_replayed_as_the_sweep_runs_its_recipe_now(tmp_path):
 
 
 def test_results_without_a_usable_commit_are_not_run(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
+    repo = new_repo(tmp_path / "repo")
     _commit(repo, {"hf_actq/__init__.py": "SCALE = 1.0\n"})
     command = f"python {repo}/recipes/demo/run.py"
     nameless = repo / "a.json"
@@ -154,9 +133,7 @@ def test_results_without_a_usable_commit_are_not_run(tmp_path):
 
 
 def test_a_result_without_its_commit_is_checked_against_its_first_logged_loss(tmp_path):
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
+    repo = new_repo(tmp_path / "repo")
     # HEAD's first logged loss (at step 5) is 1 / 5.
     code = "SCALE = 1.0\nBYTES = 100\n"
     _commit(repo, {"hf_actq/__init__.py": code, "recipes/demo/run.py": RUN_PY})

@@ -2,34 +2,19 @@
 changed are listed with how far behind they are."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scratch_git
 
 import results_age  # noqa: E402
-
-
-def _git(repo, *args):
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t"}
-    env |= {"GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin"}
-    return subprocess.run(
-        ["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def _commit(repo, files: dict, message: str) -> str:
-    for name, text in files.items():
-        (repo / name).parent.mkdir(parents=True, exist_ok=True)
-        (repo / name).write_text(text)
-    _git(repo, "add", "-A")
-    _git(repo, "commit", "-q", "-m", message)
-    return _git(repo, "rev-parse", "--short", "HEAD")
+from scratch_git import commit as _commit  # noqa: E402
+from scratch_git import new_repo  # noqa: E402
 
 
 def test_results_are_aged_by_their_recorded_commit_or_their_last_change(tmp_path):
-    _git(tmp_path, "init", "-q")
+    new_repo(tmp_path)
     first = _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
     # A result that names the commit it was made at, committed later (as the sweeps do).
     recorded = json.dumps({"provenance": {"commit": f"{first}+", "command": "bench"}})
