@@ -4,7 +4,9 @@
 
 For each results file (``benchmarks/results/**``, ``recipes/*/results/**``; JSON and Markdown)
 the commit it was made at is its own record's (``provenance.commit`` or ``commit``, as the
-benchmarks and recipes write it), else the commit that last changed the file. A result is older
+benchmarks and recipes write it); else, for a file committed together with a JSON record beside it
+(``hf-actq memory --output`` writes memory.md and plan files next to memory.json), that record's
+commit; else the commit that last changed the file. A result is older
 than the code when the package (``--code``) has changed since that commit; the list gives how
 many commits and files changed, oldest first, and says which files name no commit.
 
@@ -90,6 +92,22 @@ def replay_row(path: Path, repo: Path = REPO) -> dict:
     return {}
 
 
+def _last_change(path: Path, repo: Path) -> str:
+    return _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo)), repo=repo)
+
+
+def sibling_commit(path: Path, repo: Path = REPO) -> str | None:
+    """The commit a JSON record in ``path``'s folder names, when that record and ``path`` were
+    last changed by the same commit: one command wrote both. A file a later run left unchanged
+    (git records no change) keeps its own, older, date: the check errs towards "behind"."""
+    own = _last_change(path, repo)
+    for sibling in sorted(path.parent.glob("*.json")):
+        named = recorded_commit(sibling) if sibling != path else None
+        if named and _last_change(sibling, repo) == own:
+            return named
+    return None
+
+
 def age(path: Path, code: str, repo: Path = REPO) -> dict:
     """When ``path`` was made and how much of ``code`` changed since."""
     commit = recorded_commit(path)
@@ -97,9 +115,10 @@ def age(path: Path, code: str, repo: Path = REPO) -> dict:
     replay = replay_row(path, repo)
     if replay.get("verdict") in SAME:
         commit, source = replay["head"], "replayed the same"
+    elif commit is None and (commit := sibling_commit(path, repo)):
+        source = "recorded beside it"
     elif commit is None:
-        commit = _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo)), repo=repo)
-        source = "last change of the file"
+        commit, source = _last_change(path, repo), "last change of the file"
     try:
         commits = int(_git("rev-list", "--count", f"{commit}..HEAD", "--", code, repo=repo))
         changed = _git("diff", "--name-only", f"{commit}..HEAD", "--", code, repo=repo)

@@ -33,3 +33,24 @@ def test_results_are_aged_by_their_recorded_commit_or_their_last_change(tmp_path
     table = results_age.age(tmp_path / "recipes/glue/results/table.md", "hf_actq", tmp_path)
     assert table["commit_from"] == "last change of the file"
     assert (table["code_commits_since"], table["code_files_changed"]) == (1, 2)
+
+
+def test_a_report_written_beside_a_record_takes_its_commit_only_if_committed_with_it(tmp_path):
+    new_repo(tmp_path)
+    made_at = _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
+    record = json.dumps({"provenance": {"commit": made_at, "command": "hf-actq memory"}})
+    report = "benchmarks/results/memory_x"
+    files = {f"{report}/memory.json": record, f"{report}/memory.md": "| x |\n"}
+    _commit(tmp_path, {**files, f"{report}/plan.json": "{}"}, "report")
+    _commit(tmp_path, {"hf_actq/op.py": "a = 2\n"}, "code changes")
+    # Re-run later: the record and the table change, the plan's contents do not.
+    rerun_at = _commit(tmp_path, {"hf_actq/op.py": "a = 3\n"}, "more code")
+    record = json.dumps({"provenance": {"commit": rerun_at, "command": "hf-actq memory"}})
+    _commit(tmp_path, {f"{report}/memory.json": record, f"{report}/memory.md": "| y |\n"}, "rerun")
+
+    table = results_age.age(tmp_path / report / "memory.md", "hf_actq", tmp_path)
+    assert (table["commit"], table["commit_from"]) == (rerun_at, "recorded beside it")
+    assert table["code_commits_since"] == 0
+    plan = results_age.age(tmp_path / report / "plan.json", "hf_actq", tmp_path)
+    assert plan["commit_from"] == "last change of the file"
+    assert plan["code_commits_since"] == 2
