@@ -157,7 +157,19 @@ class ActQConfig:
         default=8, metadata=_help("Examples of the batch the adaptive pass measures.")
     )
     calibration_seconds: float = field(
-        default=300.0, metadata=_help("Time cap of one adaptive pass, in seconds.")
+        default=300.0,
+        metadata=_help(
+            "Time cap of one adaptive pass, in seconds. The plan then depends on the machine's "
+            "speed; calibration_slots does not."
+        ),
+    )
+    calibration_slots: int | None = field(
+        default=None,
+        metadata=_help(
+            "Saved tensors one adaptive pass measures at most, every kind in turn and spread "
+            "over depth (None: all); the others take their kind's median sensitivity. The same "
+            "count gives the same plan on any machine."
+        ),
     )
     recalibrate_at: float = field(
         default=0.1,
@@ -241,6 +253,15 @@ class ActQConfig:
             raise ValueError(
                 "calibration_seconds must be a positive number of seconds (math.inf: no cap), "
                 f"got {self.calibration_seconds!r}"
+            )
+        if self.calibration_slots is not None and (
+            isinstance(self.calibration_slots, bool)
+            or not isinstance(self.calibration_slots, int)
+            or self.calibration_slots < 1
+        ):
+            raise ValueError(
+                "calibration_slots must be a positive integer (None: every tensor), "
+                f"got {self.calibration_slots!r}"
             )
         if (
             isinstance(self.recalibrate_at, bool)

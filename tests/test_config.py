@@ -93,6 +93,7 @@ def test_a_plan_setting_is_checked_with_its_slot_named():
     [
         (["--calibration-examples", "0"], "--calibration-examples: expected a positive integer"),
         (["--calibration-seconds", "-5"], "--calibration-seconds: expected a positive number"),
+        (["--calibration-slots", "0"], "--calibration-slots: expected a positive integer"),
         (["--batch-size", "0"], "--batch-size: expected a positive integer"),
         (["--recipe", "uniform:nosuch=3"], "hf-actq memory: unknown ActQConfig field 'nosuch'"),
         (["--recipe", "uniform:bits"], "must look like key=value"),

@@ -19,14 +19,18 @@ worse on GLUE (docs/reference.md, "ALAM as published").
 The pass leaves the training state as it found it: rounding seeds come from the slot ids (no
 draw from torch's RNG), dropout masks and the RNG state are restored (``fork_rng``), existing
 gradients are put back, the optimizer is never touched. Its cost is bounded by
-``calibration_examples`` (a sub-batch) and ``calibration_seconds`` (tensors left unmeasured take
-the median sensitivity of their kind). Under torch.distributed every rank runs the same passes
-and the sensitivities are averaged, so all ranks get the same plan.
+``calibration_examples`` (a sub-batch), ``calibration_slots`` (a count: the plan does not depend
+on the machine) and ``calibration_seconds`` (a time cap: it does). Tensors are measured one kind
+after another in turn, each kind's spread over depth, so a pass cut short has sampled every kind
+and layer it could; tensors left unmeasured take the median sensitivity of their kind. Under
+torch.distributed every rank runs the same passes and the sensitivities are averaged, so all
+ranks get the same plan.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import statistics
 import time
@@ -176,6 +180,7 @@ def calibrate(
     loss_fn=None,
     examples: int | None = None,
     seconds: float | None = None,
+    slots: int | None = None,
     target_bits: float | None = None,
     budget_bytes: int | None = None,
 ) -> BitPlan:
@@ -187,6 +192,7 @@ def calibrate(
     loss_fn = loss_fn or _default_loss
     examples = examples or config.calibration_examples
     seconds = seconds or config.calibration_seconds
+    slots = slots or config.calibration_slots
     target_bits = config.bits if target_bits is None else target_bits
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -230,7 +236,7 @@ def calibrate(
                     "supervised tokens"
                 )
             items = _items(handle, recorder)
-            sensitivity, measured = _measure(handle, items, run, start, seconds)
+            sensitivity, measured = _measure(handle, items, run, start, seconds, slots)
         finally:
             for p, grad in zip(params, saved_grads):
                 p.grad = grad
@@ -244,7 +250,7 @@ def _is_fewbit(handle, slot: str) -> bool:
 
 
 def _fill_unmeasured(handle, items, sensitivity: dict) -> None:
-    """Items left unmeasured within the time cap take the median of their kind's."""
+    """Items left unmeasured within the caps take the median of their kind's."""
     for slot in items:
         if slot not in sensitivity:
             kind = handle.slots[slot]
@@ -301,10 +307,35 @@ def _overridden(handle, codecs: dict):
 _ABSENT = object()
 
 
-def _measure(handle, items, run, start, seconds):
+def measuring_order(handle, items) -> list[str]:
+    """The order in which the pass measures ``items`` (leaders): one of each kind in turn,
+    each kind's in :func:`spread_order` over depth. A pass cut short then has a measured median
+    for as many kinds as it could, taken across the depth rather than from the first layer."""
+    by_kind: dict[str, list[str]] = {}
+    for leader in items:
+        by_kind.setdefault(handle.slots[leader], []).append(leader)
+    spread = [[leaders[i] for i in spread_order(len(leaders))] for leaders in by_kind.values()]
+    rounds = itertools.zip_longest(*spread)
+    return [leader for one_round in rounds for leader in one_round if leader is not None]
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 ordered so that every prefix spreads over the range: the ends, then the middle
+    of each gap, widest gaps first (5 -> 0, 4, 2, 1, 3)."""
+    order = [0, n - 1][: min(n, 2)]
+    gaps = [(0, n - 1)]
+    while gaps:
+        middles = [((lo + hi) // 2, lo, hi) for lo, hi in gaps if hi - lo > 1]
+        order += [mid for mid, _, _ in middles]
+        gaps = [gap for mid, lo, hi in middles for gap in ((lo, mid), (mid, hi))]
+    return order
+
+
+def _measure(handle, items, run, start, seconds, slots):
     """ALAM's GradNormVar, as its code runs it: each tensor at AQ 0.5 bit with two rounding
     seeds and at 8 bits, every other at its current precision (uniform 4 bits before the first
-    plan); ``alam.sensitivity`` of the three per-parameter gradient-norm vectors."""
+    plan); ``alam.sensitivity`` of the three per-parameter gradient-norm vectors. At most
+    ``slots`` items (None: all) are measured, in :func:`measuring_order`, within ``seconds``."""
     config = handle.config
 
     def codec(precision):
@@ -315,9 +346,11 @@ def _measure(handle, items, run, start, seconds):
     sensitivity: dict[str, float] = {}
     measured: list[str] = []
     with _overridden(handle, context):
-        for leader, group in items.items():
-            if _all_ranks_agree_to_stop(time.perf_counter() - start > seconds):
+        for leader in measuring_order(handle, items):
+            enough = slots is not None and len(measured) >= slots
+            if _all_ranks_agree_to_stop(enough or time.perf_counter() - start > seconds):
                 break
+            group = items[leader]
             with _overridden(handle, dict.fromkeys(group, codec("aq"))):
                 g0 = run(_seeds(1))
                 g1 = run(_seeds(1, set(group), 2))
@@ -328,7 +361,7 @@ def _measure(handle, items, run, start, seconds):
     values = _average_across_ranks([sensitivity[s] for s in measured])
     sensitivity = dict(zip(measured, values))
     _fill_unmeasured(handle, items, sensitivity)
-    return sensitivity, measured
+    return {leader: sensitivity[leader] for leader in items}, measured
 
 
 def _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start):

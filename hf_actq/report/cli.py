@@ -42,6 +42,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def slot_count(text: str) -> int | None:
+    """A positive integer, or 'all' (None)."""
+    return None if text == "all" else positive_int(text)
+
+
 def positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -102,11 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
         "each measured slot costs a backward; ALAM's own sensitivity takes 1)",
     )
     parser.add_argument(
+        "--calibration-slots",
+        type=slot_count,
+        default=4,
+        help="saved tensors an adaptive recipe's calibration measures at most, every kind in "
+        "turn and spread over depth (default 4: one of each common kind, for a memory figure "
+        "that hardly depends on which; 'all': every one). The others take the median "
+        "sensitivity of their kind, and the report says how many were measured. A count gives "
+        "the same plan on any machine",
+    )
+    parser.add_argument(
         "--calibration-seconds",
         type=positive_seconds,
-        default=30.0,
-        help="time cap of an adaptive recipe's calibration (default 30; slots left unmeasured "
-        "take the median sensitivity of their kind, and the report says how many)",
+        default=math.inf,
+        help="time cap of an adaptive recipe's calibration (default: none). A cap makes the "
+        "plan depend on the machine's speed",
     )
     parser.add_argument("--task", choices=("causal-lm", "classification", "seq2seq-lm"))
     parser.add_argument("--attn-implementation", help="e.g. eager or sdpa (default: the model's)")
@@ -184,6 +199,7 @@ def main(argv=None) -> int:
             device=device,
             attn_implementation=args.attn_implementation,
             calibration_examples=args.calibration_examples,
+            calibration_slots=args.calibration_slots,
             calibration_seconds=args.calibration_seconds,
             progress=progress,
         )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -81,7 +82,8 @@ def measure_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
     calibration_examples: int = 2,
-    calibration_seconds: float = 30.0,
+    calibration_slots: int | None = 4,
+    calibration_seconds: float = math.inf,
     progress: Callable[[str, int], None] | None = None,
 ) -> MemoryReport:
     """Measures ``config``'s architecture under each recipe; see the module docstring.
@@ -93,8 +95,9 @@ def measure_model(
     take under a quarter of the available RAM (or GPU memory).
 
     Adaptive recipes ("alam") calibrate their bit plan on ``calibration_examples`` examples of
-    the step's batch, for at most ``calibration_seconds``, before the step is measured; the plan
-    is part of the result.
+    the step's batch, measuring at most ``calibration_slots`` tensors (None: all) within
+    ``calibration_seconds``, before the step is measured; the plan is part of the result. A slot
+    count gives the same plan on any machine; a time cap does not.
     """
     if peft not in PEFT_MODES:
         raise ValueError(f"peft must be one of {', '.join(PEFT_MODES)}, got {peft!r}")
@@ -125,7 +128,7 @@ def measure_model(
     results = []
     total_steps = len(parsed) * len(measured_layers)
     setup = (batch_size, seq_len, dtype, peft, task, device, attn_implementation)
-    budget = (calibration_examples, calibration_seconds)
+    budget = (calibration_examples, calibration_slots, calibration_seconds)
     for label, actq_config in parsed:
         runs = []
         plan_from = None
@@ -221,9 +224,12 @@ def _measure_step(
             adaptive = False
         patched, kinds = len(handle.patched), dict(handle.slots)
         if adaptive:
-            examples, seconds = budget
+            examples, slots, seconds = budget
             examples = min(examples, actq_config.calibration_examples)  # ALAM's own: one
-            plan = handle.calibrate(inputs, examples=examples, seconds=seconds).to_dict()
+            caps = [n for n in (slots, actq_config.calibration_slots) if n is not None]
+            slots = min(caps, default=None)  # the report's count and the recipe's own
+            plan = handle.calibrate(inputs, examples=examples, slots=slots, seconds=seconds)
+            plan = plan.to_dict()
             plan["info"]["examples"] = min(examples, batch_size)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]

@@ -1,11 +1,12 @@
 import logging
+import statistics
 
 import pytest
 import torch
 
 import hf_actq
 from hf_actq import ActQConfig
-from hf_actq.adaptive.calibrate import list_slots
+from hf_actq.adaptive.calibrate import calibrate, list_slots, spread_order
 from hf_actq.testing import tiny_llama
 
 
@@ -43,6 +44,34 @@ def test_calibration_is_deterministic():
     assert plans[0].info["sensitivity"] == plans[1].info["sensitivity"]
 
 
+def test_spread_order_takes_every_index_once_and_each_prefix_spreads_over_the_range():
+    for n in range(40):
+        assert sorted(spread_order(n)) == list(range(n))
+    assert spread_order(9)[:3] == [0, 8, 4]
+    assert spread_order(9)[:5] == [0, 8, 4, 2, 6]
+
+
+def test_a_slot_count_measures_each_kind_once_before_any_twice_and_estimates_the_rest():
+    _, handle = _patched()  # calibrate() returns plans without installing them: one context
+    full = calibrate(handle, _batch()).info
+    kinds = {slot: handle.slots[slot] for slot in full["sensitivity"]}
+    capped = calibrate(handle, _batch(), slots=len(set(kinds.values()))).info
+    assert capped["measured"] == len(set(kinds.values()))
+    assert capped["estimated"] == len(kinds) - capped["measured"] > 0
+    # Measuring does not depend on the order or the cap: the measured tensors match the full
+    # pass, one of each kind; every other tensor takes its kind's measured value.
+    same = [s for s, v in capped["sensitivity"].items() if v == full["sensitivity"][s]]
+    assert sorted(kinds[s] for s in same) == sorted(set(kinds.values()))
+    for slot, value in capped["sensitivity"].items():
+        assert value == statistics.median(
+            capped["sensitivity"][s] for s in same if kinds[s] == kinds[slot]
+        )
+    # A count that covers every tensor is the uncapped pass, plan and all.
+    every = calibrate(handle, _batch(), slots=len(kinds))
+    assert every.info["sensitivity"] == full["sensitivity"]
+    assert every.slots == calibrate(handle, _batch()).slots
+
+
 def test_calibration_leaves_rng_optimizer_and_accumulated_gradients_untouched():
     model, handle = _patched()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -67,6 +96,10 @@ def test_adaptive_config_warns_until_calibrated_and_validates_its_options(caplog
     assert "handle.calibrate(batch)" in caplog.text
     with pytest.raises(ValueError, match="calibration_examples must be a positive integer"):
         ActQConfig(adaptive=True, calibration_examples=0)
+    with pytest.raises(ValueError, match="calibration_slots must be a positive integer"):
+        ActQConfig(adaptive=True, calibration_slots=0)
+    with pytest.raises(ValueError, match="calibration_slots must be a positive integer"):
+        ActQConfig(adaptive=True, calibration_slots=True)
     with pytest.raises(ValueError, match="recalibrate_at must be in"):
         ActQConfig(recalibrate_at=1.5)
 

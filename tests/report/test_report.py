@@ -244,7 +244,11 @@ def test_sequence_longer_than_the_positions_is_rejected():
 def test_adaptive_recipes_show_and_write_their_plan(tmp_path):
     report = measure_model(
         preset_config("tiny-llama"),
-        ["alam:bits=1", "alam:bits=1,calibration_examples=8", "alam:bits=1,adaptive=False"],
+        [
+            "alam:bits=1",
+            "alam:bits=1,calibration_examples=8,calibration_slots=2",
+            "alam:bits=1,adaptive=False",
+        ],
         batch_size=2,
         seq_len=16,
     )
@@ -255,11 +259,14 @@ def test_adaptive_recipes_show_and_write_their_plan(tmp_path):
     assert info["bytes"] <= info["budget_bytes"] and info["alam_bits"] <= 1
     assert info["counted_bytes"] > info["bytes"]
     assert info["examples"] == 1  # the report's 2, capped by ALAM's one example
-    # A recipe asking for more examples gets the report's 2 (the batch).
+    # A recipe asking for more examples gets the report's 2 (the batch); slots are capped by
+    # the report's 4, or by the recipe's own count when it is lower.
     assert more_examples.plan["info"]["examples"] == 2
+    assert info["measured"] == 4 and more_examples.plan["info"]["measured"] == 2
+    assert info["estimated"] == more_examples.plan["info"]["estimated"] - 2 > 0
     text = report.to_markdown()
     assert "Bit plan of alam:bits=1: 1 bits on average ALAM's accounting" in text
-    assert "Bit plan of alam:bits=1,calibration_examples=8: 1 bits on average ALAM's" in text
+    assert "Bit plan of alam:bits=1,calibration_examples=8,calibration_slots=2: 1 bits" in text
     assert "| attention |" in text
     paths = report.write(str(tmp_path))
     assert str(tmp_path / "plan_alam_bits1.json") in paths
