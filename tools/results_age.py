@@ -15,6 +15,8 @@ code``, ``prefix same``) against a later commit is aged from that commit: its fi
 and peak were the same there. The replay record (``replays.json`` beside the results) is not itself a result.
 Each row shows the replay's verdict; results the replay found ``retired`` (a recipe the sweep
 no longer defines) are listed apart: nothing can re-run them, and they are no claim about HEAD.
+So are records of earlier code kept on purpose (a "before" table beside an "after"): a JSON
+result whose top-level ``record`` says what it records and why, with the files beside it.
 A development check: nothing in hf_actq imports it.
 """
 
@@ -92,6 +94,19 @@ def replay_row(path: Path, repo: Path = REPO) -> dict:
     return {}
 
 
+def kept_record(path: Path) -> str:
+    """Why ``path`` is kept as a record of earlier code: the ``record`` of its JSON, or of a
+    JSON beside it (one command wrote the folder), or "" for a result that speaks for HEAD."""
+    for candidate in [path] if path.suffix == ".json" else sorted(path.parent.glob("*.json")):
+        try:
+            data = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("record"), str):
+            return data["record"]
+    return ""
+
+
 def _last_change(path: Path, repo: Path) -> str:
     return _git("log", "-1", "--format=%h", "--", str(path.relative_to(repo)), repo=repo)
 
@@ -131,6 +146,7 @@ def age(path: Path, code: str, repo: Path = REPO) -> dict:
         "code_commits_since": commits,
         "code_files_changed": len(changed.splitlines()) if changed else 0,
         "replay": replay.get("verdict", ""),
+        "record": kept_record(path),
     }
 
 
@@ -143,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [age(path, args.code) for path in results_files()]
     rows.sort(key=lambda r: (-r["code_commits_since"], r["file"]))
     retired = [r for r in rows if r["replay"] == "retired"]
-    rows_now = [r for r in rows if r["replay"] != "retired"]
+    records = [r for r in rows if r["record"] and r["replay"] != "retired"]
+    rows_now = [r for r in rows if r["replay"] != "retired" and not r["record"]]
     behind = [r for r in rows_now if r["code_commits_since"] >= args.min_commits]
     unknown = [r for r in rows_now if r["code_commits_since"] < 0]
     print(f"{len(behind)} of {len(rows_now)} results files are older than {args.code}/:\n")
@@ -161,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{len(retired)} results of recipes the sweeps retired (a record; none can re-run):"
         )
         print("\n".join(f"- {r['file']} ({r['commit']})" for r in retired))
+    if records:
+        print(f"\n{len(records)} records of earlier code, kept on purpose (in their own words):")
+        print("\n".join(f"- {r['file']} ({r['commit']}): {r['record']}" for r in records))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -54,3 +54,21 @@ def test_a_report_written_beside_a_record_takes_its_commit_only_if_committed_wit
     plan = results_age.age(tmp_path / report / "plan.json", "hf_actq", tmp_path)
     assert plan["commit_from"] == "last change of the file"
     assert plan["code_commits_since"] == 2
+
+
+def test_a_record_of_earlier_code_says_so_for_its_folder_and_other_results_do_not(tmp_path):
+    new_repo(tmp_path)
+    _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
+    before = "benchmarks/results/memory_before"
+    kept = {"record": "the norms before they shared their input", "provenance": {}}
+    files = {f"{before}/memory.json": json.dumps(kept), f"{before}/memory.md": "| x |\n"}
+    files["benchmarks/results/now.json"] = json.dumps({"provenance": {"commit": "abc1234"}})
+    _commit(tmp_path, files, "before and now")
+    _commit(tmp_path, {"hf_actq/op.py": "a = 2\n"}, "code changes")
+
+    for name in ("memory.json", "memory.md"):
+        row = results_age.age(tmp_path / before / name, "hf_actq", tmp_path)
+        assert row["record"] == "the norms before they shared their input"
+        assert row["code_commits_since"] == 1  # still dated: a record, not a current result
+    now = results_age.age(tmp_path / "benchmarks/results/now.json", "hf_actq", tmp_path)
+    assert now["record"] == ""
