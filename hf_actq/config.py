@@ -239,9 +239,7 @@ class ActQConfig:
                 "measures slots that a checkpointed layer fills only in its recompute; give "
                 "the slots a plan or fixed bits, or drop checkpoint_bits"
             )
-        if isinstance(self.calibration_examples, bool) or not (
-            isinstance(self.calibration_examples, int) and self.calibration_examples >= 1
-        ):
+        if not _is_positive_int(self.calibration_examples):
             raise ValueError(
                 f"calibration_examples must be a positive integer, got {self.calibration_examples!r}"
             )
@@ -254,11 +252,7 @@ class ActQConfig:
                 "calibration_seconds must be a positive number of seconds (math.inf: no cap), "
                 f"got {self.calibration_seconds!r}"
             )
-        if self.calibration_slots is not None and (
-            isinstance(self.calibration_slots, bool)
-            or not isinstance(self.calibration_slots, int)
-            or self.calibration_slots < 1
-        ):
+        if self.calibration_slots is not None and not _is_positive_int(self.calibration_slots):
             raise ValueError(
                 "calibration_slots must be a positive integer (None: every tensor), "
                 f"got {self.calibration_slots!r}"
@@ -381,6 +375,10 @@ class ActQConfig:
         """The codec a setting gives a codec slot (``ExactCodec`` for ``"codec": "exact"``);
         what the setting leaves out is the config's (``hf_actq.codecs.settings``)."""
         return codec_for_setting(setting, self.default_setting())
+
+
+def _is_positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def check_activation_setting(setting) -> None:

@@ -55,16 +55,20 @@ def _git(*args: str, repo: Path = REPO) -> str:
     ).stdout.strip()
 
 
-def recorded_commit(path: Path) -> str | None:
-    """The commit a JSON results file names (the leading hash of ``provenance.commit`` or
-    ``commit``; a ``+`` after it marks uncommitted changes on top), or None."""
-    if path.suffix != ".json":
-        return None
+def _json_object(path: Path) -> dict | None:
+    """``path``'s JSON object, or None (unreadable, not JSON, not an object)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(data, dict):
+    return data if isinstance(data, dict) else None
+
+
+def recorded_commit(path: Path) -> str | None:
+    """The commit a JSON results file names (the leading hash of ``provenance.commit`` or
+    ``commit``; a ``+`` after it marks uncommitted changes on top), or None."""
+    data = _json_object(path) if path.suffix == ".json" else None
+    if data is None:
         return None
     named = (data.get("provenance") or {}).get("commit") or data.get("commit")
     match = re.match(r"[0-9a-f]{7,40}", named or "")
@@ -98,12 +102,9 @@ def kept_record(path: Path) -> str:
     """Why ``path`` is kept as a record of earlier code: the ``record`` of its JSON, or of a
     JSON beside it (one command wrote the folder), or "" for a result that speaks for HEAD."""
     for candidate in [path] if path.suffix == ".json" else sorted(path.parent.glob("*.json")):
-        try:
-            data = json.loads(candidate.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("record"), str):
-            return data["record"]
+        record = (_json_object(candidate) or {}).get("record")
+        if isinstance(record, str):
+            return record
     return ""
 
 
