@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,23 +46,39 @@ def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
 
 
 def test_check_sh_runs_each_part_under_its_limit_then_the_summary(tmp_path):
-    # A stand-in interpreter records each call; the second part fails, as a part that hangs
-    # or crashes would, and the parts after it and the summary still run.
+    # A stand-in interpreter records each call and writes what a part writes (its JSON and a
+    # log); the second part fails before writing, as a part that hangs or crashes would, and the
+    # parts after it and the summary still run.
     calls = tmp_path / "calls"
     python = tmp_path / "python"
     python.write_text(
-        f'#!/usr/bin/env bash\necho "$*" >> {calls}\n[[ "$2" == kernels ]] && exit 3\nexit 0\n'
+        "#!/usr/bin/env bash\n"
+        f'echo "$*" >> {calls}\n'
+        '[[ "$2" == kernels ]] && exit 3\n'
+        '[[ "$2" == report ]] && { echo summary > "$4/summary.md"; exit 0; }\n'
+        'echo "{}" > "$4/$2.json"; echo log > "$4/$2.log"\n'
     )
     python.chmod(0o755)
-    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=str(python))
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(python))
     done = subprocess.run(
         ["bash", "benchmarks/gpu/check.sh", "--dry-run"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    out = tmp_path / "out"
-    assert calls.read_text().splitlines() == [
-        f"benchmarks/gpu/check.py {part} --out {out} --dry-run"
-        for part in ("tests", "kernels", "steps", "report")
-    ]
     assert done.stdout.splitlines() == ["check: part kernels ended with status 3"]
+    lines = calls.read_text().splitlines()
+    parts = ("tests", "kernels", "steps", "report")
+    assert [line.split()[1] for line in lines] == list(parts)
+    # Every part writes into one scratch folder, outside $OUT, removed at the end.
+    (work,) = {line.split()[3] for line in lines}
+    assert lines == [f"benchmarks/gpu/check.py {part} --out {work} --dry-run" for part in parts]
+    assert not Path(work).exists() and not Path(work).is_relative_to(out)
+    # A lent device returns at most 8 files: $OUT holds the JSON of each part that wrote one,
+    # the summary and one archive of everything.
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu-check.tar.gz", "steps.json", "summary.md", "tests.json"
+    ]  # fmt: skip
+    with tarfile.open(out / "gpu-check.tar.gz") as archive:
+        names = sorted(Path(name).name for name in archive.getnames() if name != ".")
+    assert names == ["steps.json", "steps.log", "summary.md", "tests.json", "tests.log"]
