@@ -1,9 +1,13 @@
 """The GPU check: what a lent device runs first, in at most 8 minutes on one H100 or H200.
 
-    bash benchmarks/gpu/check.sh                        # every part, results under $OUT
-    python benchmarks/gpu/check.py kernels --out DIR    # one part (tests, kernels, steps)
-    python benchmarks/gpu/check.py report --out DIR     # summary.md from the parts' JSON
-    python benchmarks/gpu/check.py all --dry-run --out DIR   # the same code on CPU, tiny shapes
+    HF_ACTQ_COMMIT=<commit> bash benchmarks/gpu/check.sh  # every part, results under $OUT
+    python benchmarks/gpu/check.py kernels --out DIR        # one part (tests, kernels, steps)
+    python benchmarks/gpu/check.py report --out DIR         # summary.md from the parts' JSON
+    python benchmarks/gpu/check.py all --dry-run --out DIR  # the same code on CPU, tiny shapes
+
+A lent device gets a copy of the working tree without its .git: ``HF_ACTQ_COMMIT`` (the output
+of ``git rev-parse --short HEAD`` here, written into the command sent) names the commit that
+every results file records.
 
 Parts, each under its own time budget (the rows finished when it runs out are kept):
 - ``tests``: the kernel, codec, few-bit and op tests with ``HF_ACTQ_TEST_DEVICE=cuda`` (every
@@ -92,8 +96,12 @@ def environment(device: torch.device) -> dict:
 def write(out: Path, part: str, rows: list, env: dict, note: str = "") -> None:
     """``<part>.json`` and ``<part>.md``, rewritten after every row (a part stopped by its budget
     keeps what it finished)."""
+    from hf_actq.report.provenance import checkout_commit
+
     out.mkdir(parents=True, exist_ok=True)
-    data = {"part": part, "environment": env, "rows": rows, "note": note}
+    # The commit, for tools/results_age.py: the device's copy has no .git (HF_ACTQ_COMMIT).
+    commit = checkout_commit(ROOT)
+    data = {"part": part, "commit": commit, "environment": env, "rows": rows, "note": note}
     (out / f"{part}.json").write_text(json.dumps(data, indent=1) + "\n")
     (out / f"{part}.md").write_text(markdown(part, data))
 
@@ -104,7 +112,7 @@ def markdown(part: str, data: dict) -> str:
         f"# GPU check: {part}",
         "",
         f"{env['device']}; driver {env.get('driver')}, CUDA {env['cuda']}, torch {env['torch']}, "
-        f"Triton {env['triton']}; {env['date']}.",
+        f"Triton {env['triton']}; {env['date']}; commit {data.get('commit')}.",
         "",
     ]
     if env.get("dry_run"):

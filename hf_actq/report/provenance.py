@@ -4,6 +4,7 @@ one home of this for the CLI's reports, the benchmarks and the recipes."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -32,7 +33,10 @@ CODE_PATHSPECS = (".", *map(_excluding, RESULTS), ":(exclude,glob)**/*.md")
 def checkout_commit(repo: Path, *paths: str) -> str | None:
     """The short commit of the git checkout at ``repo``, with ``+`` when it has uncommitted
     changes (under ``paths``, else anywhere but the results directories and Markdown); None without git or
-    a checkout."""
+    a checkout. A copy of the tree without its ``.git`` (what a lent GPU gets) names its commit
+    in ``HF_ACTQ_COMMIT``, set by whoever sends the copy."""
+    if not (Path(repo) / ".git").exists():
+        return os.environ.get("HF_ACTQ_COMMIT") or None
     paths = paths or CODE_PATHSPECS
     try:
         head, dirty = (
@@ -55,8 +59,9 @@ def provenance(argv=None) -> dict:
         hf_actq_version = version("hf_actq")
     except PackageNotFoundError:  # run from a source tree that is not installed
         hf_actq_version = None
-    # An installed copy's parent directory may lie inside some other checkout: ours has .git.
-    commit = checkout_commit(SOURCE, "hf_actq") if (SOURCE / ".git").exists() else None
+    # An installed copy's parent directory may lie inside some other checkout: ours has .git
+    # (checkout_commit looks for it).
+    commit = checkout_commit(SOURCE, "hf_actq")
     words = sys.argv[1:] if argv is None else list(argv)
     import torch  # here, not at the top: tools/results_age.py loads this file without torch
 

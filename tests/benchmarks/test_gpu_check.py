@@ -27,6 +27,7 @@ def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
     for data in parts.values():
         env_info = data["environment"]
         assert env_info["dry_run"] and env_info["torch"] and env_info["triton"]
+        assert data["commit"]  # this checkout's, for tools/results_age.py
     (tests,) = parts["tests"]["rows"]
     assert (tests["passed"], tests["failed"], tests["exit status"]) == (1, 0, 0)
     kernels = parts["kernels"]["rows"]

@@ -31,3 +31,14 @@ def test_a_written_results_file_does_not_mark_the_checkout_as_changed(tmp_path):
     assert checkout_commit(tmp_path) == clean + "+"
     assert checkout_commit(tmp_path, "benchmarks") == clean + "+"  # paths given: only those
     assert checkout_commit(tmp_path, "recipes/glue/results/rte") == clean + "+"
+
+
+def test_a_copy_without_git_names_the_commit_it_is_given(tmp_path, monkeypatch):
+    # A lent GPU gets the working tree without .git: the sender names the commit.
+    (tmp_path / "hf_actq").mkdir()
+    monkeypatch.delenv("HF_ACTQ_COMMIT", raising=False)
+    assert checkout_commit(tmp_path) is None
+    monkeypatch.setenv("HF_ACTQ_COMMIT", "e2a0486")
+    assert checkout_commit(tmp_path) == "e2a0486"
+    _git(tmp_path, "init", "-q")  # a checkout: git says, not the variable
+    assert checkout_commit(tmp_path) is None  # no commit yet
