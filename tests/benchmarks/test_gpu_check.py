@@ -83,3 +83,26 @@ def test_check_sh_runs_each_part_under_its_limit_then_the_summary(tmp_path):
     with tarfile.open(out / "gpu-check.tar.gz") as archive:
         names = sorted(Path(name).name for name in archive.getnames() if name != ".")
     assert names == ["steps.json", "steps.log", "summary.md", "tests.json", "tests.log"]
+
+
+def test_the_summary_names_a_kernel_that_fell_back_and_does_not_count_it_identical(tmp_path):
+    # What a GPU run where one kernel failed to compile writes: the twin ran in its place, so
+    # its comparison (twin against twin) proves nothing.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks/gpu/check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    row = {"max |kernel - twin|": 0.0, "ratio": 1.0, "goal": None, "met": None}
+    rows = [
+        dict(row, kernel="few-bit gelu", dtype="fp32", **{"kernels fallen back by then": ""}),
+        dict(row, kernel="uniform 4-bit", dtype="fp32",
+             **{"kernels fallen back by then": "aq_quantize"}),
+    ]  # fmt: skip
+    env = {"device": "H200", "cuda": "13.0", "torch": "2.11", "triton": "3.6", "date": "today"}
+    data = {"part": "kernels", "commit": "abc1234", "environment": env, "rows": rows, "note": ""}
+    data["kernels that fell back"] = {"aq_quantize": "CompilationError: no"}
+    (tmp_path / "kernels.json").write_text(json.dumps(data))
+    summary = check.report(tmp_path)
+    assert "- kernel aq_quantize failed, its twin ran instead: CompilationError: no" in summary
+    assert "- kernels bit-identical with their twins: 1 of 2" in summary

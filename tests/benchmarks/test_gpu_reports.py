@@ -1,0 +1,92 @@
+"""benchmarks/gpu/reports.sh: the memory reports a lent GPU re-runs. Its commands must still
+parse, name the committed results they replace, and run in order while the budget lasts."""
+
+import os
+import shlex
+import subprocess
+import tarfile
+from pathlib import Path
+
+from hf_actq.report.cli import build_parser
+from hf_actq.report.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _reports() -> list[str]:
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu/reports.sh", "--list"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return done.stdout.splitlines()
+
+
+def _output(report: str) -> str:
+    words = shlex.split(report)
+    return words[words.index("--output") + 1]
+
+
+def test_every_report_parses_and_replaces_a_committed_result():
+    reports = _reports()
+    assert len(reports) == 5
+    for report in reports:
+        words = shlex.split(report)
+        assert (ROOT / _output(report)).exists(), report
+        if words[:3] == ["-m", "hf_actq", "memory"]:
+            args = build_parser().parse_args(words[3:])
+            assert args.model in PRESETS and args.dtype is None, report  # the preset's bf16
+        else:
+            assert words[0] == "benchmarks/bench_memory.py" and (ROOT / words[0]).exists()
+
+
+def test_reports_run_in_order_while_the_budget_lasts_and_come_back_in_one_archive(tmp_path):
+    # A stand-in interpreter records each call and fails the second report; the others
+    # finish, and their results (here the committed ones) and every log are archived.
+    calls = tmp_path / "calls"
+    python = tmp_path / "python"
+    python.write_text(
+        f'#!/usr/bin/env bash\necho "$*" >> {calls}\necho "ran $*"\n'
+        '[[ "$*" == *checkpoint* ]] && exit 4\nexit 0\n'
+    )
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(python), BUDGET="600")
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu/reports.sh"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    reports = _reports()
+    assert calls.read_text().splitlines() == reports
+    outputs = [_output(r) for r in reports]
+    failed = outputs[1]
+    assert done.stdout.splitlines() == [
+        f"reports: {o} done" if o != failed else f"reports: {o} ended with status 4 (log in the archive)"
+        for o in outputs
+    ]  # fmt: skip
+    assert [p.name for p in out.iterdir()] == ["reports.tar.gz"]
+    with tarfile.open(out / "reports.tar.gz") as archive:
+        names = archive.getnames()
+        logs = sorted(n for n in names if n.startswith("reports-logs/"))
+        log = archive.extractfile("reports-logs/memory_llama2_7b_lora_alam1.log").read().decode()
+    for output in outputs:
+        assert (output in names) == (output != failed), output
+    assert len(logs) == len(reports) and log == f"ran {reports[0]}\n"
+
+
+def test_reports_past_the_budget_are_not_started(tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/usr/bin/env bash\nexit 0\n")
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(python), BUDGET="10")
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu/reports.sh"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"reports: no time left for {_output(r)}" for r in _reports()
+    ]
+    with tarfile.open(out / "reports.tar.gz") as archive:
+        assert archive.getnames() == ["reports-logs"]  # nothing ran: no result, no log
