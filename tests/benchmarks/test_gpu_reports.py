@@ -26,6 +26,21 @@ def _output(report: str) -> str:
     return words[words.index("--output") + 1]
 
 
+def _run_reports(tmp_path, stand_in: str, budget: int):
+    """reports.sh with ``stand_in`` (bash) as its Python; its output and $OUT."""
+    python = tmp_path / "python"
+    python.write_text("#!/usr/bin/env bash\n" + stand_in)
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=str(python), BUDGET=str(budget))
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu/reports.sh"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done, out
+
+
 def test_every_report_parses_and_replaces_a_committed_result():
     reports = _reports()
     assert len(reports) == 5
@@ -43,19 +58,8 @@ def test_reports_run_in_order_while_the_budget_lasts_and_come_back_in_one_archiv
     # A stand-in interpreter records each call and fails the second report; the others
     # finish, and their results (here the committed ones) and every log are archived.
     calls = tmp_path / "calls"
-    python = tmp_path / "python"
-    python.write_text(
-        f'#!/usr/bin/env bash\necho "$*" >> {calls}\necho "ran $*"\n'
-        '[[ "$*" == *checkpoint* ]] && exit 4\nexit 0\n'
-    )
-    python.chmod(0o755)
-    out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=str(python), BUDGET="600")
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu/reports.sh"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    stand_in = f'echo "$*" >> {calls}\necho "ran $*"\n[[ "$*" == *checkpoint* ]] && exit 4\n'
+    done, out = _run_reports(tmp_path, stand_in + "exit 0\n", budget=600)
     reports = _reports()
     assert calls.read_text().splitlines() == reports
     outputs = [_output(r) for r in reports]
@@ -75,16 +79,7 @@ def test_reports_run_in_order_while_the_budget_lasts_and_come_back_in_one_archiv
 
 
 def test_reports_past_the_budget_are_not_started(tmp_path):
-    python = tmp_path / "python"
-    python.write_text("#!/usr/bin/env bash\nexit 0\n")
-    python.chmod(0o755)
-    out = tmp_path / "out"
-    env = dict(os.environ, OUT=str(out), PYTHON=str(python), BUDGET="10")
-    done = subprocess.run(
-        ["bash", "benchmarks/gpu/reports.sh"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done, out = _run_reports(tmp_path, "exit 0\n", budget=10)
     assert done.stdout.splitlines() == [
         f"reports: no time left for {_output(r)}" for r in _reports()
     ]
