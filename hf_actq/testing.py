@@ -12,6 +12,8 @@ import from ``tests/``.
   a recipe's gradient against the exact one.
 - ``replicate_with_distinct_weights`` (``nn.DataParallel`` on CPU) and ``free_port`` (for
   ``accelerate launch``).
+- ``stock_checkpointing`` and ``checkpointing_argument``: transformers' own activation
+  checkpointing, under its name in the installed version.
 """
 
 import functools
@@ -93,6 +95,27 @@ def tiny_bert(**overrides):
     )
     torch.manual_seed(0)
     return BertForSequenceClassification(BertConfig(**{**settings, **overrides}))
+
+
+def stock_checkpointing(model, on: bool = True) -> None:
+    """Transformers' own activation checkpointing on (or off): ``activation_checkpointing_enable``
+    since transformers 5.23, ``gradient_checkpointing_enable`` before."""
+    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{prefix}_checkpointing_{'enable' if on else 'disable'}")()
+
+
+def checkpointing_argument() -> str:
+    """``TrainingArguments``' switch for it, renamed by the same release."""
+    import inspect
+
+    from transformers import TrainingArguments
+
+    parameters = inspect.signature(TrainingArguments.__init__).parameters
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in parameters
+        else ("gradient_checkpointing")
+    )
 
 
 def free_port() -> int:

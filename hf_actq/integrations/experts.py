@@ -71,8 +71,8 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
 
 def _is_experts(module) -> bool:
     """An experts module of transformers' ``use_experts_implementation`` (whose ``__init__``
-    sets these flags)."""
-    return all(hasattr(module, n) for n in ("has_gate", "is_transposed", "_is_expert_parallel"))
+    sets these flags; 5.17 does not set the newer ``_is_expert_parallel``)."""
+    return all(hasattr(module, n) for n in ("has_gate", "is_transposed", "is_concatenated"))
 
 
 def _describe(state: OpState) -> str:

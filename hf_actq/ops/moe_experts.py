@@ -196,7 +196,8 @@ def _fallback(module, state):
 def supports_experts(module) -> bool:
     """Whether ``module`` is a transformers experts module of the layout this op computes:
     concatenated [gate; up] 3-D weights, not transposed, no biases, the default gating, no
-    post-expert norm, no expert parallelism."""
+    post-expert norm, no expert parallelism. Older transformers (5.17) has neither of the last two,
+    nor the flags that say so: a flag that is absent means the feature is."""
     from transformers.integrations.moe import _default_apply_gate
 
     def is_3d(name):
@@ -210,8 +211,8 @@ def supports_experts(module) -> bool:
         and getattr(module, "is_concatenated", False)
         and not getattr(module, "is_transposed", True)
         and not getattr(module, "has_bias", True)
-        and not getattr(module, "has_post_expert_norm", True)
-        and not getattr(module, "_is_expert_parallel", True)
+        and not getattr(module, "has_post_expert_norm", False)
+        and not getattr(module, "_is_expert_parallel", False)
         and getattr(type(module), "_apply_gate", None) is _default_apply_gate
     )
 

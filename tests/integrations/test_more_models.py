@@ -194,6 +194,26 @@ def test_moe_experts_run_the_compressed_op_and_revert(name):
     assert all(e.config._experts_implementation == "grouped_mm" for e in experts)
 
 
+def test_experts_of_transformers_without_the_newer_flags_are_compressed_too():
+    # Transformers 5.17 sets neither ``_is_expert_parallel`` nor ``has_post_expert_norm`` (it
+    # has neither feature): its experts were skipped without a word until these counted as off.
+    model, _ = more_model("mixtral")
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    for module in experts:
+        for flag in ("_is_expert_parallel", "has_post_expert_norm"):
+            module.__dict__.pop(flag, None)
+            assert not hasattr(module, flag)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    described = [d for p, d in handle.patched.items() if p.endswith(".mlp.experts")]
+    assert len(described) == 2 and all(d.startswith("moe_experts") for d in described)
+    # A flag that says a feature is on still keeps the experts as they are.
+    handle.revert()
+    experts[0]._is_expert_parallel = True
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    assert len([p for p in handle.patched if p.endswith(".mlp.experts")]) == 1
+    assert "another layout" in handle.skipped["model.layers.0.mlp.experts"]
+
+
 def test_lora_on_the_expert_weights_trains_through_the_compressed_experts():
     # PEFT's target_parameters wraps the experts' 3-D weights (base + low-rank delta): the op
     # takes the effective weights as inputs, so the adapters get their gradients through it.

@@ -15,7 +15,13 @@ import hf_actq
 from hf_actq import ActQCallback, ActQConfig, SavedTensorMeter
 from hf_actq.integrations.checkpointing import checkpointed_layers
 from hf_actq.ops.packed_checkpoint import packed_checkpoint
-from hf_actq.testing import more_model, tiny_llama, tiny_model
+from hf_actq.testing import (
+    checkpointing_argument,
+    more_model,
+    stock_checkpointing,
+    tiny_llama,
+    tiny_model,
+)
 
 
 def _step(model, batch):
@@ -49,9 +55,9 @@ def test_checkpoint_recipe_keeps_the_loss_and_close_gradients_in_fewer_bytes(mod
     model = tiny_model(model_type)
     batch = _longer_batch(model_type)
     loss, grads, nbytes = _step(model, batch)
-    model.activation_checkpointing_enable()
+    stock_checkpointing(model)
     _, stock_grads, stock_bytes = _step(model, batch)
-    model.activation_checkpointing_disable()
+    stock_checkpointing(model, on=False)
 
     handle = hf_actq.apply(model, ActQConfig.from_recipe("checkpoint", bits=8))
     layers = checkpointed_layers(model)
@@ -88,7 +94,7 @@ def test_compress_checkpointed_also_patches_inside_the_layers_and_revert_keeps_s
     model = tiny_model(model_type)
     batch = _longer_batch(model_type)
     _, exact, _ = _step(model, batch)
-    model.activation_checkpointing_enable()
+    stock_checkpointing(model)
     layer = next(iter(checkpointed_layers(model).values()))
     stock_func = layer._gradient_checkpointing_func
     handle = hf_actq.apply(model, ActQConfig(bits=8, activations=False, checkpoint_bits=8))
@@ -139,7 +145,7 @@ def test_trainer_turning_checkpointing_on_again_keeps_the_packed_function(tmp_pa
     callback = ActQCallback(ActQConfig.from_recipe("checkpoint"))
     trainer = Trainer(
         model=_bert(dropout=0.1),
-        args=_args(tmp_path, activation_checkpointing=True),
+        args=_args(tmp_path, **{checkpointing_argument(): True}),
         train_dataset=Toy(False),
         callbacks=[callback],
     )

@@ -12,6 +12,7 @@ from transformers import (
 from transformers.trainer_utils import SaveStrategy
 
 from hf_actq import ActQCallback, SavedTensorMeter
+from hf_actq.testing import checkpointing_argument
 from hf_actq.testing import tiny_llama as _llama
 
 
@@ -97,7 +98,7 @@ def test_trainer_with_callback_tracks_the_unpatched_loss_on_a_tiny_bert(tmp_path
 
 
 def test_trainer_tiny_llama_with_gradient_checkpointing_and_accumulation(tmp_path):
-    extra = dict(activation_checkpointing=True, gradient_accumulation_steps=2)
+    extra = {checkpointing_argument(): True, "gradient_accumulation_steps": 2}
     unpatched, _ = _trained_losses(tmp_path, _llama, causal=True, **extra)
     callback = ActQCallback(bits=4)
     patched, _ = _trained_losses(tmp_path, _llama, causal=True, callback=callback, **extra)
@@ -137,7 +138,7 @@ def test_callback_memory_logging_with_accumulation_and_checkpointing(tmp_path):
     for checkpointing in (False, True):
         callback = ActQCallback(bits=4)
         args = _args(
-            tmp_path, activation_checkpointing=checkpointing, gradient_accumulation_steps=2
+            tmp_path, **{checkpointing_argument(): checkpointing}, gradient_accumulation_steps=2
         )
         Trainer(model=_llama(), args=args, train_dataset=Toy(True), callbacks=[callback]).train()
         history = callback.memory_history
