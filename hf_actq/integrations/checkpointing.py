@@ -142,7 +142,7 @@ def install(layers: dict[str, nn.Module], config) -> None:
         if traced is not None and traced.draws_random_numbers:
             random.append(path)
         layer._gradient_checkpointing_func = functools.partial(
-            packed_checkpoint, codec=codec, reparametrized=traced
+            packed_checkpoint, codec=codec, reparametrized=traced, layer=layer
         )
     if random:
         logger.info(

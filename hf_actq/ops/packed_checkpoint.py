@@ -300,11 +300,17 @@ def _record_outputs(call: _Call, out) -> tuple[torch.Tensor, ...]:
 
 
 def packed_checkpoint(
-    function, *args, codec: Codec, reparametrized: Reparametrized | None = None, **kwargs
+    function,
+    *args,
+    codec: Codec,
+    reparametrized: Reparametrized | None = None,
+    layer: torch.nn.Module | None = None,
+    **kwargs,
 ):
     """Run ``function(*args, **kwargs)`` keeping only its first positional argument, packed by
     ``codec``, and recompute it in backward (the ``_gradient_checkpointing_func`` of a
-    ``GradientCheckpointingLayer``). Under ``no_grad`` it just calls ``function``."""
+    ``GradientCheckpointingLayer``, given as ``layer`` when installed). Under ``no_grad`` it
+    just calls ``function``."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     func, bound_args, bound_kwargs = function, (), {}
@@ -321,9 +327,14 @@ def packed_checkpoint(
         packed_index = tensor_index.index(first)
     tensors = [leaves[i] for i in tensor_index]
     inputs_need_grad = any(t.requires_grad for t in tensors)
-    # The layer: transformers binds it as the first argument, other callers as a bound method.
-    owners = (*bound_args, getattr(func, "__self__", None))
-    modules = [a for a in owners if isinstance(a, torch.nn.Module)]
+    if layer is not None:
+        modules = [layer]
+    else:
+        # Transformers binds the layer as the first argument (before 5.23: a bound method of
+        # super(), whose __self__ torch.compile cannot read without a graph break; hence
+        # ``layer``), other callers as a bound method.
+        owners = (*bound_args, getattr(func, "__self__", None))
+        modules = [a for a in owners if isinstance(a, torch.nn.Module)]
     frozen = modules and not any(p.requires_grad for m in modules for p in m.parameters())
     if frozen and not inputs_need_grad:
         return function(*args, **kwargs)  # nothing to keep or recompute
