@@ -538,12 +538,12 @@ def report(out: Path) -> str:
     }
     lines = ["# GPU check summary", ""]
     goals = []
-    fallen = {k: v for data in parts.values() for k, v in data["kernels that fell back"].items()}
+    fallen = {k: v for d in parts.values() for k, v in d.get("kernels that fell back", {}).items()}
     goals += [f"kernel {name} failed, its twin ran instead: {why}" for name, why in fallen.items()]
     if "kernels" in parts:
         rows = parts["kernels"]["rows"]
         identical = [
-            r for r in rows if r["max |kernel - twin|"] == 0 and not r["kernels fallen back by then"]
+            r for r in rows if r["max |kernel - twin|"] == 0 and not r.get("kernels fallen back by then")
         ]  # fmt: skip
         goals.append(f"kernels bit-identical with their twins: {len(identical)} of {len(rows)}")
         goals += [
