@@ -111,11 +111,8 @@ def checkpointing_argument() -> str:
     from transformers import TrainingArguments
 
     parameters = inspect.signature(TrainingArguments.__init__).parameters
-    return (
-        "activation_checkpointing"
-        if "activation_checkpointing" in parameters
-        else ("gradient_checkpointing")
-    )
+    prefix = "activation" if "activation_checkpointing" in parameters else "gradient"
+    return f"{prefix}_checkpointing"
 
 
 def free_port() -> int:

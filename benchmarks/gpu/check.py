@@ -93,16 +93,22 @@ def environment(device: torch.device) -> dict:
     return info
 
 
+@functools.cache
+def _commit() -> str | None:
+    """The commit, for tools/results_age.py (the device's copy has no .git: HF_ACTQ_COMMIT);
+    read once, not at every row's write."""
+    from hf_actq.report.provenance import checkout_commit
+
+    return checkout_commit(ROOT)
+
+
 def write(out: Path, part: str, rows: list, env: dict, note: str = "") -> None:
     """``<part>.json`` and ``<part>.md``, rewritten after every row (a part stopped by its budget
     keeps what it finished)."""
     from hf_actq.kernels.registry import FAILED
-    from hf_actq.report.provenance import checkout_commit
 
     out.mkdir(parents=True, exist_ok=True)
-    # The commit, for tools/results_age.py: the device's copy has no .git (HF_ACTQ_COMMIT).
-    commit = checkout_commit(ROOT)
-    data = {"part": part, "commit": commit, "environment": env, "rows": rows, "note": note}
+    data = {"part": part, "commit": _commit(), "environment": env, "rows": rows, "note": note}
     # Kernels that failed in this process and ran their twins instead: a timing or comparison
     # after the failure measured the twin.
     data["kernels that fell back"] = dict(FAILED)
