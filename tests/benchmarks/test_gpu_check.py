@@ -9,10 +9,13 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
+    pytest.importorskip("triton")  # its kernels part runs them under the interpreter
     # Every part and the summary in one process (``all``): what check.sh runs part by part,
     # without three more start-ups of torch and transformers; check.sh's loop is tested below.
     done = subprocess.run(
