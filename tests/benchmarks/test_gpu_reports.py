@@ -1,11 +1,15 @@
 """benchmarks/gpu/reports.sh: the memory reports a lent GPU re-runs. Its commands must still
 parse, name the committed results they replace, and run in order while the budget lasts."""
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
+
+import torch
 
 from hf_actq.report.cli import build_parser
 from hf_actq.report.presets import PRESETS
@@ -41,15 +45,24 @@ def _run_reports(tmp_path, stand_in: str, budget: int):
     return done, out
 
 
+# The config folder reports.sh writes (benchmarks/gpu/report_configs.py) for the one report that
+# names a folder, not a preset.
+CONFIG_FOLDERS = ("gemma3-1b-v32k",)
+CONFIGS_CALL = "benchmarks/gpu/report_configs.py --out ."
+
+
 def test_every_report_parses_and_replaces_a_committed_result():
     reports = _reports()
-    assert len(reports) == 5
+    assert len(reports) == 6
     for report in reports:
         words = shlex.split(report)
         assert (ROOT / _output(report)).exists(), report
         if words[:3] == ["-m", "hf_actq", "memory"]:
             args = build_parser().parse_args(words[3:])
-            assert args.model in PRESETS and args.dtype is None, report  # the preset's bf16
+            if args.model in CONFIG_FOLDERS:
+                assert args.dtype == "bf16", report
+            else:
+                assert args.model in PRESETS and args.dtype is None, report  # the preset's bf16
         else:
             assert words[0] == "benchmarks/bench_memory.py" and (ROOT / words[0]).exists()
 
@@ -61,7 +74,7 @@ def test_reports_run_in_order_while_the_budget_lasts_and_come_back_in_one_archiv
     stand_in = f'echo "$*" >> {calls}\necho "ran $*"\n[[ "$*" == *checkpoint* ]] && exit 4\n'
     done, out = _run_reports(tmp_path, stand_in + "exit 0\n", budget=600)
     reports = _reports()
-    assert calls.read_text().splitlines() == reports
+    assert calls.read_text().splitlines() == [CONFIGS_CALL, *reports]
     outputs = [_output(r) for r in reports]
     failed = outputs[1]
     assert done.stdout.splitlines() == [
@@ -75,7 +88,8 @@ def test_reports_run_in_order_while_the_budget_lasts_and_come_back_in_one_archiv
         log = archive.extractfile("reports-logs/memory_llama2_7b_lora_alam1.log").read().decode()
     for output in outputs:
         assert (output in names) == (output != failed), output
-    assert len(logs) == len(reports) and log == f"ran {reports[0]}\n"
+    assert len(logs) == len(reports) + 1 and log == f"ran {reports[0]}\n"
+    assert "reports-logs/report_configs.log" in logs
 
 
 def test_reports_past_the_budget_are_not_started(tmp_path):
@@ -85,3 +99,27 @@ def test_reports_past_the_budget_are_not_started(tmp_path):
     ]
     with tarfile.open(out / "reports.tar.gz") as archive:
         assert archive.getnames() == ["reports-logs"]  # nothing ran: no result, no log
+
+
+def test_the_config_folder_builds_the_model_the_committed_report_measured(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    subprocess.run(
+        [sys.executable, *CONFIGS_CALL.replace("--out .", f"--out {tmp_path}").split()],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, timeout=120,
+        check=True,
+    )  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == list(CONFIG_FOLDERS)
+    committed = json.loads(
+        (ROOT / "benchmarks/results/memory_gemma3_1b_v32k_all_layers/memory.json").read_text()
+    )
+    config = AutoConfig.from_pretrained(tmp_path / "gemma3-1b-v32k")
+    assert (config.model_type, config.num_hidden_layers, config.vocab_size) == (
+        committed["model_type"], committed["num_layers"], 32768,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    # Every weight trains in bf16: the committed baseline's gradients are 2 bytes a parameter.
+    (baseline,) = [r for r in committed["results"] if r["label"] == "baseline"]
+    params = sum(p.numel() for p in model.parameters())
+    assert 2 * params == baseline["measurement"]["grad_bytes"]

@@ -1,0 +1,36 @@
+"""Writes the config folders that memory reports name in place of a preset, so that a lent
+device (which gets no folder but the working tree) can re-run them: ``gemma3-1b-v32k``, Gemma 3
+1B's shapes with a 32,768-token vocabulary (docs/memory.md, "Gemma").
+
+    python benchmarks/gpu/report_configs.py --out .
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hf_actq.report.presets import preset_config
+
+
+def gemma3_1b_v32k():
+    # The 262k-token head of the preset only adds compute to what the report compares.
+    config = preset_config("gemma3-1b")
+    config.vocab_size = 32768
+    return config
+
+
+CONFIGS = {"gemma3-1b-v32k": gemma3_1b_v32k}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".", help="where the folders go (default: here)")
+    args = parser.parse_args(argv)
+    for name, make in CONFIGS.items():
+        make().save_pretrained(Path(args.out) / name)
+        print(f"wrote {Path(args.out) / name}")
+
+
+if __name__ == "__main__":
+    main()
