@@ -89,16 +89,24 @@ def script_in_repo(command: list[str]) -> str:
 
 
 def replay_command(
-    command: list[str], worktree: Path, output_dir: Path, overrides: list[str]
+    command: list[str], worktree: Path, output_dir: Path, overrides: list[str], repo: Path = REPO
 ) -> list[str]:
     """The recorded command, run from ``worktree`` with ``overrides`` (the sweep's arguments
-    now, how many steps) after the record's: later flags win in HfArgumentParser."""
+    now, how many steps) after the record's: later flags win in HfArgumentParser. A path under
+    the checkout the record ran in (a pretrained model under its ``runs/``) is read from
+    ``repo``: that checkout may have been a scratch clone, gone since."""
     script = script_in_repo(command)
     at = command.index(next(w for w in command if w.endswith(script)))
+    recorded_root = command[at][: -len(script)]  # "/old/checkout/" or "" for a relative script
     return [
         sys.executable,
         str(worktree / script),
-        *command[at + 1 :],
+        *(
+            str(repo / word[len(recorded_root) :])
+            if recorded_root.startswith("/") and word.startswith(recorded_root)
+            else word
+            for word in command[at + 1 :]
+        ),
         *overrides,
         *("--output_dir", str(output_dir), "--max_eval_samples", "32"),
         *("--save_strategy", "no", "--report_to", "none"),
@@ -271,6 +279,18 @@ def first_logged_steps(result, argv, present, threads, worktrees, scratch) -> di
     return {**row, "verdict": "prefix same" if same else "prefix memory changed"}
 
 
+def is_current(path: Path, row: dict, head: str, prefix: bool, repo: Path = REPO) -> bool:
+    """Whether ``row``, the record of ``path``'s last replay, still holds at ``head``: the same
+    file, replayed at a commit whose code is ``head``'s. A replay that failed tells nothing
+    about the result (a path that moved, a run that was killed): it is tried again."""
+    if row.get("content") != content_key(path) or row.get("verdict") == "failed":
+        return False
+    if row.get("verdict") in ("no commit", "commit missing"):
+        return not prefix
+    paths = code_paths(script_in_repo(shlex.split(json.loads(path.read_text())["command"])))
+    return "head" in row and code_digest(row["head"], paths, repo) == code_digest(head, paths, repo)
+
+
 def results_with_commands(targets: list[Path]) -> list[Path]:
     files = []
     for target in targets:
@@ -312,16 +332,9 @@ def main(argv: list[str] | None = None) -> int:
         path = path.resolve()
         return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
-    def current(path: Path) -> bool:
-        row = record.get(key(path), {})
-        if row.get("content") != content_key(path):
-            return False
-        if row.get("verdict") in ("no commit", "commit missing"):
-            return not args.prefix
-        paths = code_paths(script_in_repo(shlex.split(json.loads(path.read_text())["command"])))
-        return "head" in row and code_digest(row["head"], paths) == code_digest(head, paths)
-
-    todo = [path for path in files if not current(path)]
+    todo = [
+        path for path in files if not is_current(path, record.get(key(path), {}), head, args.prefix)
+    ]
     print(f"{len(files)} results with a command; {len(todo)} to replay at HEAD {head}", flush=True)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="hf_actq_replay_"))
     workdir.mkdir(parents=True, exist_ok=True)

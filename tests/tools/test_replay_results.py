@@ -98,6 +98,13 @@ def test_each_verdict_and_the_age_it_gives(tmp_path):
     _commit(repo, {"hf_actq/__init__.py": "raise ImportError('broken')\n"})
     row = _verdict(repo, result, tmp_path)
     assert row["verdict"] == "failed" and "broken" in row["now"]["error"]
+    # A failure tells nothing about the result: the next replay at this commit tries again,
+    # where a verdict at this commit stands.
+    row = {**row, "content": replay_results.content_key(result)}
+    assert not replay_results.is_current(result, row, row["head"], False, repo)
+    assert replay_results.is_current(
+        result, {**row, "verdict": "changed"}, row["head"], False, repo
+    )
 
 
 def test_a_sweep_result_is_replayed_as_the_sweep_runs_its_recipe_now(tmp_path):
@@ -161,3 +168,20 @@ def test_the_replay_command_runs_the_worktree_script_with_the_overrides_last():
         argv.index("--max_steps", 5) > argv.index("9")
         and argv[argv.index("2") - 1] == "--max_steps"
     )
+
+
+def test_paths_under_the_recorded_checkout_are_read_from_this_one():
+    # A result made in a scratch clone names that clone's pretrained model; the clone is gone.
+    recorded = (
+        "/venv/bin/python /scratch/clone/recipes/llama_lora/run.py --model_name_or_path "
+        "/scratch/clone/runs/pretrain/model --data_path /shared/alpaca.json --seed 0"
+    )
+    argv = replay_results.replay_command(
+        recorded.split(), Path("/wt"), Path("/out"), [], repo=Path("/here")
+    )
+    assert argv[1:7] == [
+        "/wt/recipes/llama_lora/run.py",
+        "--model_name_or_path", "/here/runs/pretrain/model",
+        "--data_path", "/shared/alpaca.json",  # outside the checkout: as recorded
+        "--seed",
+    ]  # fmt: skip
