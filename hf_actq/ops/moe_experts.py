@@ -197,7 +197,7 @@ def supports_experts(module) -> bool:
     """Whether ``module`` is a transformers experts module of the layout this op computes:
     concatenated [gate; up] 3-D weights, not transposed, no biases, the default gating, no
     post-expert norm, no expert parallelism. Older transformers (5.17) has neither of the last two,
-    nor the flags that say so: a flag that is absent means the feature is."""
+    nor the flags that say so: an absent flag means an absent feature."""
     from transformers.integrations.moe import _default_apply_gate
 
     def is_3d(name):
