@@ -7,8 +7,11 @@ the commit it was made at is its own record's (``provenance.commit`` or ``commit
 benchmarks and recipes write it); else, for a file committed together with a JSON record beside it
 (``hf-actq memory --output`` writes memory.md and plan files next to memory.json), that record's
 commit; else the commit that last changed the file. A result is older
-than the code when the package (``--code``) has changed since that commit; the list gives how
-many commits and files changed, oldest first, and says which files name no commit.
+than the code when the package (``--code``) has changed what it does since that commit; the list
+gives how many commits and files changed it, oldest first, and says which files name no commit.
+A change to a Python file's docstrings, comments or layout alone changes nothing a result
+measured: the file's syntax tree without its docstrings is the same, so that commit is not
+counted (``--any-change`` counts it).
 
 A recipe result that ``tools/replay_results.py`` replayed with the verdict ``same`` (or ``same
 code``, ``prefix same``) against a later commit is aged from that commit: its first steps, bytes
@@ -23,12 +26,14 @@ A development check: nothing in hf_actq imports it.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib.util
 import json
 import re
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,7 +129,61 @@ def sibling_commit(path: Path, repo: Path = REPO) -> str | None:
     return None
 
 
-def age(path: Path, code: str, repo: Path = REPO) -> dict:
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return tree
+
+
+def meaning(name: str, text: str | None) -> str | None:
+    """What the file ``name`` with contents ``text`` does: for Python, its syntax tree without
+    docstrings (comments and layout are not in a syntax tree); else the text itself. None for
+    a file that is absent."""
+    if text is None or not name.endswith(".py"):
+        return text
+    try:
+        return ast.dump(_without_docstrings(ast.parse(text)))
+    except SyntaxError:
+        return text
+
+
+@cache
+def _file_at(commit: str, name: str, repo: Path) -> str | None:
+    try:
+        return _git("show", f"{commit}:{name}", repo=repo)
+    except subprocess.CalledProcessError:  # absent at that commit, or no such commit
+        return None
+
+
+@cache
+def _changes_meaning(before: str, after: str, name: str, repo: Path) -> bool:
+    return meaning(name, _file_at(before, name, repo)) != meaning(name, _file_at(after, name, repo))
+
+
+@cache
+def _commit_changes_meaning(commit: str, code: str, repo: Path) -> bool:
+    names = _git("show", "--format=", "--name-only", commit, "--", code, repo=repo).splitlines()
+    return any(_changes_meaning(f"{commit}^", commit, name, repo) for name in names)
+
+
+def code_changes(since: str, code: str, repo: Path = REPO, any_change: bool = False):
+    """The commits after ``since`` that changed what ``code`` does, and the files of ``code``
+    that do something else at HEAD than at ``since``. With ``any_change``, every commit and
+    file that git says changed. Raises CalledProcessError for a commit this clone lacks."""
+    commits = _git("rev-list", f"{since}..HEAD", "--", code, repo=repo).split()
+    files = _git("diff", "--name-only", f"{since}..HEAD", "--", code, repo=repo).splitlines()
+    if not any_change:
+        commits = [c for c in commits if _commit_changes_meaning(c, code, repo)]
+        head = _git("rev-parse", "HEAD", repo=repo)  # a hash: the caches outlive a HEAD
+        files = [name for name in files if _changes_meaning(since, head, name, repo)]
+    return commits, files
+
+
+def age(path: Path, code: str, repo: Path = REPO, any_change: bool = False) -> dict:
     """When ``path`` was made and how much of ``code`` changed since."""
     commit = recorded_commit(path)
     source = "recorded"
@@ -136,16 +195,16 @@ def age(path: Path, code: str, repo: Path = REPO) -> dict:
     elif commit is None:
         commit, source = _last_change(path, repo), "last change of the file"
     try:
-        commits = int(_git("rev-list", "--count", f"{commit}..HEAD", "--", code, repo=repo))
-        changed = _git("diff", "--name-only", f"{commit}..HEAD", "--", code, repo=repo)
+        commits, changed = code_changes(commit, code, repo, any_change)
+        count = len(commits)
     except subprocess.CalledProcessError:  # a commit this clone does not have
-        commits, changed = -1, ""
+        count, changed = -1, []
     return {
         "file": str(path.relative_to(repo)),
         "commit": commit,
         "commit_from": source,
-        "code_commits_since": commits,
-        "code_files_changed": len(changed.splitlines()) if changed else 0,
+        "code_commits_since": count,
+        "code_files_changed": len(changed),
         "replay": replay.get("verdict", ""),
         "record": kept_record(path),
     }
@@ -156,8 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--code", default="hf_actq", help="the code the results measure")
     parser.add_argument("--min-commits", type=int, default=1, help="list results this far behind")
     parser.add_argument("--json", help="write every row here as well")
+    parser.add_argument(
+        "--any-change",
+        action="store_true",
+        help="count commits that change only docstrings, comments or layout as well",
+    )
     args = parser.parse_args(argv)
-    rows = [age(path, args.code) for path in results_files()]
+    rows = [age(path, args.code, any_change=args.any_change) for path in results_files()]
     rows.sort(key=lambda r: (-r["code_commits_since"], r["file"]))
     retired = [r for r in rows if r["replay"] == "retired"]
     records = [r for r in rows if r["record"] and r["replay"] != "retired"]

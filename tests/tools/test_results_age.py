@@ -72,3 +72,24 @@ def test_a_record_of_earlier_code_says_so_for_its_folder_and_other_results_do_no
         assert row["code_commits_since"] == 1  # still dated: a record, not a current result
     now = results_age.age(tmp_path / "benchmarks/results/now.json", "hf_actq", tmp_path)
     assert now["record"] == ""
+
+
+def test_a_commit_that_changes_only_docstrings_comments_or_layout_does_not_age_a_result(tmp_path):
+    new_repo(tmp_path)
+    code = 'def f(x):\n    """Twice x."""\n    return 2 * x  # doubled\n'
+    first = _commit(tmp_path, {"hf_actq/op.py": code, "hf_actq/data.txt": "a\n"}, "code")
+    recorded = json.dumps({"provenance": {"commit": first, "command": "bench"}})
+    _commit(tmp_path, {"benchmarks/results/a.json": recorded}, "result")
+    reworded = 'def f(x):\n    """x, doubled."""\n\n    return 2*x  # times two\n'
+    _commit(tmp_path, {"hf_actq/op.py": reworded}, "docstring, comment and layout")
+    result = tmp_path / "benchmarks/results/a.json"
+    row = results_age.age(result, "hf_actq", tmp_path)
+    assert (row["code_commits_since"], row["code_files_changed"]) == (0, 0)
+    anything = results_age.age(result, "hf_actq", tmp_path, any_change=True)
+    assert (anything["code_commits_since"], anything["code_files_changed"]) == (1, 1)
+
+    # A string that is not a docstring, and any change to a file that is not Python, count.
+    _commit(tmp_path, {"hf_actq/op.py": reworded.replace("return", '"a"\n    return')}, "code")
+    _commit(tmp_path, {"hf_actq/data.txt": "b\n"}, "data")
+    row = results_age.age(result, "hf_actq", tmp_path)
+    assert (row["code_commits_since"], row["code_files_changed"]) == (2, 2)
