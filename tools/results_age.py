@@ -20,6 +20,9 @@ Each row shows the replay's verdict; results the replay found ``retired`` (a rec
 no longer defines) are listed apart: nothing can re-run them, and they are no claim about HEAD.
 So are records of earlier code kept on purpose (a "before" table beside an "after"): a JSON
 result whose top-level ``record`` says what it records and why, with the files beside it.
+
+A table a recipe renders from the results below it (``RENDERED``) is aged from the oldest of
+those results, leaving out the retired ones and the records.
 A development check: nothing in hf_actq imports it.
 """
 
@@ -51,6 +54,15 @@ def _provenance():
 
 RESULTS = _provenance().RESULTS  # where results live, the pathspecs provenance leaves out
 REPLAYS = "replays.json"  # tools/replay_results.py's record
+# Tables a recipe renders from the results in the folder below them, and the command that does
+# (tests/recipes check that each committed table is that render): a table is as old as the
+# oldest result it shows that speaks for HEAD.
+RENDERED = {
+    "recipes/glue/results/table.md": "python recipes/glue/sweep.py --render-only",
+    "recipes/llama_lora/results/convergence/table.md": (
+        "python recipes/llama_lora/convergence.py --render-only"
+    ),
+}
 SAME = ("same", "same code", "prefix same")  # its verdicts under which a result stands
 
 
@@ -185,6 +197,20 @@ def code_changes(since: str, code: str, repo: Path = REPO, any_change: bool = Fa
 
 def age(path: Path, code: str, repo: Path = REPO, any_change: bool = False) -> dict:
     """When ``path`` was made and how much of ``code`` changed since."""
+    name = str(path.relative_to(repo))
+    if name in RENDERED:
+        shown = [r for r in results_files(repo) if path.parent in r.parents and r != path]
+        ages = [age(r, code, repo, any_change) for r in shown]
+        ages = [a for a in ages if a["replay"] != "retired" and not a["record"]]
+        if ages:
+            # Unknown (-1, a commit this clone lacks) ranks oldest.
+            oldest = max(ages, key=lambda a: (a["code_commits_since"] < 0, a["code_commits_since"]))
+            return oldest | {
+                "file": name,
+                "commit_from": f"oldest of the {len(ages)} results it renders",
+                "replay": "",
+                "record": "",
+            }
     commit = recorded_commit(path)
     source = "recorded"
     replay = replay_row(path, repo)

@@ -345,3 +345,11 @@ def test_plot_gives_a_recipe_one_colour_in_every_panel():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_the_committed_table_is_the_render_of_the_committed_results():
+    """``tools/results_age.py`` ages the table from the results it shows: that holds only while
+    the table is what ``sweep.py --render-only`` makes of them."""
+    results = RECIPE_DIR / "results"
+    table = sweep.render(sweep.load_results(results))
+    assert (results / "table.md").read_text() == table

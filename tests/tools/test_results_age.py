@@ -93,3 +93,23 @@ def test_a_commit_that_changes_only_docstrings_comments_or_layout_does_not_age_a
     _commit(tmp_path, {"hf_actq/data.txt": "b\n"}, "data")
     row = results_age.age(result, "hf_actq", tmp_path)
     assert (row["code_commits_since"], row["code_files_changed"]) == (2, 2)
+
+
+def test_a_rendered_table_is_as_old_as_the_oldest_result_it_shows(tmp_path, monkeypatch):
+    new_repo(tmp_path)
+    first = _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
+    second = _commit(tmp_path, {"hf_actq/op.py": "a = 2\n"}, "code changes")
+    folder = "recipes/glue/results"
+    made = {"rte/old.json": first, "rte/new.json": second}
+    files = {f"{folder}/{n}": json.dumps({"commit": c, "command": "run"}) for n, c in made.items()}
+    # A record of earlier code, in the same folder, does not age the table.
+    kept = {"record": "before", "commit": "0000000"}
+    files[f"{folder}/rte/before.json"] = json.dumps(kept)
+    _commit(tmp_path, {**files, f"{folder}/table.md": "| rendered |\n"}, "results and table")
+    _commit(tmp_path, {"hf_actq/op.py": "a = 3\n"}, "more code")
+    monkeypatch.setattr(results_age, "RENDERED", {f"{folder}/table.md": "render"})
+
+    table = results_age.age(tmp_path / folder / "table.md", "hf_actq", tmp_path)
+    assert (table["commit"], table["code_commits_since"]) == (first, 2)
+    assert table["commit_from"] == "oldest of the 2 results it renders"
+    assert table["file"] == f"{folder}/table.md"
