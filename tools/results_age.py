@@ -164,22 +164,33 @@ def meaning(name: str, text: str | None) -> str | None:
 
 
 @cache
-def _file_at(commit: str, name: str, repo: Path) -> str | None:
+def _blobs(commit: str, code: str, repo: Path) -> dict[str, str]:
+    """``code``'s files at ``commit``: path -> blob hash ({} before the first commit)."""
     try:
-        return _git("show", f"{commit}:{name}", repo=repo)
-    except subprocess.CalledProcessError:  # absent at that commit, or no such commit
-        return None
+        listing = _git("ls-tree", "-r", commit, "--", code, repo=repo)
+    except subprocess.CalledProcessError:  # the parent of the first commit
+        return {}
+    return {line.split("\t", 1)[1]: line.split()[2] for line in listing.splitlines()}
 
 
 @cache
-def _changes_meaning(before: str, after: str, name: str, repo: Path) -> bool:
-    return meaning(name, _file_at(before, name, repo)) != meaning(name, _file_at(after, name, repo))
+def _blob_meaning(blob: str | None, name: str, repo: Path) -> str | None:
+    return meaning(name, None if blob is None else _git("cat-file", "-p", blob, repo=repo))
 
 
-@cache
-def _commit_changes_meaning(commit: str, code: str, repo: Path) -> bool:
-    names = _git("show", "--format=", "--name-only", commit, "--", code, repo=repo).splitlines()
-    return any(_changes_meaning(f"{commit}^", commit, name, repo) for name in names)
+def _differ(before: str, after: str, code: str, repo: Path, any_change: bool) -> list[str]:
+    """The files of ``code`` that differ between two commits (in what they do, unless
+    ``any_change``)."""
+    old, new = _blobs(before, code, repo), _blobs(after, code, repo)
+    return [
+        name
+        for name in sorted(old.keys() | new.keys())
+        if old.get(name) != new.get(name)
+        and (
+            any_change
+            or _blob_meaning(old.get(name), name, repo) != _blob_meaning(new.get(name), name, repo)
+        )
+    ]
 
 
 def code_changes(since: str, code: str, repo: Path = REPO, any_change: bool = False):
@@ -187,12 +198,11 @@ def code_changes(since: str, code: str, repo: Path = REPO, any_change: bool = Fa
     that do something else at HEAD than at ``since``. With ``any_change``, every commit and
     file that git says changed. Raises CalledProcessError for a commit this clone lacks."""
     commits = _git("rev-list", f"{since}..HEAD", "--", code, repo=repo).split()
-    files = _git("diff", "--name-only", f"{since}..HEAD", "--", code, repo=repo).splitlines()
+    head = _git("rev-parse", "HEAD", repo=repo)  # a hash: the caches outlive a HEAD
+    since = _git("rev-parse", "--verify", f"{since}^{{commit}}", repo=repo)
     if not any_change:
-        commits = [c for c in commits if _commit_changes_meaning(c, code, repo)]
-        head = _git("rev-parse", "HEAD", repo=repo)  # a hash: the caches outlive a HEAD
-        files = [name for name in files if _changes_meaning(since, head, name, repo)]
-    return commits, files
+        commits = [c for c in commits if _differ(f"{c}^", c, code, repo, any_change=False)]
+    return commits, _differ(since, head, code, repo, any_change)
 
 
 def age(path: Path, code: str, repo: Path = REPO, any_change: bool = False) -> dict:
