@@ -36,6 +36,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -97,6 +98,12 @@ def measure(model_type: str, draws: int) -> dict:
     handle.revert()
     row[f"alam-even mean of {draws}"] = {"whole": _cosine(exact, total)}
     return row
+
+
+def calibrate_fully(handle, batch):
+    """``handle.calibrate`` with every tensor measured. The library's default time cap would
+    make the plan, and every figure after it, depend on the machine's speed and load."""
+    return handle.calibrate(batch, seconds=math.inf)
 
 
 def minilm_batch(glue_dir: str, rows: int = 32, device: str = "cpu"):
@@ -178,8 +185,9 @@ def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu"
     for name, make in CHECKPOINT_RECIPES.items():
         net = model()
         handle = hf_actq.apply(net, make())
+        plan = None
         if handle.config.adaptive:
-            handle.calibrate({k: v[:8] for k, v in batch.items()})
+            plan = calibrate_fully(handle, {k: v[:8] for k, v in batch.items()})
         results = [step(net, seed) for seed in range(draws)]
         nbytes = results[0][1]
         rows[name] = {
@@ -188,6 +196,8 @@ def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu"
             "cosine": sum(_cosine(exact, g) for g, _ in results) / draws,
             "length": sum((g.norm() / exact.norm()).item() for g, _ in results) / draws,
         }
+        if plan is not None:
+            rows[name]["plan tensors measured"] = plan.info["measured"]
     return rows
 
 
@@ -331,8 +341,9 @@ def measure_minilm_groups(
         column = columns[recipe] = {}
         if config.adaptive:
             sample = {k: v[:8] for k, v in data[0].items()}
-            plan = handle.calibrate(sample)
+            plan = calibrate_fully(handle, sample)
             column["plan"] = plan.summary(handle.slots)
+            column["plan tensors measured"] = plan.info["measured"]
             column["alam bits"] = plan.info["alam_bits"]
         meter = SavedTensorMeter(exclude=list(net.parameters()))
         first = gradients(net, data[0], 100, meter)
@@ -384,7 +395,7 @@ def measure_alam_additivity(glue_dir: str, bits=(2, 1), draws: int = 2, device="
     rows = {}
     for b in bits:
         handle = hf_actq.apply(net, ActQConfig.from_recipe("alam", bits=b))
-        plan = handle.calibrate(example)
+        plan = calibrate_fully(handle, example)
         exact = {slot: {"codec": "exact"} for slot in plan.slots}
         leaders: dict[str, list[str]] = {}
         for slot in plan.info["precisions"]:
