@@ -349,6 +349,8 @@ def _measure(handle, items, run, start, seconds, slots):
         for leader in measuring_order(handle, items):
             enough = slots is not None and len(measured) >= slots
             if _all_ranks_agree_to_stop(enough or time.perf_counter() - start > seconds):
+                if not enough:  # every rank has measured as many: the clock stopped it
+                    _warn_time_cap(seconds, len(measured), len(items))
                 break
             group = items[leader]
             with _overridden(handle, dict.fromkeys(group, codec("aq"))):
@@ -362,6 +364,20 @@ def _measure(handle, items, run, start, seconds, slots):
     sensitivity = dict(zip(measured, values))
     _fill_unmeasured(handle, items, sensitivity)
     return {leader: sensitivity[leader] for leader in items}, measured
+
+
+def _warn_time_cap(seconds: float, measured: int, items: int) -> None:
+    # Silent, a cut pass would make two runs of one config train differently on two machines.
+    logger.warning(
+        "hf_actq: calibration reached its time cap (calibration_seconds=%s) after measuring %d "
+        "of %d tensors; the other %d take their kind's median sensitivity, so this plan "
+        "depends on the machine's speed and load. Set calibration_slots for a plan that does "
+        "not, or calibration_seconds=math.inf to measure every tensor.",
+        seconds,
+        measured,
+        items,
+        items - measured,
+    )
 
 
 def _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start):

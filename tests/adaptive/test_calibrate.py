@@ -121,3 +121,16 @@ def test_calibration_needs_a_loss():
     _, handle = _patched()
     with pytest.raises(ValueError, match="calibration needs the model's loss"):
         handle.calibrate({"input_ids": _batch()["input_ids"]})
+
+
+def test_a_pass_cut_by_its_time_cap_says_so_and_one_cut_by_its_count_does_not(caplog):
+    _, handle = _patched()
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        by_time = calibrate(handle, _batch(), seconds=1e-9).info
+    assert by_time["estimated"] > 0
+    assert "calibration reached its time cap" in caplog.text
+    assert f"after measuring {by_time['measured']} of " in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        assert calibrate(handle, _batch(), slots=2).info["estimated"] > 0
+    assert "time cap" not in caplog.text
