@@ -54,15 +54,10 @@ def _provenance():
 
 RESULTS = _provenance().RESULTS  # where results live, the pathspecs provenance leaves out
 REPLAYS = "replays.json"  # tools/replay_results.py's record
-# Tables a recipe renders from the results in the folder below them, and the command that does
-# (tests/recipes check that each committed table is that render): a table is as old as the
-# oldest result it shows that speaks for HEAD.
-RENDERED = {
-    "recipes/glue/results/table.md": "python recipes/glue/sweep.py --render-only",
-    "recipes/llama_lora/results/convergence/table.md": (
-        "python recipes/llama_lora/convergence.py --render-only"
-    ),
-}
+# Tables a recipe renders from the results in the folder below them (`sweep.py --render-only`,
+# `convergence.py --render-only`; tests/recipes check that each committed table is that render):
+# a table is as old as the oldest result it shows that speaks for HEAD.
+RENDERED = ("recipes/glue/results/table.md", "recipes/llama_lora/results/convergence/table.md")
 SAME = ("same", "same code", "prefix same")  # its verdicts under which a result stands
 
 

@@ -107,7 +107,7 @@ def test_a_rendered_table_is_as_old_as_the_oldest_result_it_shows(tmp_path, monk
     files[f"{folder}/rte/before.json"] = json.dumps(kept)
     _commit(tmp_path, {**files, f"{folder}/table.md": "| rendered |\n"}, "results and table")
     _commit(tmp_path, {"hf_actq/op.py": "a = 3\n"}, "more code")
-    monkeypatch.setattr(results_age, "RENDERED", {f"{folder}/table.md": "render"})
+    monkeypatch.setattr(results_age, "RENDERED", (f"{folder}/table.md",))
 
     table = results_age.age(tmp_path / folder / "table.md", "hf_actq", tmp_path)
     assert (table["commit"], table["code_commits_since"]) == (first, 2)
