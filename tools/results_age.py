@@ -231,7 +231,7 @@ def age(path: Path, code: str, repo: Path = REPO, any_change: bool = False) -> d
     except subprocess.CalledProcessError:  # a commit this clone does not have
         count, changed = -1, []
     return {
-        "file": str(path.relative_to(repo)),
+        "file": name,
         "commit": commit,
         "commit_from": source,
         "code_commits_since": count,
