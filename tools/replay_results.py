@@ -28,7 +28,8 @@ The verdict:
   the first logged loss with the full run's schedule (``--stop_after_steps``), and the verdict
   is ``prefix same`` (that loss, the bytes and the peak equal to the bit), ``prefix memory
   changed`` or ``prefix changed``. Slower: tens of steps, not two. Run it on the thread count
-  the results were made with (``--threads``; GLUE's sweep runs each run on one).
+  the results were made with (``--threads``; GLUE's sweep runs each run on one). A later run
+  without ``--prefix`` leaves such a result's recorded verdict as it is.
 - ``failed``: a replay did not finish (its log's tail is recorded).
 
 A few steps cannot see a change that acts later in training (a recalibration at 10% of the
@@ -210,6 +211,13 @@ def content_key(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
+def replayable(commit: str | None, repo: Path = REPO) -> bool:
+    """Whether the commit a result names (``+`` marks a dirty tree) is in ``repo``."""
+    commit = (commit or "").rstrip("+")
+    check = ["git", "cat-file", "-e", f"{commit}^{{commit}}"]
+    return bool(commit) and not subprocess.run(check, cwd=repo, capture_output=True).returncode
+
+
 def replay(
     path: Path, steps: int, threads: int, worktrees: Worktrees, scratch: Path, prefix=False
 ) -> dict:
@@ -219,9 +227,7 @@ def replay(
     commit = (named or "").rstrip("+")
     if not commit:
         row["verdict"] = "no commit"
-    elif subprocess.run(
-        ["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=worktrees.repo, capture_output=True
-    ).returncode:
+    elif not replayable(named, worktrees.repo):
         row["verdict"] = "commit missing"
     if "verdict" in row and not prefix:
         return row
@@ -285,9 +291,15 @@ def is_current(path: Path, row: dict, head: str, prefix: bool, repo: Path = REPO
     about the result (a path that moved, a run that was killed): it is tried again."""
     if row.get("content") != content_key(path) or row.get("verdict") == "failed":
         return False
-    if row.get("verdict") in ("no commit", "commit missing"):
-        return not prefix
-    paths = code_paths(script_in_repo(shlex.split(json.loads(path.read_text())["command"])))
+    result = json.loads(path.read_text())
+    if not replayable(result.get("commit"), repo):
+        # Without --prefix such a result can only be marked "no commit", which would overwrite
+        # what a --prefix run found: any row stands. With --prefix, only a prefix verdict does.
+        if not prefix:
+            return True
+        if row.get("verdict") in ("no commit", "commit missing"):
+            return False
+    paths = code_paths(script_in_repo(shlex.split(result["command"])))
     return "head" in row and code_digest(row["head"], paths, repo) == code_digest(head, paths, repo)
 
 

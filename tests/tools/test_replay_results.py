@@ -158,6 +158,28 @@ def test_a_result_without_its_commit_is_checked_against_its_first_logged_loss(tm
     assert verdicts == {0.2: "prefix same", 0.2000001: "prefix changed"}
 
 
+def test_a_run_without_prefix_keeps_what_a_prefix_run_found(tmp_path):
+    repo = new_repo(tmp_path / "repo")
+    made = _commit(
+        repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 100\n", "recipes/demo/run.py": RUN_PY}
+    )
+    nameless = repo / "nameless.json"
+    nameless.write_text(json.dumps({"command": f"python {repo}/recipes/demo/run.py"}))
+    content = replay_results.content_key(nameless)
+    found = {"verdict": "prefix same", "head": made, "content": content}
+    unchecked = {"verdict": "no commit", "content": content}
+    head = _commit(repo, {"hf_actq/__init__.py": "SCALE = 1.0\nBYTES = 90\n"})
+    # Without --prefix, "no commit" is all a replay could say: the row stands, either way.
+    assert replay_results.is_current(nameless, found, head, False, repo)
+    assert replay_results.is_current(nameless, unchecked, head, False, repo)
+    # With --prefix, a row from a run without it is checked, and so is one made at other code.
+    assert not replay_results.is_current(nameless, unchecked, head, True, repo)
+    assert not replay_results.is_current(nameless, found, head, True, repo)
+    assert replay_results.is_current(nameless, {**found, "head": head}, head, True, repo)
+    # An edited result is replayed whatever its row says.
+    assert not replay_results.is_current(nameless, {**found, "content": "0"}, head, False, repo)
+
+
 def test_the_replay_command_runs_the_worktree_script_with_the_overrides_last():
     recorded = "/venv/bin/python /old/checkout/recipes/glue/run.py --task_name mrpc --max_steps 9"
     overrides = replay_results.first_steps(2)
