@@ -203,8 +203,15 @@ def fewbit_backward_reference(
     n = grad_y.numel()
     flat = grad_y.reshape(-1)
     lut = levels.float() * torch.where(nan_flag.bool(), math.nan, 1.0)
-    expanded, index_of = expanded_lookup(lut, bits)
+    if use_compiled(flat) and n % 8 == 0:
+        # Unpacking, the level lookup and the product fused by the compiler into one pass that
+        # writes the result and nothing else (about half the eager time on a tiny LLaMA's MLP).
+        # A ragged tail (rare: activations hold whole groups of eight) stays eager.
+        groups = packed.view(-1, bits)
+        key = (grad_y.dtype, bits)
+        return run(True, _groups_backward, key, flat, groups, lut, bits).view(grad_y.shape)
     out = torch.empty(n, dtype=grad_y.dtype, device=grad_y.device)
+    expanded, index_of = expanded_lookup(lut, bits)
     for start in range(0, n, CHUNK):
         stop = min(n, start + CHUNK)
         m = stop - start
@@ -216,6 +223,25 @@ def fewbit_backward_reference(
         level = expanded.index_select(0, index_of(chunk)).view(-1)[:m]
         torch.mul(flat[start:stop], level, out=out[start:stop])
     return out.view(grad_y.shape)
+
+
+def _groups_backward(grad_y, groups, lut, bits: int):
+    """``grad_y * lut[code]`` for whole groups of eight codes (``groups``: ``bits`` bytes each),
+    written out for the compiler. Up to eight levels are a chain of selects, which vectorizes
+    where a gather does not; sixteen selects cost more than the gather."""
+    b = groups.to(torch.int32)  # bits <= 4: eight codes fit in 32 bits
+    word = b[:, 0]
+    for j in range(1, bits):
+        word = word | (b[:, j] << (8 * j))
+    shifts = torch.arange(8, device=grad_y.device, dtype=torch.int32) * bits
+    codes = (word[:, None] >> shifts) & (2**bits - 1)
+    if bits == 4:
+        level = lut[codes]
+    else:
+        level = torch.where(codes == 1, lut[1], lut[0])
+        for code in range(2, 2**bits):
+            level = torch.where(codes == code, lut[code], level)
+    return (grad_y.view(-1, 8).float() * level).to(grad_y.dtype).view(-1)
 
 
 @jit

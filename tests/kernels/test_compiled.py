@@ -12,7 +12,7 @@ if os.environ.get("HF_ACTQ_TEST_DEVICE", "cpu") != "cpu":
 from hf_actq.fewbit import table_for
 from hf_actq.kernels import average_quant, compiled
 from hf_actq.kernels.average_quant import aq_dequantize_reference, aq_quantize_reference
-from hf_actq.kernels.fewbit import fewbit_forward_reference
+from hf_actq.kernels.fewbit import fewbit_backward_reference, fewbit_forward_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -92,6 +92,31 @@ def test_fewbit_codes_compiled_equal_eager(eager_and_compiled, dtype, activation
     torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0, equal_nan=True)
     assert torch.equal(eager[1], got[1]) and torch.equal(eager[2], got[2])
     assert got[2].item() == 1  # the NaN is seen
+
+
+@pytest.mark.parametrize(
+    "dtype,activation,bits",
+    _by_dtype([("gelu", 3), ("silu", 4), ("gelu", 2), ("relu", 1)], half=("gelu", 3)),
+)
+@pytest.mark.parametrize("nan_seen", [False, True])
+def test_fewbit_backward_compiled_equals_eager(
+    eager_and_compiled, dtype, activation, bits, nan_seen
+):
+    generator = torch.Generator().manual_seed(bits)
+    x = (torch.randn(5000, generator=generator) * 4).to(dtype)  # whole groups of eight: compiled
+    grad_y = torch.randn(5000, generator=generator).to(dtype)
+    grad_y[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")]).to(dtype)
+    table = table_for(activation, bits)
+    borders = torch.tensor(table.borders, dtype=torch.float32)
+    _, packed, _ = fewbit_forward_reference(x, activation, borders, bits, output=False)
+    levels = torch.tensor(table.levels, dtype=torch.float32)
+    nan_flag = torch.tensor([int(nan_seen)], dtype=torch.int32)
+    eager, got = eager_and_compiled(
+        lambda: fewbit_backward_reference(grad_y, packed, levels, nan_flag, bits)
+    )
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(got.isnan(), eager.isnan()) and got.isnan().all() == nan_seen
 
 
 def test_uniform_noise_is_uniform_and_chunk_free():
