@@ -6,7 +6,8 @@ For each results file (``benchmarks/results/**``, ``recipes/*/results/**``; JSON
 the commit it was made at is its own record's (``provenance.commit`` or ``commit``, as the
 benchmarks and recipes write it); else, for a file committed together with a JSON record beside it
 (``hf-actq memory --output`` writes memory.md and plan files next to memory.json), that record's
-commit; else the commit that last changed the file. A result is older
+commit; else, for a memory.md whose table shows the figures of the memory.json beside it, that
+record's commit; else the commit that last changed the file. A result is older
 than the code when the package (``--code``) has changed what it does since that commit; the list
 gives how many commits and files changed it, oldest first, and says which files name no commit.
 A change to a Python file's docstrings, comments or layout alone changes nothing a result
@@ -136,6 +137,30 @@ def sibling_commit(path: Path, repo: Path = REPO) -> str | None:
     return None
 
 
+def _mib(nbytes: float) -> str:
+    """A byte count as ``hf_actq/report/results.py``'s ``format_bytes`` writes it."""
+    return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def report_commit(path: Path) -> str | None:
+    """The commit of the ``memory.json`` beside a ``memory.md`` whose table shows that record's
+    figures, row by row. ``hf-actq memory`` writes both from one result, so a rerun whose table
+    came out byte for byte the same (git records no change) still made it; a table that shows
+    other figures than the record keeps its own date."""
+    record = _json_object(path.with_name("memory.json")) if path.name == "memory.md" else None
+    commit = recorded_commit(path.with_name("memory.json")) if record else None
+    rows = record.get("rows") if record else None
+    if not commit or not rows:
+        return None
+    lines = path.read_text().splitlines()
+    for row in rows:
+        start = f"| {row['recipe']} | {_mib(row['activation_bytes'])} |"
+        peak = f"| {_mib(row['peak_bytes'])}"
+        if not any(line.startswith(start) and peak in line for line in lines):
+            return None
+    return commit
+
+
 def _without_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -223,6 +248,8 @@ def age(path: Path, code: str, repo: Path = REPO, any_change: bool = False) -> d
         commit, source = replay["head"], "replayed the same"
     elif commit is None and (commit := sibling_commit(path, repo)):
         source = "recorded beside it"
+    elif commit is None and (commit := report_commit(path)):
+        source = "shows the record beside it"
     elif commit is None:
         commit, source = _last_change(path, repo), "last change of the file"
     try:

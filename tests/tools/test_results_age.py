@@ -56,6 +56,37 @@ def test_a_report_written_beside_a_record_takes_its_commit_only_if_committed_wit
     assert plan["code_commits_since"] == 2
 
 
+def test_a_report_table_a_rerun_left_unchanged_takes_the_commit_of_the_record_it_shows(tmp_path):
+    new_repo(tmp_path)
+    made_at = _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
+    report = tmp_path / "benchmarks/results/memory_x"
+    rows = [{"recipe": "baseline", "activation_bytes": 3 * 2**20, "peak_bytes": 5 * 2**30}]
+
+    def record(commit, peak=5 * 2**30):
+        rows[0]["peak_bytes"] = peak
+        return json.dumps({"provenance": {"commit": commit}, "rows": rows})
+
+    table = (
+        "| recipe | activation memory | peak |\n|---|---:|---:|\n"
+        "| baseline | 3.0 MiB | 5.00 GiB (backward) |\n"
+    )
+    name = "benchmarks/results/memory_x"
+    written = _commit(
+        tmp_path, {f"{name}/memory.json": record(made_at), f"{name}/memory.md": table}, "report"
+    )
+    rerun_at = _commit(tmp_path, {"hf_actq/op.py": "a = 2\n"}, "code changes")
+    # Re-run: the record names the new commit; the table's bytes came out the same.
+    _commit(tmp_path, {f"{name}/memory.json": record(rerun_at)}, "rerun")
+    same = results_age.age(report / "memory.md", "hf_actq", tmp_path)
+    assert (same["commit"], same["commit_from"]) == (rerun_at, "shows the record beside it")
+    assert same["code_commits_since"] == 0
+    # A record whose figures the table does not show does not vouch for it.
+    _commit(tmp_path, {f"{name}/memory.json": record(rerun_at, peak=6 * 2**30)}, "other peak")
+    stale = results_age.age(report / "memory.md", "hf_actq", tmp_path)
+    assert (stale["commit"], stale["commit_from"]) == (written, "last change of the file")
+    assert stale["code_commits_since"] == 1
+
+
 def test_a_record_of_earlier_code_says_so_for_its_folder_and_other_results_do_not(tmp_path):
     new_repo(tmp_path)
     _commit(tmp_path, {"hf_actq/op.py": "a = 1\n"}, "code")
