@@ -116,7 +116,8 @@ def test_fewbit_backward_compiled_equals_eager(
     )
     assert got.dtype == dtype
     torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)
-    assert torch.equal(got.isnan(), eager.isnan()) and got.isnan().all() == nan_seen
+    # A NaN seen in the forward makes every gradient NaN: the codes cannot say where it was.
+    assert got.isnan().all() == nan_seen
 
 
 def test_uniform_noise_is_uniform_and_chunk_free():
