@@ -137,7 +137,7 @@ def sibling_commit(path: Path, repo: Path = REPO) -> str | None:
     return None
 
 
-def _mib(nbytes: float) -> str:
+def _report_bytes(nbytes: float) -> str:
     """A byte count as ``hf_actq/report/results.py``'s ``format_bytes`` writes it."""
     return f"{nbytes / 2**30:.2f} GiB" if abs(nbytes) >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
@@ -147,15 +147,15 @@ def report_commit(path: Path) -> str | None:
     figures, row by row. ``hf-actq memory`` writes both from one result, so a rerun whose table
     came out byte for byte the same (git records no change) still made it; a table that shows
     other figures than the record keeps its own date."""
-    record = _json_object(path.with_name("memory.json")) if path.name == "memory.md" else None
-    commit = recorded_commit(path.with_name("memory.json")) if record else None
-    rows = record.get("rows") if record else None
-    if not commit or not rows:
+    if path.name != "memory.md" or not (commit := recorded_commit(path.with_name("memory.json"))):
+        return None
+    rows = _json_object(path.with_name("memory.json")).get("rows")
+    if not rows:
         return None
     lines = path.read_text().splitlines()
     for row in rows:
-        start = f"| {row['recipe']} | {_mib(row['activation_bytes'])} |"
-        peak = f"| {_mib(row['peak_bytes'])}"
+        start = f"| {row['recipe']} | {_report_bytes(row['activation_bytes'])} |"
+        peak = f"| {_report_bytes(row['peak_bytes'])}"
         if not any(line.startswith(start) and peak in line for line in lines):
             return None
     return commit
