@@ -12,6 +12,8 @@ import from ``tests/``.
   a recipe's gradient against the exact one.
 - ``replicate_with_distinct_weights`` (``nn.DataParallel`` on CPU) and ``free_port`` (for
   ``accelerate launch``).
+- ``CausalRows`` and ``short_training``: a causal LM dataset and ``TrainingArguments`` for a
+  few logged steps on the CPU, as the multi-process ``Trainer`` tests run them.
 - ``stock_checkpointing`` and ``checkpointing_argument``: transformers' own activation
   checkpointing, under its name in the installed version.
 """
@@ -123,6 +125,38 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+class CausalRows(torch.utils.data.Dataset):
+    """``n`` rows of ``length`` random token ids, each its own labels."""
+
+    def __init__(self, n: int = 16, length: int = 16, seed: int = 3):
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, 100, (n, length), generator=generator)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def short_training(output_dir: str, steps: int = 3, batch_size: int = 2, **overrides):
+    """``TrainingArguments`` for ``steps`` logged steps on the CPU, nothing saved or reported."""
+    from transformers import TrainingArguments
+
+    settings = dict(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    return TrainingArguments(**{**settings, **overrides})
 
 
 def replicate_with_distinct_weights(model, replicas=2):

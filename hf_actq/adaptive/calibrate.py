@@ -138,14 +138,46 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
     return norm.reshape(1)
 
 
-def _fingerprint(params) -> torch.Tensor:
+def _fingerprint(grads) -> torch.Tensor:
     """What the passes compare of the gradient, as ALAM does: each parameter tensor's norm."""
     return torch.cat(
         [
-            torch.zeros(1, dtype=torch.float64) if p.grad is None else _norm(p.grad).double().cpu()
-            for p in params
+            torch.zeros(1, dtype=torch.float64) if g is None else _norm(g).double().cpu()
+            for g in grads
         ]
     )
+
+
+ZERO3_UNSUPPORTED = (
+    "hf_actq: ALAM's calibration cannot run under DeepSpeed ZeRO-3 with sharded parameters "
+    "(ZeRO-3 partitions every gradient its backwards make, and it runs dozens); calibrate a "
+    "plan without ZeRO-3 (handle.calibrate(batch) in one process, then handle.plan.save(path)) "
+    "and pass ActQConfig(plan=path), or train with adaptive=False"
+)
+
+
+def _gradient_taker(params):
+    """How a measuring pass gets the gradients: ``backward`` into ``.grad`` (as FSDP2 needs,
+    whose reduction runs in its post-backward hooks), or ``torch.autograd.grad`` under DeepSpeed
+    ZeRO-1/2, whose hooks on each parameter's accumulation would reduce the pass's gradients
+    into the optimizer's. ZeRO-3 is refused (``ZERO3_UNSUPPORTED``)."""
+    if any(hasattr(p, "ds_id") for p in params):
+        raise NotImplementedError(ZERO3_UNSUPPORTED)
+    if any(hasattr(p, "_hp_mapping") for p in params):
+
+        def without_accumulating(loss):
+            return torch.autograd.grad(loss, params, allow_unused=True)
+
+        return without_accumulating
+
+    def into_grad(loss):
+        loss.backward()
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        return grads
+
+    return into_grad
 
 
 def _distributed() -> bool:
@@ -201,6 +233,7 @@ def calibrate(
     batch = _sub_batch(batch, examples)
     if isinstance(batch, dict):
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    take_gradients = _gradient_taker(params)
     saved_grads = [p.grad for p in params]
     start = time.perf_counter()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
@@ -212,10 +245,7 @@ def calibrate(
             with slot_seeds(seed_for):
                 loss = loss_fn(model, batch)
                 _check_measurable(loss)
-                loss.backward()
-            fingerprint = _fingerprint(params)
-            for p in params:
-                p.grad = None
+                fingerprint = _fingerprint(take_gradients(loss))
             if not torch.isfinite(fingerprint).all():
                 raise ValueError(
                     "calibration: this batch gives non-finite gradients; calibrate on another "

@@ -138,11 +138,12 @@ def install(layers: dict[str, nn.Module], config) -> None:
                 inner.gradient_checkpointing = False
         # The traced form (torch.compile) differentiates the layer with torch.func, which takes
         # stock ops only, not hf_actq's compressed ones inside a compressed recompute.
-        traced = None if config.compress_checkpointed else Reparametrized(layer)
-        if traced is not None and traced.draws_random_numbers:
+        traceable = not config.compress_checkpointed
+        wrapper = Reparametrized(layer)
+        if traceable and wrapper.draws_random_numbers:
             random.append(path)
         layer._gradient_checkpointing_func = functools.partial(
-            packed_checkpoint, codec=codec, reparametrized=traced, layer=layer
+            packed_checkpoint, codec=codec, reparametrized=wrapper, layer=layer, traceable=traceable
         )
     if random:
         logger.info(

@@ -22,7 +22,7 @@ from torch import nn
 from hf_actq.codecs.packed import Codec, ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.integrations.patching import bind_forward
+from hf_actq.integrations.patching import bind_forward, gather_with_module
 from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.dropout import CompressedDropout
@@ -88,6 +88,9 @@ class Patch:
     codecs: dict | None = None  # per-slot defaults in place of the config's codec
     claims: tuple = ()  # modules the op runs itself, left alone once it is bound
     leaves_alone: tuple = ()  # modules left alone whether or not it binds
+    # The op reads its submodules' weights without calling them: an engine that gathers each
+    # module's own parameters in a forward hook must gather these with the module.
+    reads_child_weights: bool = False
 
 
 @dataclass
@@ -116,6 +119,7 @@ def _gated_mlp(module, walk: Walk) -> Patch | None:
         fields={"fused_projections": fused},
         activation=gated,
         claims=tuple(module.modules()) if fused else (module.act_fn,),
+        reads_child_weights=fused,
     )
 
 
@@ -154,6 +158,7 @@ def _fused_gated_mlp(module, walk: Walk) -> Patch | None:
         activation=found,
         codecs={"input": walk.codec, "gate": operands, "up": operands},
         leaves_alone=tuple(module.modules()),
+        reads_child_weights=True,
     )
 
 
@@ -288,6 +293,8 @@ def _bind(module, path: str, patch: Patch, walk: Walk, cache: PackCache, handle)
     describe = functools.partial(_describer(patch.describe), state)
     if bind_forward(module, patch.forward, state, path, describe, handle):
         handle.add_slots(state, patch.kinds)
+        if patch.reads_child_weights:
+            gather_with_module(module, handle)
         return True
     return False
 

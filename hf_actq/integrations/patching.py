@@ -92,6 +92,33 @@ def bind_forward(module, op_forward, state: OpState, path: str, describe, handle
     return True
 
 
+# DeepSpeed ZeRO-3 gathers, in each module's forward pre-hook, the parameters of that module
+# alone, unless the module is flagged a leaf (this attribute; ``deepspeed.utils.
+# set_z3_leaf_modules`` sets it), whose hook gathers its submodules' too. A fused op that reads
+# its submodules' weights without calling them finds them gathered in the first forward only
+# because ZeRO-3 gathers a parameter read while the engine's forward runs; a recompute in
+# backward (activation checkpointing whose first pass ran the stock forward) reads them
+# outside it, as empty shards. Flagged, the module's own hook gathers them wherever it runs.
+# The flag is read at every gather, so it works set before or after deepspeed.initialize;
+# without DeepSpeed nothing reads it.
+ZERO3_LEAF = "_z3_leaf"
+
+
+def gather_with_module(module: nn.Module, handle) -> None:
+    """Have DeepSpeed ZeRO-3 gather ``module``'s submodules' parameters with its own (see
+    ``ZERO3_LEAF``), undone with the handle."""
+    previous = module.__dict__.get(ZERO3_LEAF, MISSING)
+    handle.record(undo=functools.partial(_restore_attribute, module, ZERO3_LEAF, previous))
+    module.__dict__[ZERO3_LEAF] = True
+
+
+def _restore_attribute(module: nn.Module, name: str, previous) -> None:
+    if previous is MISSING:
+        module.__dict__.pop(name, None)
+    else:
+        module.__dict__[name] = previous
+
+
 def _patched_extra_repr(module) -> str:
     inner = type(module).extra_repr(module)
     described = f"hf_actq={module.__dict__[DESCRIBE]()}"

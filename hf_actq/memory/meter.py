@@ -36,7 +36,11 @@ class SavedTensorMeter:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = (), model: nn.Module | None = None):
+        exclude = list(exclude)
         self._excluded = {_storage_key(t) for t in exclude}
+        # DeepSpeed ZeRO-3 parameters hold an empty shard until gathered, and a gather gives
+        # them a new storage: what the forward saves of them is looked up again when met.
+        self._gathered = [t for t in exclude if hasattr(t, "ds_id")]
         self._storages: dict[tuple, tuple[int, str, str]] = {}
         self._model = model
         self._stack: list[tuple[str, str]] = []
@@ -45,9 +49,13 @@ class SavedTensorMeter:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
-        if key not in self._excluded and key not in self._storages:
-            path, kind = self._stack[-1] if self._stack else ("", "other")
-            self._storages[key] = (tensor.untyped_storage().nbytes(), path, kind)
+        if key in self._excluded or key in self._storages:
+            return tensor
+        # Only the storages gathered now: a released one's memory may hold an activation next.
+        if self._gathered and key in {_storage_key(t) for t in self._gathered}:
+            return tensor
+        path, kind = self._stack[-1] if self._stack else ("", "other")
+        self._storages[key] = (tensor.untyped_storage().nbytes(), path, kind)
         return tensor
 
     def __enter__(self) -> SavedTensorMeter:
@@ -264,8 +272,9 @@ class ActivationMonitor:
 
 def _parameters_read(module: nn.Module) -> list[torch.Tensor]:
     """What a forward of ``module`` reads as its weights: its parameters (FSDP2's DTensors by
-    their local shards), and on an ``nn.DataParallel`` replica, which holds none, the device
-    copies torch's ``replicate`` gives each of its modules."""
+    their local shards, DeepSpeed ZeRO-3's as gathered when saved), and on an
+    ``nn.DataParallel`` replica, which holds none, the device copies torch's ``replicate`` gives
+    each of its modules."""
     params = [getattr(p, "_local_tensor", p) for p in module.parameters()]
     for inner in module.modules():
         params.extend(t for t in getattr(inner, "_former_parameters", {}).values() if t is not None)

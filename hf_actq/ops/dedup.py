@@ -1,8 +1,11 @@
 """Compress an input once when several ops consume it (q/k/v, gate/up, LoRA A and its base).
 
-An entry is found by the input's identity (a weak reference, since freed storage is reused and
-``data_ptr`` alone would match a different tensor) and its version counter (an in-place update
-must not return stale codes). The cache holds nothing strongly: an entry is reused only while
+An entry is found by where the input's data lies (storage, offset, shape, strides, dtype) while
+that storage is alive (a weak reference to it: freed storage is reused, and ``data_ptr`` alone
+would match a different tensor), and by the version counter (an in-place update must not return
+stale codes). So an alias of the input counts as the input: DeepSpeed ZeRO-3 hands every module
+its own ``detach()`` of each input (to hook its backward), which lives only as long as that
+module's call, and q, k and v, or gate and up, would otherwise each pack their copy. The cache holds nothing strongly: an entry is reused only while
 the input and the packed buffers are still alive, which they are exactly when an earlier
 consumer's autograd node keeps them. So the cache never keeps a buffer that backward would not
 keep anyway: under non-reentrant checkpointing, where no node keeps them in the first pass, each
@@ -37,7 +40,7 @@ from hf_actq.ops.slots import observer, seed_override
 
 @dataclass(frozen=True)
 class _Entry:
-    source: weakref.ref
+    storage: weakref.ref  # of the packed input's storage (see _anchor)
     version: int
     header: Packed  # the packed object without its tensors
     buffers: tuple[weakref.ref, ...]
@@ -45,7 +48,10 @@ class _Entry:
     offered: bool = False  # a form rebuilt from another op's buffers (PackCache.offer)
 
     def reuse(self, x: torch.Tensor, codec: Codec) -> Packed | None:
-        if self.source() is not x or self.version != x._version or self.header.codec != codec:
+        # Found by where x's data lies, in a storage still alive (so not freed and reused):
+        # x is the packed tensor or an alias of it, unchanged since it was packed if the version
+        # counter (which detach() and views share) is where it was.
+        if self.storage() is None or self.version != x._version or self.header.codec != codec:
             return None
         tensors = tuple(ref() for ref in self.buffers)
         if any(t is None for t in tensors):
@@ -54,7 +60,23 @@ class _Entry:
 
     @property
     def alive(self) -> bool:
-        return self.source() is not None and all(ref() is not None for ref in self.buffers)
+        return self.storage() is not None and all(ref() is not None for ref in self.buffers)
+
+
+def _where(x: torch.Tensor) -> tuple:
+    """Where ``x``'s data lies, which its aliases share (a key of :class:`PackCache`); the
+    tensor's identity where that says nothing (no data, or no storage of its own)."""
+    if x.numel() == 0 or x.device.type == "meta" or type(x) is not torch.Tensor:
+        return (id(x),)
+    pointer = x.untyped_storage().data_ptr()
+    return (pointer, x.storage_offset(), x.shape, x.stride(), x.dtype, x.device)
+
+
+def _anchor(x: torch.Tensor, key: tuple) -> weakref.ref:
+    """A weak reference alive exactly while the data ``key = _where(x)`` names is: to the
+    storage (torch keeps one Python object per live storage), or to ``x`` where the key is its
+    identity."""
+    return weakref.ref(x) if len(key) == 1 else weakref.ref(x.untyped_storage())
 
 
 class PackCache:
@@ -82,7 +104,7 @@ class PackCache:
         watcher = observer()
         if x.is_inference():  # no version counter to key on
             return self._packed(watcher, slot, x, codec, seed)
-        key = id(x)
+        key = _where(x)
         entry = self._entries.get(key)
         # Offered forms depend on another op's buffers being alive, which differs between a
         # checkpointed region's first pass and its recomputation: not taken there.
@@ -95,7 +117,7 @@ class PackCache:
             return found
         packed = self._packed(watcher, slot, x, codec, seed)
         self._entries[key] = _Entry(
-            weakref.ref(x),
+            _anchor(x, key),
             x._version,
             packed.with_tensors(()),
             tuple(weakref.ref(t) for t in packed.tensors),
@@ -111,8 +133,9 @@ class PackCache:
         output), while ``x`` and those buffers are alive."""
         if x.is_inference():
             return
-        self._entries[id(x)] = _Entry(
-            weakref.ref(x),
+        key = _where(x)
+        self._entries[key] = _Entry(
+            _anchor(x, key),
             x._version,
             packed.with_tensors(()),
             tuple(weakref.ref(t) for t in packed.tensors),

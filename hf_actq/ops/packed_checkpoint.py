@@ -28,8 +28,8 @@ its mask from a counter hash of a key the node takes as an input, so the recompu
 very mask, and a LoRA layer with ``lora_dropout > 0`` compiles whole.
 
 HF calls ``layer._gradient_checkpointing_func(partial(forward, layer, **kwargs), *args)``;
-:func:`packed_checkpoint` has that signature, with the codec (and, for the traced form, the
-layer's :class:`Reparametrized`) bound by ``functools.partial``.
+:func:`packed_checkpoint` has that signature, with the codec and the layer's
+:class:`Reparametrized` bound by ``functools.partial``.
 """
 
 from __future__ import annotations
@@ -72,13 +72,24 @@ class _Call:
 
 class PackedCheckpointFunction(torch.autograd.Function):
     """``call.run(tensors)`` keeping ``tensors[call.packed_index]`` packed and nothing of the
-    layer's own; backward recomputes the layer from the unpacked copy. The last input is an
-    empty tensor (see :func:`packed_checkpoint`)."""
+    layer's own; backward recomputes the layer from the unpacked copy. The inputs are the
+    call's ``n_inputs`` tensors, then the layer's parameters that ``wrapper`` (a
+    :class:`Reparametrized`) swaps for ``names`` in the recompute, then an empty tensor (see
+    :func:`packed_checkpoint`).
+
+    Those parameters get their gradients as outputs of this node, not by accumulation inside
+    the recompute: DDP then sees them used by the step (with ``find_unused_parameters=True``,
+    which Trainer picks when checkpointing was off at its start, it would otherwise take them
+    for unused and fail when their gradients came) and each gradient arrives once, even for a
+    parameter several checkpointed layers share. Parameters the layer reads but ``names`` does
+    not list (FSDP2's and ZeRO-3's, which their engines gather into other tensors, or another
+    module's) take the recompute's gradient by accumulation, as in torch's reentrant
+    checkpoint."""
 
     @staticmethod
-    def forward(ctx, call: _Call, *tensors):
-        inputs = tensors[:-1]
-        ctx.call = call
+    def forward(ctx, call: _Call, wrapper, names, n_inputs, *tensors):
+        inputs = tensors[:n_inputs]
+        ctx.call, ctx.wrapper, ctx.names, ctx.n_inputs = call, wrapper, names, n_inputs
         ctx.device_type = torch_checkpoint._infer_device_type(*inputs)
         ctx.autocast = torch_checkpoint._get_autocast_kwargs(ctx.device_type)
         ctx.input_requires_grad = [t.requires_grad for t in inputs]
@@ -99,7 +110,7 @@ class PackedCheckpointFunction(torch.autograd.Function):
             out = call.run(inputs)
         outs = _record_outputs(call, out)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
-        ctx.save_for_backward(*kept)
+        ctx.save_for_backward(*kept, *tensors[n_inputs:-1])  # the parameters last
         return outs
 
     @staticmethod
@@ -109,9 +120,13 @@ class PackedCheckpointFunction(torch.autograd.Function):
         if ctx.header is not None:
             buffers, saved = saved[: ctx.n_packed], saved[ctx.n_packed :]
             saved.insert(call.packed_index, ctx.header.with_tensors(buffers).unpack())
+        saved, params = saved[: ctx.n_inputs], saved[ctx.n_inputs :]
         inputs = [
             t.detach().requires_grad_(needs) for t, needs in zip(saved, ctx.input_requires_grad)
         ]
+        # Stand-ins that share the parameters' storage: the recompute's graph ends in them, not
+        # in the parameters' own gradient accumulators (whose hooks DDP and ZeRO listen to).
+        stand_ins = [p.detach().requires_grad_() for p in params]
         device_autocast, cpu_autocast = ctx.autocast
         device_context = (
             torch.amp.autocast(device_type=ctx.device_type, **device_autocast)
@@ -128,7 +143,11 @@ class PackedCheckpointFunction(torch.autograd.Function):
                 device_context,
                 torch.amp.autocast("cpu", **cpu_autocast),
             ):
-                out = call.run(inputs)
+                if stand_ins:
+                    given = dict(zip(ctx.names, stand_ins, strict=True))
+                    out = torch.func.functional_call(ctx.wrapper, given, (call, inputs))
+                else:
+                    out = call.run(inputs)
         out_leaves, _ = tree_flatten(out)
         outs = [out_leaves[i] for i in call.out_tensor_index]
         pairs = [
@@ -136,7 +155,8 @@ class PackedCheckpointFunction(torch.autograd.Function):
         ]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, *[t.grad if t.requires_grad else None for t in inputs], None)
+        input_grads = [t.grad if t.requires_grad else None for t in inputs]
+        return (None, None, None, None, *input_grads, *[t.grad for t in stand_ins], None)
 
 
 class Reparametrized(torch.nn.Module):
@@ -289,6 +309,12 @@ class TracedPackedCheckpointFunction(torch.autograd.Function):
         return (None, None, None, None, None, *input_grads, *param_grads)
 
 
+def _plain_parameter(p: torch.Tensor) -> bool:
+    """A parameter the layer computes with as it is: not FSDP2's DTensor or DeepSpeed ZeRO-3's
+    shard, which their engines gather into other tensors for the forward."""
+    return not hasattr(p, "_local_tensor") and not hasattr(p, "ds_id")
+
+
 def _record_outputs(call: _Call, out) -> tuple[torch.Tensor, ...]:
     """Note on ``call`` how to rebuild ``out`` from its tensors, and return them."""
     out_leaves, call.out_spec = tree_flatten(out)
@@ -305,12 +331,13 @@ def packed_checkpoint(
     codec: Codec,
     reparametrized: Reparametrized | None = None,
     layer: torch.nn.Module | None = None,
+    traceable: bool = True,
     **kwargs,
 ):
     """Run ``function(*args, **kwargs)`` keeping only its first positional argument, packed by
     ``codec``, and recompute it in backward (the ``_gradient_checkpointing_func`` of a
     ``GradientCheckpointingLayer``, given as ``layer`` when installed). Under ``no_grad`` it
-    just calls ``function``."""
+    just calls ``function``. ``traceable=False`` keeps the eager form under torch.compile."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     func, bound_args, bound_kwargs = function, (), {}
@@ -341,6 +368,7 @@ def packed_checkpoint(
     call = _Call(func, leaves, spec, tensor_index, packed_index, codec)
     if (
         torch.compiler.is_compiling()
+        and traceable
         and reparametrized is not None
         and modules == [reparametrized.layer]
         and not (reparametrized.draws_random_numbers and modules[0].training)
@@ -356,10 +384,23 @@ def packed_checkpoint(
             call, reparametrized, names, keys, len(tensors), *tensors, *[p for _, p in trainable]
         )
     else:
+        if reparametrized is None and len(modules) == 1 and not torch.compiler.is_compiling():
+            reparametrized = Reparametrized(modules[0])  # a module is made outside a trace
+        listed = []
+        if reparametrized is not None and modules == [reparametrized.layer]:
+            listed = [
+                (name, p)
+                for name, p in modules[0].named_parameters()
+                if p.requires_grad and _plain_parameter(p)
+            ]
+        names = tuple("layer." + name for name, _ in listed)
         # Without an input that needs a gradient the node would not exist and the layer's
         # trainable parameters would get none: an empty input that requires grad makes it.
-        anchor = torch.empty(0, requires_grad=not inputs_need_grad)
-        outs = PackedCheckpointFunction.apply(call, *tensors, anchor)
+        needs_anchor = not inputs_need_grad and not listed
+        anchor = torch.empty(0, requires_grad=needs_anchor)
+        outs = PackedCheckpointFunction.apply(
+            call, reparametrized, names, len(tensors), *tensors, *[p for _, p in listed], anchor
+        )
     out_leaves = list(call.out_leaves)
     for position, tensor in zip(call.out_tensor_index, outs, strict=True):
         out_leaves[position] = tensor

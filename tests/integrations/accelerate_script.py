@@ -4,6 +4,7 @@ rank on its share, and write each rank's losses, the updated weights and the rou
 rank draws for one fixed tensor.
 
     accelerate launch --multi_gpu ... accelerate_script.py OUT_DIR {ddp,fsdp2} {before,after} [RECIPE]
+    accelerate launch --multi_gpu ... accelerate_script.py OUT_DIR trainer RECIPE...
 
 "ddp" wraps the model with ``accelerator.prepare``; "fsdp2" shards it with torch's
 ``fully_shard`` (accelerate runs DDP on CPU even when asked for FSDP, so the sharding is done
@@ -20,13 +21,14 @@ import torch
 import hf_actq
 from hf_actq.codecs import uniform
 from hf_actq.ops.dedup import PackCache
-from hf_actq.testing import tiny_llama
+from hf_actq.testing import CausalRows, short_training, tiny_llama
 
 STEPS = 3
 GLOBAL_BATCH = 4
 CONFIGS = {
     "uniform": hf_actq.ActQConfig(bits=4),
     "checkpoint": hf_actq.ActQConfig.from_recipe("checkpoint", bits=8),
+    "checkpoint-4": hf_actq.ActQConfig.from_recipe("checkpoint"),
 }
 CONFIG = CONFIGS["uniform"]
 
@@ -120,5 +122,32 @@ def main(out_dir, mode, when, recipe="uniform"):
     torch.distributed.destroy_process_group()
 
 
+def trainer_main(out_dir, *recipes):
+    """``Trainer`` with ``ActQCallback`` under DDP, one run per recipe ("stock": no callback),
+    with Trainer's own ``ddp_find_unused_parameters`` (decided before the callback patches)."""
+    from transformers import Trainer
+
+    record = {}
+    for recipe in recipes:
+        args = short_training(f"{out_dir}/{recipe}")
+        callbacks = [] if recipe == "stock" else [hf_actq.ActQCallback(CONFIGS[recipe])]
+        model = build_model()
+        trainer = Trainer(model=model, args=args, train_dataset=CausalRows(), callbacks=callbacks)
+        trainer.train()
+        record[recipe] = {
+            "world": args.world_size,
+            "wrapper": type(trainer.model_wrapped).__name__,
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "weights": full_weights(model),
+        }
+    rank = trainer.accelerator.process_index
+    torch.save(record, f"{out_dir}/rank{rank}.pt")
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    if sys.argv[2] == "trainer":
+        trainer_main(sys.argv[1], *sys.argv[3:])
+    else:
+        main(*sys.argv[1:5])

@@ -102,6 +102,19 @@ def test_two_processes_match_one_process_on_the_same_global_batch(
     assert _update_cosine(initial, ranks[0]["weights"], unpatched_weights) > 0.985
 
 
+def test_trainer_under_ddp_trains_the_checkpoint_recipe_without_find_unused_settings(tmp_path):
+    # Trainer picks find_unused_parameters=True before the callback turns checkpointing on;
+    # the packed checkpoint's node then lists the layers' parameters as its inputs, so DDP sees
+    # them used and each gets its gradient once.
+    ranks = _launch(tmp_path, "trainer", "stock", "checkpoint-4")
+    stock, run = ranks[0]["stock"], ranks[0]["checkpoint-4"]
+    assert run["world"] == 2 and run["wrapper"] == "DistributedDataParallel"
+    for name, weight in run["weights"].items():  # the replicas agree
+        assert torch.equal(weight, ranks[1]["checkpoint-4"]["weights"][name]), name
+    assert run["losses"][0] == pytest.approx(stock["losses"][0], rel=1e-6)
+    assert run["losses"] == pytest.approx(stock["losses"], rel=2e-3)
+
+
 @pytest.mark.slow  # 14 s; tests/integrations/test_apply.py shares norm outputs in one process
 def test_fsdp2_bert_shares_norm_outputs_across_units(tmp_path):
     # Each BERT layer's last LayerNorm feeds the next layer's q, k, v (another FSDP unit), whose

@@ -155,3 +155,14 @@ def test_a_model_forward_wrapped_after_apply_runs_stock_once_reverted(name):
         assert torch.equal(reverted.logits, expected.logits)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_fused_gated_mlps_are_zero3_leaf_modules_until_revert():
+    # The fused MLP reads its projections' weights without calling them: DeepSpeed ZeRO-3 must
+    # gather them with the MLP (tests/integrations/test_deepspeed.py runs it).
+    model = _llama()
+    handle = hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("uniform"))
+    leaves = [path for path, module in model.named_modules() if module.__dict__.get("_z3_leaf")]
+    assert leaves == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    handle.revert()
+    assert not any("_z3_leaf" in module.__dict__ for module in model.modules())

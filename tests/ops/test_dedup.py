@@ -29,6 +29,36 @@ def test_without_checkpointing_consumers_share_one_packed_copy():
     assert len(cache) == 0
 
 
+def test_aliases_of_an_input_share_its_packed_copy_while_its_storage_lives():
+    # DeepSpeed ZeRO-3 gives every module its own detach() of each input, dropped when the
+    # module returns: q, k and v each see another tensor over the same data.
+    cache = PackCache()
+    codec = uniform(4)
+    x = torch.randn(8, 64)
+    first = cache.pack(x.detach(), codec)
+    again = cache.pack(x.detach(), codec)
+    assert again.tensors[0] is first.tensors[0]
+    # A view elsewhere in the storage, or the same data changed in place, is packed afresh.
+    assert cache.pack(x[1:].detach(), codec).tensors[0] is not first.tensors[0]
+    x.mul_(2)
+    assert cache.pack(x.detach(), codec).tensors[0] is not first.tensors[0]
+
+
+def test_a_new_tensor_in_freed_memory_is_not_taken_for_the_old_one():
+    # Two storages over one buffer, one after the other: what an allocator reusing a freed
+    # block does, made certain.
+    memory = bytearray(8 * 64 * 4)
+    cache = PackCache()
+    codec = uniform(4)
+    x = torch.frombuffer(memory, dtype=torch.float32).view(8, 64)
+    x.copy_(torch.randn(8, 64))
+    kept = cache.pack(x, codec)  # the buffers stay alive, the input does not
+    del x
+    gc.collect()
+    y = torch.frombuffer(memory, dtype=torch.float32).view(8, 64)
+    assert cache.pack(y, codec).tensors[0] is not kept.tensors[0]
+
+
 def test_non_reentrant_checkpointing_frees_what_the_first_pass_packed():
     # The layer's input is the checkpoint's own input, alive until backward; the cache used to
     # keep its packed copy alive with it, which checkpointing meant to free.

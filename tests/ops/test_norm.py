@@ -9,7 +9,7 @@ from hf_actq.codecs import uniform
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.kernels.packing import CHUNK_ELEMENTS
 from hf_actq.memory.peak import PeakMemory
-from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.dedup import PackCache, _where
 from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
 from hf_actq.ops.state import state_of
 
@@ -219,7 +219,7 @@ def test_compressed_norm_offers_its_output_to_the_next_linear(kind):
     params_bytes = sum(p.numel() * p.element_size() for p in norm.parameters())
     assert nbytes[False] - nbytes[True] == codec.nbytes(y.shape) - params_bytes
     # What the linear rebuilds is the norm's output from its packed x_hat.
-    entry = cache._entries[id(y)]
+    entry = cache._entries[_where(y)]
     rebuilt = entry.reuse(y, codec)
     assert isinstance(rebuilt, NormOutputPacked)
     x_hat = rebuilt.source.with_tensors(rebuilt.tensors[: rebuilt._split]).unpack()

@@ -74,6 +74,24 @@ def _plain_and_packed(block, codec):
     return plain, packed
 
 
+def test_parameters_get_their_gradient_once_as_outputs_of_the_node():
+    # DDP and DeepSpeed listen on each parameter's gradient accumulation: a parameter that two
+    # checkpointed calls share (or that DDP took for unused because no node listed it) must see
+    # one accumulation per backward, not one per recompute.
+    block = Block().eval()
+    accumulations = []
+    block.up.weight.register_post_accumulate_grad_hook(lambda p: accumulations.append(1))
+    x, _ = _inputs()
+    run = functools.partial(packed_checkpoint, codec=ExactCodec(), layer=block)
+    out = run(block.__call__, run(block.__call__, x)[0])[0]
+    out.sum().backward()
+    assert len(accumulations) == 1
+    reference = Block().eval()
+    reference.load_state_dict(block.state_dict())
+    reference(reference(x.detach())[0])[0].sum().backward()
+    torch.testing.assert_close(block.up.weight.grad, reference.up.weight.grad)
+
+
 def test_exact_codec_replays_dropout_and_gives_every_input_its_gradient():
     """With an exact codec the checkpointed block gives bit-identical gradients to the plain
     one under dropout (the recompute draws the same masks), the keyword tensor included."""
