@@ -18,14 +18,17 @@ from torch import nn
 from hf_actq.config import ActQConfig
 from hf_actq.integrations.transformers import apply
 from hf_actq.memory import SavedTensorMeter
+from hf_actq.report.cli import Parser, positive_int
 from hf_actq.report.presets import preset_config
+
+MAX_SEQ_LEN = 256  # the tiny BERT's position embeddings
 
 
 def tiny_bert(seed: int = 0):
     from transformers import BertForSequenceClassification
 
     config = preset_config("tiny-bert")
-    config.max_position_embeddings, config.num_labels = 256, 2
+    config.max_position_embeddings, config.num_labels = MAX_SEQ_LEN, 2
     torch.manual_seed(seed)
     return BertForSequenceClassification(config)
 
@@ -99,12 +102,34 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:8.2f} MiB"
 
 
+def _bounded(low: int, high: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer in {low}..{high} ({what}), got {text!r}"
+            )
+        return value
+
+    return parse
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="hf-actq demo", description=__doc__)
-    parser.add_argument("--bits", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
+    parser = Parser(prog="hf-actq demo", description=__doc__)
+    parser.add_argument(
+        "--bits", type=_bounded(1, 4, "few-bit derivatives"), default=3, help="1..4"
+    )
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument(
+        "--seq-len",
+        type=_bounded(1, MAX_SEQ_LEN, "the tiny BERT's positions"),
+        default=128,
+        help=f"1..{MAX_SEQ_LEN}",
+    )
     args = parser.parse_args(argv)
     result = run(args.bits, args.steps, args.batch_size, args.seq_len)
 

@@ -33,3 +33,22 @@ def test_console_command_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert "GELU slots" in proc.stdout and "activation memory saved" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (["--bits", "99"], "--bits: expected an integer in 1..4 (few-bit derivatives), got '99'"),
+        (["--bits", "6"], "--bits: expected an integer in 1..4"),  # it printed 6, ran 4
+        (["--steps", "0"], "--steps: expected a positive integer, got '0'"),
+        (["--batch-size", "0"], "--batch-size: expected a positive integer, got '0'"),
+        (["--seq-len", "100000"], "--seq-len: expected an integer in 1..256"),
+    ],
+)
+def test_mistakes_are_one_line_before_any_training(arguments, says, capsys, monkeypatch):
+    monkeypatch.setattr(demo, "run", lambda *a: pytest.fail("trained"))
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(arguments)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err

@@ -11,10 +11,9 @@ tensor is kept or materialised; the output's ``logits`` is None then. Everywhere
 labels) and for heads it cannot read exactly (a head that is not a plain ``nn.Linear``, such as a
 LoRA-adapted or 4-bit head; a head with an accelerate hook, which may move or load its weight;
 a loss other than transformers' ``ForCausalLMLoss``: a custom ``loss_type`` or
-``loss_function``), the stock forward runs unchanged. Plain torch hooks on the head do not run
-while the fused loss is in use, since the head module itself is not called. Set
-``ActQConfig(fused_loss=False)``, or pass ``return_logits=True`` to a call, where a training loop
-needs the logits.
+``loss_function``; a head with torch hooks, which must run), the stock forward runs unchanged.
+Set ``ActQConfig(fused_loss=False)``, or pass ``return_logits=True`` to a call, where a training
+loop needs the logits.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from hf_actq.integrations.patching import bind_forward
-from hf_actq.ops.linear_cross_entropy import causal_lm_loss
-from hf_actq.ops.state import STATE, OpState, state_of
+from hf_actq.ops.linear_cross_entropy import IGNORE_INDEX, causal_lm_loss
+from hf_actq.ops.state import STATE, OpState, has_hooks, state_of
 
 DESCRIPTION = "lm_loss chunked linear + cross-entropy (exact; no logits kept)"
 
@@ -49,8 +48,10 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         and self.training
         and torch.is_grad_enabled()
         and type(head) is nn.Linear  # a patched nn.Linear keeps its class
-        # accelerate's hooks may move or load the head's weight in its forward: run it.
+        # accelerate's hooks may move or load the head's weight in its forward, and a user's
+        # hooks must run: call it.
         and not hasattr(head, "_hf_hook")
+        and not has_hooks(head)
         and self.loss_function is ForCausalLMLoss  # what the fused loss computes
     )
     if not fused:
@@ -82,6 +83,8 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         softcap=getattr(self.config, "final_logit_softcapping", None),
         logit_scale=1.0 if logit_scale_of is None else logit_scale_of(self.config),
         num_items_in_batch=num_items_in_batch,
+        # The stock forward hands its extra keywords to the loss too (and to the base model).
+        ignore_index=extra.get("ignore_index", IGNORE_INDEX),
     )
     output_class = _output_class(type(self))
     # Every other field (cache, hidden states, a vision-language model's image outputs) is the

@@ -8,20 +8,24 @@ tied embeddings), apply the head, add a final bias (BART) and take the mean cros
 targets other than -100, all inline; rather than copy that per model, the bound forward runs the
 stock forward without labels (decoder inputs made by the model's own
 ``prepare_decoder_input_ids_from_labels``, ``use_cache`` off as the stock forward sets it when
-given labels) with the head swapped for a module that records its input and returns a
-zero-stride stand-in for the logits, then computes the loss from that input, the head's weight
-and bias and the model's ``final_logits_bias`` (BART adds it to the stand-in, which allocates
-one [tokens, vocab] tensor without gradient, freed as the forward returns). The loss is computed
-in fp32 (the stock loss takes the model's dtype): equal in fp32, closer to exact in half
-precision. In training with
-labels the output's ``logits`` is None; everywhere else (eval, ``no_grad``, no labels, heads
-that are not a plain ``nn.Linear``, accelerate-hooked heads, ``return_logits=True``) the stock
-forward runs unchanged.
+given labels) while the head, for this call only, records its input and returns a zero-stride
+stand-in for the logits, then computes the loss from that input, the head's weight and bias and
+the model's ``final_logits_bias`` (BART adds it to the stand-in, which allocates one [tokens,
+vocab] tensor without gradient, freed as the forward returns). "For this call only": the head's
+own forward (bound at apply) asks a context variable, which each thread has its own of, so the
+model used from another thread at the same time computes its logits as usual. The loss is
+computed in fp32 (the stock loss takes the model's dtype): equal in fp32, closer to exact in half
+precision. In training with labels the output's ``logits`` is None; everywhere else (eval,
+``no_grad``, no labels, heads that are not a plain ``nn.Linear``, heads with hooks or an
+accelerate hook, ``return_logits=True``) the stock forward runs unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import types
+from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,24 +33,32 @@ from torch import nn
 from hf_actq.integrations.causal_lm import bound_arguments, stock_forward_after_revert
 from hf_actq.integrations.patching import bind_forward
 from hf_actq.ops.linear_cross_entropy import linear_cross_entropy
-from hf_actq.ops.state import STATE, OpState, state_of
+from hf_actq.ops.state import STATE, OpState, has_hooks, state_of
 
 DESCRIPTION = "seq2seq lm_loss chunked linear + cross-entropy (exact; no logits kept)"
 
 
-class _HeadInput(nn.Module):
-    """Stands in for the head during the stock forward: keeps the head's input and returns
-    zeros of the logits' shape without allocating them (the stock forward only passes them on,
-    or adds BART's ``final_logits_bias``)."""
+@dataclass
+class _HeadInput:
+    """What the head records, in the context of one fused call: its input."""
 
-    def __init__(self, vocab: int):
-        super().__init__()
-        self.vocab = vocab
-        self.hidden = None
+    head: nn.Module
+    hidden: torch.Tensor | None = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.hidden = hidden
-        return hidden.new_zeros(()).expand(*hidden.shape[:-1], self.vocab)
+
+_RECORDING: ContextVar[_HeadInput | None] = ContextVar("hf_actq_head_input", default=None)
+
+
+def _recording_head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """The head's forward while hf_actq is applied: inside a fused call (in this thread or
+    context), record the input and return zeros of the logits' shape without allocating them
+    (the stock forward only passes them on, or adds BART's ``final_logits_bias``); elsewhere the
+    stock linear."""
+    recording = _RECORDING.get()
+    if recording is None or recording.head is not head:
+        return nn.Linear.forward(head, hidden)
+    recording.hidden = hidden
+    return hidden.new_zeros(()).expand(*hidden.shape[:-1], head.out_features)
 
 
 def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
@@ -60,7 +72,9 @@ def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
         and self.training
         and torch.is_grad_enabled()
         and type(head) is nn.Linear
-        and not hasattr(head, "_hf_hook")
+        and head.__dict__.get("forward") is not None
+        and head.__dict__["forward"].__func__ is _recording_head_forward
+        and not has_hooks(head)
     )
     if not fused:
         return state.plain(*args, **kwargs)
@@ -78,13 +92,13 @@ def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
         arguments["decoder_input_ids"] = self.prepare_decoder_input_ids_from_labels(labels=labels)
     if arguments.get("use_cache") is None:
         arguments["use_cache"] = False
-    catcher = _HeadInput(head.out_features)
-    setattr(self, head_name, catcher)
+    catcher = _HeadInput(head)
+    token = _RECORDING.set(catcher)
     try:
         # A ModelOutput whatever the config's return_dict (its fields are read below).
         output = state.plain(**arguments, **extra, return_dict=True)
     finally:
-        setattr(self, head_name, head)
+        _RECORDING.reset(token)
     bias = head.bias
     final_bias = getattr(self, "final_logits_bias", None)  # BART: [1, vocab], not trained
     if final_bias is not None:
@@ -109,10 +123,22 @@ def patch_seq2seq_lm_loss(model: nn.Module, handle) -> bool:
     head_name = next((name for name, child in model.named_children() if child is head), None)
     if not isinstance(head, nn.Linear) or head_name is None:
         return False
+    if "forward" in head.__dict__:  # an accelerate hook, or someone's own: left alone
+        return False
     # The stock forward's signature stays visible (Trainer picks the dataset columns by it).
     forward = functools.wraps(type(model).forward)(
         lambda self, *args, **kwargs: fused_seq2seq_lm_forward(
             self, *args, head_name=head_name, **kwargs
         )
     )
-    return bind_forward(model, forward, OpState(path=""), "", lambda: DESCRIPTION, handle)
+    if not bind_forward(model, forward, OpState(path=""), "", lambda: DESCRIPTION, handle):
+        return False
+    handle.record(undo=functools.partial(_stop_recording, head))
+    head.__dict__["forward"] = types.MethodType(_recording_head_forward, head)
+    return True
+
+
+def _stop_recording(head: nn.Module) -> None:
+    forward = head.__dict__.get("forward")
+    if getattr(forward, "__func__", None) is _recording_head_forward:
+        del head.__dict__["forward"]

@@ -79,10 +79,6 @@ class ActQCallback(TrainerCallback, ExportableState):
         if model is None:
             return
         base = unwrap(model)
-        current = getattr(base, _HANDLE, None)
-        if current is not None:
-            self.handle = current
-            return
         if self.config.fused_loss and _reads_training_logits(args):
             logger.info(
                 "hf_actq: TRL's %s computes its metrics from the logits (or the loss with its "
@@ -90,6 +86,16 @@ class ActQCallback(TrainerCallback, ExportableState):
                 type(args).__name__,
             )
             self.config = dataclasses.replace(self.config, fused_loss=False)
+        current = getattr(base, _HANDLE, None)
+        if current is not None:
+            if current.config != self.config:
+                raise ValueError(
+                    "ActQCallback: the model is already patched with another config ("
+                    + _differences(self.config, current.config)
+                    + "): call hf_actq.revert(model) first, or give the callback the model's"
+                )
+            self.handle = current
+            return
         self.handle = apply(base, self.config)
         if state is None or state.is_world_process_zero:
             logger.info("hf_actq: patched %s (%s)", self.handle.summary() or "nothing", self.config)
@@ -181,6 +187,15 @@ class ActQCallback(TrainerCallback, ExportableState):
         if attributes.get("resumed_plan") is None:
             return False
         plan = BitPlan.from_dict(attributes["resumed_plan"])
+        if plan.target_bits != self.handle.config.bits:
+            logger.warning(
+                "hf_actq: the checkpoint's plan is for bits=%s and this run's config asks for "
+                "bits=%s: calibrating a plan for %s instead of resuming with it",
+                plan.target_bits,
+                self.handle.config.bits,
+                self.handle.config.bits,
+            )
+            return False
         self.handle.set_plan(plan)
         self.plans.append(plan)
         self.calibrated_at = list(attributes.get("calibrated_at") or [])
@@ -252,6 +267,14 @@ class ActQCallback(TrainerCallback, ExportableState):
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
+
+
+def _differences(mine: ActQConfig, theirs: ActQConfig) -> str:
+    """``field: this callback's value, the model's`` for each field the configs differ in."""
+    a, b = mine.to_dict(), theirs.to_dict()
+    keys = sorted((key for key in a if a[key] != b[key]), key=lambda key: key != "recipe")
+    shown = [f"{key}: {a[key]!r} here, {b[key]!r} on the model" for key in keys[:3]]
+    return "; ".join(shown + ([f"{len(keys) - 3} more"] if len(keys) > 3 else []))
 
 
 def calibration_batch(dataloader, examples: int, offset: int = 0):

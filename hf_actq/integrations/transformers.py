@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import types
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from hf_actq.integrations.patching import (
 from hf_actq.integrations.registry import MODEL_TYPE_TO_APPLY_FN, apply_generic
 from hf_actq.ops import dedup
 from hf_actq.ops.fewbit_activation import ActivationTable
-from hf_actq.ops.state import NOT_PICKLABLE, OpState
+from hf_actq.ops.state import NOT_PICKLABLE, STATE, OpState
 
 logger = logging.getLogger("hf_actq")
 
@@ -207,6 +208,7 @@ def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) 
             skip = checkpointing.skip_pattern(handle.checkpointed)
             patch_config = config.replace(skip_modules=[*config.skip_modules, skip])
     MODEL_TYPE_TO_APPLY_FN.get(model_type, apply_generic)(base, patch_config, handle)
+    _check_settings_match(base, config)
     _advance_step_seed_per_forward(base, handle)
     support_data_parallel(base, handle)
     if plan is not None:
@@ -219,6 +221,31 @@ def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) 
             config.bits,
         )
     setattr(base, _HANDLE, handle)
+
+
+def _check_settings_match(model: nn.Module, config: ActQConfig) -> None:
+    """A ``slots`` key that names no slot of the patched model is a ValueError (a mistyped id
+    would be ignored); a ``slots`` regex or a ``skip_modules`` pattern that matches nothing is
+    warned about (a config shared between models may hold one for another model)."""
+    slot_ids = set()
+    for module in model.modules():
+        state = module.__dict__.get(STATE)
+        if state is not None:
+            slots = [*state.codecs, *(["act"] if state.activation is not None else [])]
+            slot_ids.update(state.slot_id(slot) for slot in slots)
+    for key in config.slots:
+        if key.startswith("re:"):
+            if not any(re.search(key[3:], slot) for slot in slot_ids):
+                logger.warning("hf_actq: slots[%r] matches no slot of this model", key)
+        elif key not in slot_ids:
+            raise ValueError(
+                f"slots[{key!r}] names no slot of this model (handle.slots lists the ids, "
+                "'<module path>:<slot>'; a skipped module has none)"
+            )
+    paths = [path for path, _ in model.named_modules()]
+    for pattern in config.skip_modules:
+        if not any(re.search(pattern, path) for path in paths):
+            logger.warning("hf_actq: skip_modules pattern %r matches no module path", pattern)
 
 
 class _PickleGuard:

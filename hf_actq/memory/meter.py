@@ -14,11 +14,14 @@ the hooks: a Python number multiplied into a tensor, like PEFT LoRA's ``* scalin
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable
 
 import torch
 from torch import nn
+
+from hf_actq.ops.state import observing
 
 OP_KINDS = (
     "linear", "attention", "mlp", "norm", "activation", "dropout", "embedding", "lm_loss", "other",
@@ -63,7 +66,8 @@ class SavedTensorMeter:
             for path, module in self._model.named_modules():
                 kind = op_kind(path, module)
                 self._handles.append(module.register_forward_pre_hook(self._enter(path, kind)))
-                self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+                leave = observing(functools.partial(SavedTensorMeter._leave, self))
+                self._handles.append(module.register_forward_hook(leave, always_call=True))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -78,7 +82,7 @@ class SavedTensorMeter:
         def hook(module, args):
             self._stack.append((path, kind))
 
-        return hook
+        return observing(hook)
 
     def _leave(self, module, args, output):
         if self._stack:

@@ -19,12 +19,11 @@ Both have the signature of transformers' attention functions and register with
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec, draw_seed
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.dropout import keep_mask
-from hf_actq.ops.state import STATE, OpState, keep_rng_stream, wants_backward
+from hf_actq.ops.state import STATE, OpState, keep_rng_stream, once_differentiable, wants_backward
 
 EAGER_SLOTS = ("q", "k", "v", "probs")
 SDPA_SLOTS = ("q", "k", "v")
@@ -158,7 +157,7 @@ def compressed_eager_attention(
             scores = scores + attention_mask
         dropped = torch.nn.functional.dropout(torch.softmax(scores, dim=-1), p, training=True)
         return torch.matmul(dropped, value).transpose(1, 2).contiguous(), dropped
-    if wants_backward(query, key, value):
+    if wants_backward(module, query, key, value):
         out, weights = CompressedAttentionFunction.apply(
             query,
             key,
@@ -328,7 +327,7 @@ def compressed_sdpa_attention(
         )[0]
 
     state = _state(module, codecs, cache)
-    if not wants_backward(query, key, value, position_bias):
+    if not wants_backward(module, query, key, value, position_bias):
         output = run_sdpa(query, key, value, attention_mask, position_bias)
         keep_rng_stream(module, *(state.codecs.get(name) for name in SDPA_SLOTS))
         return output, None

@@ -16,10 +16,9 @@ module), so the forward output equals the unpatched module's bit for bit.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from hf_actq.ops.attention import _capture_rng, _restore_rng, _Slot
-from hf_actq.ops.state import state_of, wants_backward
+from hf_actq.ops.state import once_differentiable, state_of, wants_backward
 
 SLOTS = ("q", "k", "v")
 
@@ -96,7 +95,7 @@ class CompressedDisentangledSelfAttention(torch.nn.Module):
         if (
             output_attentions
             or torch.compiler.is_compiling()
-            or not wants_backward(hidden_states, *self.parameters())
+            or not wants_backward(self, hidden_states, *self.parameters())
         ):
             return state.plain(
                 hidden_states,

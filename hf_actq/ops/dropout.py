@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import draw_seed
 from hf_actq.kernels import mask_pack, mask_unpack, seeded_dropout
 from hf_actq.kernels.dropout import dropout_keep_reference
-from hf_actq.ops.state import OpState, set_state, state_of, wants_backward
+from hf_actq.ops.state import OpState, once_differentiable, set_state, state_of, wants_backward
 
 MODES = ("seed", "mask")
 
@@ -75,7 +74,7 @@ class CompressedDropout(nn.Dropout):
             # Under torch.compile the seed cannot be read in the trace: stock dropout, whose
             # mask the compiler keeps (or regenerates, on CUDA) as it chooses.
             return state_of(self).plain(x)
-        if not wants_backward(x):
+        if not wants_backward(self, x):
             # What the Function would compute, from the same single seed draw.
             if state_of(self).dropout_mode == "seed":
                 return seeded_dropout(x, self.p, draw_seed())

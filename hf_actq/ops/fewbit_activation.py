@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from hf_actq.fewbit.activations import get_activation, resolve_params
 from hf_actq.fewbit.dp import FewBitTable
 from hf_actq.fewbit.tables import table_for, validate_bits
 from hf_actq.kernels import fewbit_backward, fewbit_codes
 from hf_actq.ops.slots import observer
-from hf_actq.ops.state import OpState, keep_rng_stream, set_state, state_of, wants_backward
+from hf_actq.ops.state import (
+    OpState,
+    keep_rng_stream,
+    once_differentiable,
+    set_state,
+    state_of,
+    wants_backward,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SLOTS = ("act",)
@@ -186,7 +192,7 @@ class FewBitActivation(nn.Module):
                 f"{type(self).__name__} needs a floating-point input (float32, float16, bfloat16 "
                 f"or float64), got {x.dtype}"
             )
-        if not wants_backward(x):
+        if not wants_backward(self, x):
             keep_rng_stream(self, state.codecs.get("act"))
             return state.plain(x)
         if state.codecs.get("act") is not None:

@@ -19,7 +19,6 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec
 from hf_actq.fewbit.activations import activation_of
@@ -31,7 +30,9 @@ from hf_actq.ops.slots import observer
 from hf_actq.ops.state import (
     OpState,
     default_state,
+    has_hooks,
     keep_rng_stream,
+    once_differentiable,
     set_state,
     state_of,
     wants_backward,
@@ -105,12 +106,14 @@ def gated_down(state: OpState, gate, up, down: nn.Module | None) -> torch.Tensor
 
 def runs_as_linear(module) -> bool:
     """Whether a fused op may compute ``module``'s linear itself instead of calling it: a plain
-    ``nn.Linear`` with no accelerate hook (which may move or load its weights) and no
-    instance-level forward of someone else's. (Plain torch forward hooks on it do not run.)"""
+    ``nn.Linear`` with no accelerate hook (which may move or load its weights), no
+    instance-level forward of someone else's, and no torch hooks (a user's, or
+    ``torch.nn.utils.prune``'s, which recomputes the weight before each call)."""
     return (
         type(module) is nn.Linear
         and not hasattr(module, "_hf_hook")
         and "forward" not in module.__dict__
+        and not has_hooks(module)
     )
 
 
@@ -122,11 +125,37 @@ def _warn_replaced(module: nn.Module, state: OpState) -> None:
     if not state.warned_replaced:
         state.warned_replaced = True
         logger.warning(
-            "hf_actq: a projection of %s was replaced after hf_actq.apply (e.g. by PEFT); the "
-            "gated product stays compressed but the replaced projections' inputs are not. "
-            "Apply hf_actq after get_peft_model for full coverage.",
-            type(module).__name__,
+            "hf_actq: a projection of %s was replaced or given hooks after hf_actq.apply; it "
+            "runs as its own module now (hooks included) with its input kept stock, and only "
+            "the gated product stays compressed (apply after get_peft_model or the hooks to "
+            "compress it too)",
+            state.path or type(module).__name__,
         )
+
+
+def follows_activation(state: OpState, current: nn.Module) -> bool:
+    """Whether the fused product may run with ``current``, the activation module the MLP holds
+    now: the one the state's derivative table was made for, an equal one, or a replacement
+    hf_actq supports (it gets a table of its own at the same bits). For one it cannot fuse, the
+    caller runs the stock forward (warned once)."""
+    if current is state.act_module:
+        return True
+    found = activation_of(current)
+    table = state.activation
+    if found is not None:
+        if found != (table.spec.name, table.params):
+            state.activation = ActivationTable(found[0], table.bits, found[1])
+        state.act_module = current
+        return True
+    if not state.warned_activation:
+        state.warned_activation = True
+        logger.warning(
+            "hf_actq: the activation of %s was replaced after hf_actq.apply by %s, which "
+            "hf_actq cannot fuse; the MLP runs stock",
+            state.path or "a gated MLP",
+            type(current).__name__,
+        )
+    return False
 
 
 class CompressedGatedMLP(nn.Module):
@@ -163,10 +192,13 @@ class CompressedGatedMLP(nn.Module):
         activation = ActivationTable(found[0], activation_bits, found[1])
         state = default_state(mlp.forward, codec, cache, CODEC_SLOTS, activation=activation)
         state.fused_projections = plain_projections(mlp)
+        state.act_module = mlp.act_fn
         set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
+        if not follows_activation(state, self.act_fn):
+            return state.plain(x)
         gate_proj, up_proj, down = self.gate_proj, self.up_proj, self.down_proj
         if not plain_projections(self):
             if state.fused_projections:
@@ -174,11 +206,11 @@ class CompressedGatedMLP(nn.Module):
             # The projections run as their own (possibly patched) modules, in the stock order:
             # a dropout inside one (LoRA's) must draw at the same point in every pass.
             gate, up = gate_proj(x), up_proj(x)
-            if wants_backward(gate, up):
+            if wants_backward(self, gate, up):
                 return down(gated_down(state, gate, up, None))
             keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
             return down(self.act_fn(gate) * up)
-        if not wants_backward(x, *self.parameters()):
+        if not wants_backward(self, x, *self.parameters()):
             packs_x = [
                 state.codecs["input"] for p in (gate_proj, up_proj) if p.weight.requires_grad
             ]
@@ -224,16 +256,19 @@ class CompressedFusedGatedMLP(nn.Module):
         activation = ActivationTable(found[0], activation_bits, found[1])
         state = default_state(mlp.forward, codec, cache, CODEC_SLOTS, activation=activation)
         state.codecs["input"] = linear_codec
+        state.act_module = mlp.activation_fn
         set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
         fused, down = self.gate_up_proj, self.down_proj
+        if not follows_activation(state, self.activation_fn):
+            return state.plain(x)
         if not is_fused_gated_mlp(self):
             _warn_replaced(self, state)
             return state.plain(x)
         input_codec = state.codecs.get("input")
-        if not wants_backward(x, *self.parameters()):
+        if not wants_backward(self, x, *self.parameters()):
             packs_x = input_codec if fused.weight.requires_grad else None
             keep_rng_stream(self, packs_x, state.codecs["gate"], state.codecs["up"])
             return state.plain(x)
@@ -275,14 +310,16 @@ class CompressedT5GatedMLP(nn.Module):
         self.wi_0, self.wi_1, self.wo = mlp.wi_0, mlp.wi_1, mlp.wo
         self.act, self.dropout = mlp.act, mlp.dropout
         activation = ActivationTable(found[0], activation_bits, found[1])
-        set_state(
-            self, default_state(mlp.forward, codec, cache, ("gate", "up"), activation=activation)
-        )
+        state = default_state(mlp.forward, codec, cache, ("gate", "up"), activation=activation)
+        state.act_module = mlp.act
+        set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
+        if not follows_activation(state, self.act):
+            return state.plain(x)
         gate, up = self.wi_0(x), self.wi_1(x)
-        if wants_backward(gate, up):
+        if wants_backward(self, gate, up):
             hidden = gated_down(state, gate, up, None)
         else:
             keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])

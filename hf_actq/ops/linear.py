@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.state import (
     default_state,
     keep_rng_stream,
+    once_differentiable,
     set_state,
     state_of,
     wants_backward,
@@ -62,7 +62,7 @@ SLOTS = ("input",)
 def compressed_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T + module.bias``, keeping the packed input when backward needs it."""
     state = state_of(module)
-    if not wants_backward(x, weight, module.bias):
+    if not wants_backward(module, x, weight, module.bias):
         if weight.requires_grad:
             keep_rng_stream(module, state.codecs["input"])
         return state.plain(x)

@@ -19,6 +19,10 @@ half-precision heads with more words than tokens, backward walks the vocabulary 
 instead, from each token's log-sum-exp kept by the forward, writing each block's weight
 gradient once in the model dtype and summing the [tokens, hidden] input gradient in fp32.
 
+In fp16 the gradient formed in the forward is kept at a power-of-two headroom rather than
+scaled by 1/tokens (which flushes a large vocabulary's small probabilities to zero), and backward
+applies the rest with the incoming gradient in fp32: a GradScaler's 65536 is no fp16 number.
+
 The arithmetic follows transformers' ``ForCausalLMLoss``: logits in the model dtype, optional
 soft-capping ``cap * tanh(logits / cap)`` in the model dtype (Gemma 2), fp32 log-softmax, the
 mean over tokens whose label is not ``ignore_index`` or the sum over ``num_items_in_batch``
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
+
+from hf_actq.kernels.packing import row_chunks
+from hf_actq.ops.state import once_differentiable
 
 IGNORE_INDEX = -100
 
@@ -213,6 +219,31 @@ def _(hidden, weight, bias, targets, valid, scale, lse, softcap, logit_scale, sm
     )
 
 
+def _fp16_headroom(weight: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """A power of two ``h`` (an fp32 tensor) for fp16 gradients formed as ``h * logit_scale *
+    (softmax - one-hot) @ weight``: the factor is at most 2**15, and the product, at most
+    ``2 h logit_scale max|weight|`` in magnitude, stays within a quarter of fp16's range."""
+    largest = weight.detach().abs().amax().float().clamp_min(2.0**-24)
+    bound = (16384.0 / largest).clamp_max(32768.0) / logit_scale
+    return torch.exp2(torch.floor(torch.log2(bound))).clamp(2.0**-14, 2.0**15)
+
+
+def _scaled(grad: torch.Tensor, grad_loss: torch.Tensor, late_scale) -> torch.Tensor:
+    """``grad * grad_loss (* late_scale)`` in ``grad``'s dtype; with ``late_scale``, worked in
+    fp32 a chunk of rows at a time, since the factor itself may exceed fp16 (a GradScaler's
+    65536) and the product must round once."""
+    if late_scale is None:
+        return grad * grad_loss.to(grad.dtype)
+    factor = late_scale * grad_loss.float()
+    out = torch.empty_like(grad)
+    for rows in row_chunks(grad.shape[0], grad.shape[1]):
+        part = grad[rows]
+        # Exact zeros stay zeros (ignored tokens), whatever the factor: a batch with no
+        # supervised token has a scale of 1/0, and zero times inf is NaN.
+        out[rows] = (part.float() * factor).masked_fill_(part == 0, 0).to(grad.dtype)
+    return out
+
+
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """Scalar loss of ``hidden @ weight.T (+ bias)`` against ``targets``; see the module.
 
@@ -237,6 +268,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.recompute = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         grad_now = ctx.needs_input_grad[0] and not ctx.recompute
         grad_hidden = torch.empty_like(hidden) if grad_now else None
+        # The gradient formed now is scaled by ``formed_scale``; backward multiplies it by
+        # ``late_scale`` and the incoming gradient. fp16 cannot hold 1/tokens times small
+        # probabilities (they flush to zero: 4x the stock gradient's error at 512 tokens),
+        # nor a GradScaler's 65536 as a factor of its own: there the gradient is formed at
+        # a power-of-two headroom that keeps it in range, and scaled down in fp32 in backward.
+        formed_scale, ctx.late_scale = scale, None
+        if grad_now and hidden.dtype == torch.float16:
+            formed_scale = _fp16_headroom(weight, logit_scale)
+            ctx.late_scale = scale / formed_scale
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunk = chunk_tokens or chunk_tokens_for(hidden.shape[0], hidden.shape[1], weight.shape[0])
         ctx.settings = (softcap, logit_scale, smoothing, chunk)
@@ -247,7 +287,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             part = slice(start, start + chunk)
             loss, grad = _chunk_loss_and_grad(
                 hidden[part], weight, bias, targets[part], valid[part], softcap, logit_scale,
-                smoothing, scale, grad_now, lse,
+                smoothing, formed_scale, grad_now, lse,
             )  # fmt: skip
             total += loss
             if grad_now:
@@ -264,9 +304,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if not ctx.recompute:
             (grad_hidden,) = ctx.saved_tensors
-            grad_hidden = (
-                None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
-            )
+            if grad_hidden is not None:
+                grad_hidden = _scaled(grad_hidden, grad_loss, ctx.late_scale)
             return grad_hidden, None, None, None, None, None, None, None, None, None
         hidden, weight, bias, targets, valid, scale, lse = ctx.saved_tensors
         softcap, logit_scale, smoothing, chunk = ctx.settings

@@ -17,11 +17,10 @@ The forward runs transformers' own grouped matmuls in the stock order, so the ou
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from hf_actq.kernels import fewbit_backward, fewbit_codes
 from hf_actq.ops.slots import observer
-from hf_actq.ops.state import STATE, keep_rng_stream, wants_backward
+from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
 
 EXPERTS_NAME = "hf_actq_experts"
 SLOTS = ("act", "gate", "up")
@@ -177,7 +176,7 @@ def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if state is None or not supports_experts(self):
         return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
     weights = (self.gate_up_proj, self.down_proj)
-    if not wants_backward(hidden_states, top_k_weights, *weights):
+    if not wants_backward(self, hidden_states, top_k_weights, *weights):
         keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
         return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
     return CompressedExpertsFunction.apply(

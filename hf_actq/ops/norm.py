@@ -16,19 +16,27 @@ Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.kernels import norm_backward
 from hf_actq.kernels.packing import row_chunks
 from hf_actq.ops.dedup import under_checkpoint
 from hf_actq.ops.slots import observer, per_slot_seeds
-from hf_actq.ops.state import default_state, keep_rng_stream, set_state, state_of, wants_backward
+from hf_actq.ops.state import (
+    default_state,
+    has_hooks,
+    keep_rng_stream,
+    once_differentiable,
+    set_state,
+    state_of,
+    wants_backward,
+)
 
 
 def _layer_norm_input(x, mean, rstd):
@@ -155,6 +163,7 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
         state.norm_from_output and not torch.compiler.is_compiling() and _divisible(weight, offset)
     )
     if ctx.from_output:
+        ctx.path = state.path
         ctx.save_for_backward(rstd, weight, bias, y)
         return
     codec = state.codecs.get("input")
@@ -186,8 +195,25 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
 
 
+def _without_sharing_under_hooks(module: nn.Module, state):
+    """A norm with forward hooks keeps its normalized input, not its output: a hook may change
+    the output in place (an exact norm's backward rebuilds the input from it)."""
+    if state.norm_from_output and has_hooks(module):
+        return dataclasses.replace(state, norm_from_output=False)
+    return state
+
+
 def _saved_x_hat(ctx):
-    rstd, weight, bias, *buffers = ctx.saved_tensors
+    try:
+        rstd, weight, bias, *buffers = ctx.saved_tensors
+    except RuntimeError as error:
+        if not ctx.from_output or "inplace" not in str(error):
+            raise
+        raise RuntimeError(
+            f"hf_actq: the output of {ctx.path or 'a norm'} was changed in place after its "
+            "forward, and its memory-sharing backward rebuilds the input from it: pass "
+            "ActQConfig(share_norm_outputs=False) (or change a copy of the output)"
+        ) from None
     if ctx.from_output:
         return rstd, weight, _x_hat_from_output(buffers[0], weight, bias, ctx.offset)
     if ctx.header is None:
@@ -316,9 +342,10 @@ class CompressedLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
-        if not wants_backward(x, self.weight, self.bias):
+        if not wants_backward(self, x, self.weight, self.bias):
             keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
+        state = _without_sharing_under_hooks(self, state)
         return CompressedLayerNormFunction.apply(x, self.weight, self.bias, self.eps, state)
 
     def extra_repr(self) -> str:
@@ -358,9 +385,10 @@ class CompressedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
-        if not wants_backward(x, self.weight):
+        if not wants_backward(self, x, self.weight):
             keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
+        state = _without_sharing_under_hooks(self, state)
         return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state)
 
     def extra_repr(self) -> str:

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from hf_actq.codecs.packed import Codec
 from hf_actq.kernels.compiled import uniform_noise
 from hf_actq.ops.dedup import traced_pack
+from hf_actq.ops.state import once_differentiable
 
 REPLAY_KEY = "hf_actq_replay_key"
 
@@ -114,6 +115,7 @@ class PackedCheckpointFunction(torch.autograd.Function):
         return outs
 
     @staticmethod
+    @once_differentiable  # the recompute's own backward builds no graph
     def backward(ctx, *grads):
         call = ctx.call
         saved = list(ctx.saved_tensors)

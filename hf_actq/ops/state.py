@@ -7,9 +7,9 @@ from one :class:`OpState` attribute. ``hf_actq.apply`` binds that very ``forward
 module instances it patches (as Liger-Kernel binds its modules' methods), so a standalone op and
 a patched model run the same code under the same rules:
 
-- backward needed (grad enabled and any input or parameter requires grad): the compressed
-  autograd Function runs and keeps its packed buffers;
-- otherwise the stock forward runs and nothing is packed; in training mode the op still draws
+- backward needed in training mode (grad enabled and any input or parameter requires grad):
+  the compressed autograd Function runs and keeps its packed buffers;
+- otherwise (eval mode included) the stock forward runs and nothing is packed; in training mode the op still draws
   the RNG seeds its packing would have drawn (:func:`keep_rng_stream`), because reentrant
   checkpointing runs its first pass under ``no_grad`` and its recompute with grad, and both must
   leave the RNG where the other does, or every dropout after the op draws a different mask.
@@ -18,11 +18,13 @@ a patched model run the same code under the same rules:
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._C import _functions
 
 from hf_actq.codecs import AverageQuantCodec
 from hf_actq.codecs.packed import Codec, skip_seeds
@@ -49,8 +51,11 @@ class OpState:
     path: str = ""
     cache: PackCache = field(default=DEFAULT_CACHE)
     # Few-bit activations and gated MLPs: the activation and its derivative table (the "act"
-    # slot).
+    # slot); a gated MLP's activation module it was made for, and whether the warning that it
+    # was replaced by one hf_actq cannot fuse has been given.
     activation: object | None = None
+    act_module: object | None = None
+    warned_activation: bool = False
     # Standalone activations: whether the "act" slot may keep the input with a codec (in
     # ``codecs["act"]``) instead of a few-bit code of the derivative.
     act_codec: bool = False
@@ -117,9 +122,48 @@ def remove_state(module: nn.Module) -> None:
     module.__dict__.pop(STATE, None)
 
 
-def wants_backward(*tensors) -> bool:
-    """Whether autograd will record this op: grad enabled and any tensor requires grad."""
+def wants_backward(module: nn.Module | None, *tensors) -> bool:
+    """Whether the op keeps compressed tensors for backward: ``module`` in training mode (or
+    None: a standalone call), grad enabled and any tensor requiring grad. A gradient taken in
+    eval mode (input saliency, an adversarial example) is the stock module's, exactly."""
+    if module is not None and not module.training:
+        return False
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+OBSERVER = "hf_actq_observer"
+
+
+def observing(hook):
+    """Mark ``hook`` as one that only watches (hf_actq's memory meter): a fused op may skip it,
+    since it changes nothing the op computes (a partial, so that it can carry the mark)."""
+    hook = functools.partial(hook)
+    setattr(hook, OBSERVER, True)
+    return hook
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks (a user's, ``torch.nn.utils.prune``'s)
+    that a fused op reading its weights without calling it would skip. Not counted: hf_actq's
+    observers, and DeepSpeed ZeRO-3's, which only gather and release the module's parameters
+    (hung on every module): ZeRO-3 gathers what a fused op reads with the op's own module
+    (:func:`hf_actq.integrations.patching.gather_with_module`, and a parameter read in a forward
+    the engine runs)."""
+    hooks = (
+        module._forward_hooks,
+        module._forward_pre_hooks,
+        module._backward_hooks,
+        module._backward_pre_hooks,
+    )
+    return any(not _skippable(hook) for table in hooks for hook in table.values())
+
+
+def _skippable(hook) -> bool:
+    if getattr(hook, OBSERVER, False):
+        return True
+    function = getattr(hook, "__func__", getattr(hook, "func", hook))
+    origin = getattr(function, "__module__", None) or type(hook).__module__
+    return origin.startswith("deepspeed.")
 
 
 def keep_rng_stream(module: nn.Module | None, *codecs) -> None:
@@ -127,3 +171,35 @@ def keep_rng_stream(module: nn.Module | None, *codecs) -> None:
     (none when per-slot seeds replace the draws, as in the adaptive pass)."""
     if module is not None and module.training and not per_slot_seeds():
         skip_seeds(*codecs)
+
+
+TWICE = b"trying to differentiate twice a function that was marked with @once_differentiable"
+
+
+def once_differentiable(backward):
+    """torch's ``once_differentiable``, strict: under ``create_graph`` every gradient the
+    backward returns raises torch's "differentiate twice" error when differentiated. torch's own
+    returns plain constants when the incoming gradient needs none (the first op of a backward: a
+    loss), so a second-order term, a gradient penalty, silently lost that op's part."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *args):
+        with torch.no_grad():
+            outputs = backward(ctx, *args)
+        if not torch.is_grad_enabled():
+            return outputs
+        return refuse_differentiation(outputs)
+
+    return wrapper
+
+
+def refuse_differentiation(outputs):
+    """``outputs`` (a tensor or a tuple, Nones kept) as tensors whose differentiation raises."""
+    single = not isinstance(outputs, tuple)
+    outputs = (outputs,) if single else outputs
+    error = _functions.DelayedError(TWICE, len(outputs))
+    # DelayedError needs an input that requires grad to give its outputs a grad_fn.
+    aliases = [None if t is None else t.detach().requires_grad_() for t in outputs]
+    refused = error(*aliases)
+    refused = refused if isinstance(refused, tuple) else (refused,)
+    return refused[0] if single else refused

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 
@@ -57,10 +58,30 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a mistake reported in one line (and no usage block above it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def device_name(text: str) -> str:
+    """cpu, cuda or cuda:N: where a training step's memory can be measured."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     from hf_actq.report.presets import PRESETS
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="hf-actq memory",
         description="Measure activation and peak memory of one training step per recipe.",
     )
@@ -125,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--task", choices=("causal-lm", "classification", "seq2seq-lm"))
     parser.add_argument("--attn-implementation", help="e.g. eager or sdpa (default: the model's)")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument(
+        "--device", type=device_name, help="cpu, cuda or cuda:N (default: cuda when available)"
+    )
     parser.add_argument("--output", help="directory for memory.json, memory.md and memory.png")
     parser.add_argument("--no-progress", action="store_true")
     return parser
@@ -148,7 +171,14 @@ def load_config(model: str):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.output:
+        # Before any work: the report is written after minutes of measuring.
+        try:
+            os.makedirs(args.output, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--output {args.output!r} cannot be a directory for the report: {error}")
     import torch
 
     from hf_actq.report import CHUNKED_LOSS, default_task, measure_model, parse_recipe
@@ -161,7 +191,7 @@ def main(argv=None) -> int:
             dtype = getattr(torch, dtype)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("hf-actq memory: --device cuda was given but no CUDA device is available")
+        parser.error(f"--device {device} was given but no CUDA device is available")
     bar = None
     progress = None
     if not args.no_progress:

@@ -662,3 +662,22 @@ def test_torch_compile_with_inductor_gives_the_eager_loss():
     loss = compiled(**batch).loss
     loss.backward()
     assert torch.allclose(loss, eager, rtol=1e-4)
+
+
+def test_settings_that_match_nothing_are_named(caplog):
+    # slots keys, slot regexes and skip_modules that matched nothing were ignored in silence.
+    model = tiny_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    typo = hf_actq.ActQConfig(slots={"model.layers.0.mlp:upp": {"bits": 8}})
+    with pytest.raises(ValueError, match=r"slots\['model.layers.0.mlp:upp'\] names no slot"):
+        hf_actq.apply(model, typo)
+    assert not hasattr(model, "_hf_actq_handle")  # as it was
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    config = hf_actq.ActQConfig(
+        slots={"re:decoder\\.block": {"bits": 8}}, skip_modules=["encoder\\.layer"]
+    )
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        handle = hf_actq.apply(model, config)
+    assert "slots['re:decoder\\\\.block'] matches no slot" in caplog.text
+    assert "skip_modules pattern 'encoder\\\\.layer' matches no module path" in caplog.text
+    handle.revert()

@@ -2,6 +2,8 @@
 gradients as the stock head and loss, no [tokens, vocab] tensor kept, logits where asked for,
 and the stock forward back after revert."""
 
+import copy
+
 import pytest
 import torch
 
@@ -138,3 +140,91 @@ def test_the_fewbit_recipe_returns_the_stock_outputs_with_labels(model_type):
     handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", fused_loss=True))
     assert model(**batch).logits is None
     handle.revert()
+
+
+def _fp16_lora_llama():
+    from peft import LoraConfig, get_peft_model
+
+    from hf_actq.testing import tiny_llama
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = get_peft_model(tiny_llama(vocab_size=32000), lora)  # adapters stay fp32
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero: no signal
+            torch.nn.init.normal_(parameter, std=0.1)
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["fewbit", "uniform", "alam", "checkpoint", "loss-only"])
+def test_fp16_lora_under_a_grad_scaler_gets_stock_quality_lora_gradients(recipe):
+    # An fp16 base with fp32 LoRA adapters and a frozen head, under torch's GradScaler at its
+    # default 65536: the fused loss used to make every gradient inf (the step skipped) and, at
+    # 32768, give the LoRA weights 4x the stock error.
+    reference = _fp16_lora_llama().train()
+    fp16 = copy.deepcopy(reference).half()
+    for parameter in fp16.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+    torch.manual_seed(1)
+    ids = torch.randint(3, 32000, (4, 128))
+
+    def lora_grads(model, scaler=None):
+        model.zero_grad()
+        torch.manual_seed(2)
+        loss = model(input_ids=ids, labels=ids).loss
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if scaler is not None:
+            optimizer = torch.optim.SGD(params, lr=0.0)
+            scaler.unscale_(optimizer)
+            assert not sum(v.item() for v in scaler._found_inf_per_device(optimizer).values())
+        return [p.grad.clone() for p in params]
+
+    exact = lora_grads(reference)
+    stock = lora_grads(fp16, torch.amp.GradScaler("cpu"))
+    config = ActQConfig(**LOSS_ONLY) if recipe == "loss-only" else ActQConfig.from_recipe(recipe)
+    handle = hf_actq.apply(fp16, config)
+    patched = lora_grads(fp16, torch.amp.GradScaler("cpu"))  # finite, or the assert above fails
+    handle.revert()
+    if recipe == "loss-only":  # the loss's own effect: no worse than 2x stock's fp16 error
+        for want, got_stock, got in zip(exact, stock, patched, strict=True):
+            stock_error = (got_stock - want).norm() / want.norm()
+            assert (got - want).norm() / want.norm() <= 2 * stock_error
+
+
+def test_an_ignore_index_passed_to_the_forward_is_the_fused_losss_too():
+    # The stock forward hands ignore_index to its loss; the fused loss used to keep -100.
+    from hf_actq.testing import tiny_llama
+
+    model = tiny_llama().train()
+    torch.manual_seed(1)
+    ids = torch.randint(3, 100, (2, 12))
+    labels = ids.clone()
+    labels[:, :4] = 7  # a prompt marked with the caller's own index
+    batch = dict(input_ids=ids, labels=labels, ignore_index=7)
+    stock, stock_grads, _ = _loss_and_grads(model, batch)
+    handle = hf_actq.apply(model, ActQConfig(**LOSS_ONLY))
+    fused, grads, _ = _loss_and_grads(model, batch)
+    handle.revert()
+    assert fused.logits is None  # the fused path ran
+    torch.testing.assert_close(fused.loss, stock.loss, rtol=1e-6, atol=1e-6)
+    for got, want in zip(grads, stock_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["fewbit", "uniform", "alam", "checkpoint"])
+def test_a_gradient_penalty_through_a_patched_model_raises_instead_of_dropping(recipe):
+    # create_graph=True: the fused loss's backward returned constants (torch's
+    # once_differentiable does when the incoming gradient needs none), so a gradient penalty
+    # added to the loss lost every op's part without a word.
+    from hf_actq.testing import tiny_llama
+
+    model = tiny_llama().train()
+    hf_actq.apply(model, ActQConfig.from_recipe(recipe))
+    ids = torch.randint(3, 100, (2, 12))
+    loss = model(input_ids=ids, labels=ids).loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    penalty = sum(g.square().sum() for g in grads if g is not None)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (loss + penalty).backward()

@@ -323,3 +323,39 @@ def test_batches_with_no_supervised_token_train_as_without_hf_actq(tmp_path):
     assert all(math.isfinite(g) for _, g in stock)
     for (loss, _), (stock_loss, _) in zip(patched, stock):
         assert loss == pytest.approx(stock_loss, rel=0.02, abs=1e-6)
+
+
+def test_a_callback_on_a_model_patched_with_another_config_says_so(tmp_path):
+    # It used to keep the model's patch and record its own config, silently.
+    import hf_actq
+
+    model = _llama()
+    hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("uniform"))
+    callback = ActQCallback(recipe="alam")
+    with pytest.raises(ValueError, match="already patched with another config \\(recipe: 'alam'"):
+        Trainer(model=model, args=_args(tmp_path), train_dataset=Toy(True), callbacks=[callback])
+    # The model's own config: the callback takes the model's patch.
+    callback = ActQCallback(recipe="uniform")
+    Trainer(model=model, args=_args(tmp_path), train_dataset=Toy(True), callbacks=[callback])
+    assert callback.handle is hf_actq.integrations.transformers.unwrap(model)._hf_actq_handle
+
+
+def test_resuming_with_other_bits_calibrates_for_them_and_says_so(tmp_path, caplog):
+    # It used to install the checkpoint's plan (for the old bits) without a word.
+    from hf_actq import ActQConfig
+
+    extra = dict(max_steps=4, save_strategy=SaveStrategy.STEPS, save_steps=2)
+    whole, _ = _alam_trainer(tmp_path / "whole", Toy(True), **extra)
+    whole.train()
+    config = ActQConfig.from_recipe("alam", bits=2, calibration_examples=2, recalibrate_at=0.25)
+    callback = ActQCallback(config)
+    args = _args(tmp_path / "resumed")
+    for name, value in extra.items():
+        setattr(args, name, value)
+    resumed = Trainer(model=_llama(), args=args, train_dataset=Toy(True), callbacks=[callback])
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert (
+        "the checkpoint's plan is for bits=1 and this run's config asks for bits=2" in caplog.text
+    )
+    assert callback.handle.plan.target_bits == 2

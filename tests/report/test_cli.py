@@ -77,8 +77,29 @@ def test_unknown_model_and_sizes_are_reported():
         main(["bert-huge"])
     with pytest.raises(SystemExit, match="recipe"):
         main(["tiny-bert", "--recipe", "fast", "--no-progress"])
-    if not torch.cuda.is_available():
-        with pytest.raises(SystemExit, match="no CUDA device"):
-            main(["tiny-bert", "--device", "cuda", "--no-progress"])
     assert parse_size("80GiB") == 80 * 2**30 == parse_size("80GB") == parse_size("80G")
     assert parse_size("512MiB") == 512 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (["--output", "{file}"], "--output '{file}' cannot be a directory"),
+        (["--device", "meta"], "--device: expected cpu, cuda or cuda:N, got 'meta'"),
+        (["--batch-size", "0"], "--batch-size: expected a positive integer, got '0'"),
+    ]
+    + ([] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA device")]),
+)
+def test_mistakes_are_one_line_before_any_measuring(arguments, says, tmp_path, capsys, monkeypatch):
+    # --output naming a file used to fail with a traceback after the whole measurement, and
+    # --device meta deep inside it.
+    existing = tmp_path / "a-file"
+    existing.write_text("")
+    monkeypatch.setattr("hf_actq.report.measure_model", lambda *a, **k: pytest.fail("measured"))
+    arguments = [a.format(file=existing) for a in arguments]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tiny-bert", "--no-progress", *arguments])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hf-actq memory: ")
+    assert says.format(file=existing) in err
