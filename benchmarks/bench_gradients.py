@@ -21,6 +21,12 @@ at the commit they name). Each cell: cosine / length
 ratio / compression noise over minibatch noise (``measure_minilm_groups``); a row gives each
 column's bytes kept (metered) and ALAM-counted bits.
 
+    python benchmarks/bench_gradients.py --alam-fidelity [--output ...]
+
+measures the "alam" recipe on MiniLM with each of its fidelity switches (no shared norm
+outputs, K packed along the sequence, calibration after the first step on a padded example) set
+back on its own (``measure_alam_fidelity``).
+
     python benchmarks/bench_gradients.py --minilm-groups [--output ...]
 
 breaks the MiniLM comparison down by parameter group over 6 real MRPC batches (each cell:
@@ -119,14 +125,11 @@ def minilm_batch(glue_dir: str, rows: int = 32, device: str = "cpu"):
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def minilm_model(
-    device: str = "cpu", train_without_dropout: bool = False, attn_implementation: str = "sdpa"
-):
-    """The pretrained MiniLM with a fresh 2-label head (seeded), in eval mode: no dropout, so
-    gradients differ by compression alone (the ops compress whenever autograd records them;
-    dropout masks drawn after rounding seeds would differ). ``train_without_dropout``: train
-    mode (HF checkpoints only in training) with every dropout at 0 instead. ``"eager"``
-    attention saves the probabilities, which ALAM compresses as a tensor of their own."""
+def minilm_model(device: str = "cpu", attn_implementation: str = "sdpa"):
+    """The pretrained MiniLM with a fresh 2-label head (seeded), in train mode (hf_actq keeps
+    nothing compressed in eval) with every dropout at 0, so gradients differ by compression
+    alone. ``"eager"`` attention saves the probabilities, which ALAM compresses as a tensor of
+    their own."""
     import bench_glue
     from transformers import AutoModelForSequenceClassification
 
@@ -135,8 +138,6 @@ def minilm_model(
     net = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=2, attn_implementation=attn_implementation
     )
-    if not train_without_dropout:
-        return net.to(device).eval()
     for module in net.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -170,7 +171,7 @@ def measure_minilm_checkpoint(glue_dir: str, draws: int = 4, device: str = "cpu"
     batch = minilm_batch(glue_dir, device=device)
 
     def model():
-        return minilm_model(device, train_without_dropout=True)
+        return minilm_model(device)
 
     def step(net, seed):
         net.zero_grad()
@@ -298,8 +299,7 @@ def measure_minilm_groups(
     attn_implementation: str = "sdpa",
 ) -> tuple[dict, dict]:
     """Per parameter group (one parameter across the six layers), on ``batches`` real MRPC (or
-    CoLA) batches of 32 (eval mode; train mode with every dropout at 0 when a checkpoint recipe
-    is measured, as HF checkpoints only in training): the mean cosine of one compressed draw with the exact gradient,
+    CoLA) batches of 32 (train mode with every dropout at 0): the mean cosine of one compressed draw with the exact gradient,
     its mean length over the exact one (above 1: noise; below 1 with a low cosine: a shrunken,
     biased gradient), and the compression error's energy over the minibatch noise's (the spread
     of the exact gradients across the batches): at 1 the compression doubles the gradient's
@@ -313,10 +313,9 @@ def measure_minilm_groups(
     tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
     stream = bench_glue.batches(tokenizer, _task_rows(glue_dir, task), 32, shuffle_seed=0)
     data = [{k: v.to(device) for k, v in next(stream).items()} for _ in range(batches)]
-    train_mode = any(recipe.startswith("checkpoint") for recipe in recipes)
 
     def model():
-        return minilm_model(device, train_mode, attn_implementation)
+        return minilm_model(device, attn_implementation)
 
     def gradients(net, batch, seed, meter=None):
         net.zero_grad()
@@ -424,6 +423,95 @@ def measure_alam_additivity(glue_dir: str, bits=(2, 1), draws: int = 2, device="
     return rows
 
 
+# ALAM's fidelity switches, each set back to what "alam" did before 2026-12-04 on its own.
+FIDELITY_VARIANTS = {
+    "as ALAM's code (the recipe now)": {},
+    "norm outputs shared": {"share_norm_outputs": True},
+    "K packed along head_dim": {"key_layout": "head"},
+    "calibrated before step 1, unpadded": {"calibration_step": 0},
+}
+
+
+def _protocol_batches(glue_dir: str, rows: int, count: int, device: str):
+    """``count`` batches of ``rows`` MRPC training pairs as ALAM's run_glue feeds them:
+    padded to 128 tokens, no token_type_ids."""
+    import bench_glue
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bench_glue.minilm_path())
+    pairs = _task_rows(glue_dir, "mrpc")[: rows * count]
+    out = []
+    for start in range(0, len(pairs), rows):
+        chunk = pairs[start : start + rows]
+        encoded = tokenizer(
+            [r[0] for r in chunk],
+            [r[1] for r in chunk],
+            padding="max_length",
+            truncation=True,
+            max_length=128,
+            return_tensors="pt",
+        )
+        encoded.pop("token_type_ids", None)
+        batch = dict(encoded, labels=torch.tensor([r[2] for r in chunk]))
+        out.append({k: v.to(device) for k, v in batch.items()})
+    return out, tokenizer
+
+
+def measure_alam_fidelity(glue_dir: str, bits=(2, 1), draws: int = 4, device="cpu") -> dict:
+    """One step's gradient under the "alam" recipe with each fidelity switch on (ALAM's code)
+    and set back on its own, on the pretrained MiniLM (eager attention, train mode without
+    dropout) after one exact AdamW step (lr 5e-5) on a first batch of 16 MRPC pairs padded to
+    128: the whole-model cosine with the exact gradient on a second such batch, and the least
+    over parameter groups (one parameter across the six layers), means of ``draws`` rounding
+    seeds. The recipe calibrates after the step on the first example of the second batch,
+    padded as training pads; "calibrated before step 1, unpadded" on the first example of the
+    first batch before the step, alone and so unpadded (dynamic padding)."""
+    (first, second), tokenizer = _protocol_batches(glue_dir, 16, 2, device)
+    net = minilm_model(device, attn_implementation="eager")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    optimizer = torch.optim.AdamW(net.parameters(), lr=5e-5)
+    net(**first).loss.backward()
+    optimizer.step()
+    after = {k: v.clone() for k, v in net.state_dict().items()}
+    lone = {k: v[:1] for k, v in first.items()}
+    lone["input_ids"] = lone["input_ids"][:, : int(lone["attention_mask"].sum())]
+    lone["attention_mask"] = lone["attention_mask"][:, : lone["input_ids"].shape[1]]
+
+    def gradient(seed) -> dict:
+        net.zero_grad()
+        torch.manual_seed(seed)
+        net(**second).loss.backward()
+        groups: dict[str, list] = {}
+        for name, p in net.named_parameters():
+            groups.setdefault(_parameter_group(name), []).append(p.grad.flatten())
+        return {k: torch.cat(v).double() for k, v in groups.items()}
+
+    exact = gradient(0)
+    exact_whole = torch.cat(list(exact.values()))
+    rows = {}
+    for b in bits:
+        for variant, changes in FIDELITY_VARIANTS.items():
+            config = ActQConfig.from_recipe("alam", bits=b, **changes)
+            handle = hf_actq.apply(net, config)
+            if config.calibration_step == 0:
+                net.load_state_dict(before)
+                calibrate_fully(handle, lone)
+                net.load_state_dict(after)
+            else:
+                calibrate_fully(handle, {k: v[:1] for k, v in second.items()})
+            runs = [gradient(100 + i) for i in range(draws)]
+            handle.revert()
+            whole = [_cosine(torch.cat(list(g.values())), exact_whole) for g in runs]
+            groups = {k: sum(_cosine(g[k], exact[k]) for g in runs) / draws for k in exact}
+            worst = min(groups, key=groups.get)
+            rows.setdefault(variant, {})[f"{b} bits"] = {
+                "cosine": sum(whole) / draws,
+                "least group": worst,
+                "least group cosine": groups[worst],
+            }
+    return rows
+
+
 def _precision(label: str):
     """A plan's precision label (``"8"``, ``"aq"``, ``"exact"``) as :mod:`alam`'s ladder key."""
     return int(label) if label.isdigit() else label
@@ -459,6 +547,11 @@ def main() -> None:
         "--alam-additivity",
         action="store_true",
         help="MiniLM: ALAM's predicted gradient change against the measured one",
+    )
+    parser.add_argument(
+        "--alam-fidelity",
+        action="store_true",
+        help="MiniLM: the 'alam' recipe with each fidelity switch set back on its own",
     )
     parser.add_argument(
         "--minilm-checkpoint",
@@ -502,6 +595,19 @@ def main() -> None:
     if args.alam_additivity:
         rows = measure_alam_additivity(args.glue_dir, device=args.device)
         print(json.dumps(rows, indent=1))
+        if args.output:
+            _write(args.output, rows)
+        return
+    if args.alam_fidelity:
+        rows = measure_alam_fidelity(args.glue_dir, device=args.device)
+        print("| variant | 2 bits: cosine, least group | 1 bit: cosine, least group |")
+        print("|---|---|---|")
+        for variant, row in rows.items():
+            cells = " | ".join(
+                "{cosine:.3f}, {least group} {least group cosine:.3f}".format_map(row[b])
+                for b in ("2 bits", "1 bits")
+            )
+            print(f"| {variant} | {cells} |")
         if args.output:
             _write(args.output, rows)
         return

@@ -81,6 +81,14 @@ class ActQConfig:
     dropout_mode: Literal["seed", "mask"] = field(
         default="seed", metadata=_help("Keep dropout masks as an RNG seed or 1 bit per element.")
     )
+    key_layout: Literal["head", "sequence"] = field(
+        default="head",
+        metadata=_help(
+            "How attention's K is laid out when packed: 'head' ([batch, heads, seq, head_dim], "
+            "so an AQ group or a block runs along head_dim) or 'sequence' (the transposed K the "
+            "score matmul reads, as ALAM's code packs it: groups run along the sequence)."
+        ),
+    )
     share_norm_outputs: bool = field(
         default=True,
         metadata=_help(
@@ -155,6 +163,13 @@ class ActQConfig:
     )
     calibration_examples: int = field(
         default=8, metadata=_help("Examples of the batch the adaptive pass measures.")
+    )
+    calibration_step: int = field(
+        default=0,
+        metadata=_help(
+            "The training step before which ActQCallback makes the first adaptive plan (ALAM's "
+            "code: 1, after the first step); the steps before it keep the even spread."
+        ),
     )
     calibration_seconds: float = field(
         default=300.0,
@@ -239,6 +254,16 @@ class ActQConfig:
                 "measures slots that a checkpointed layer fills only in its recompute; give "
                 "the slots a plan or fixed bits, or drop checkpoint_bits"
             )
+        if self.key_layout not in ("head", "sequence"):
+            raise ValueError(f"key_layout must be 'head' or 'sequence', got {self.key_layout!r}")
+        if (
+            isinstance(self.calibration_step, bool)
+            or not isinstance(self.calibration_step, int)
+            or self.calibration_step < 0
+        ):
+            raise ValueError(
+                f"calibration_step must be an integer >= 0, got {self.calibration_step!r}"
+            )
         if not _is_positive_int(self.calibration_examples):
             raise ValueError(
                 f"calibration_examples must be a positive integer, got {self.calibration_examples!r}"
@@ -320,7 +345,9 @@ class ActQConfig:
         logits included, are the stock model's bit for bit).
         "uniform": every slot at ``bits``-bit stochastic rounding, activations few-bit.
         "alam": ALAM as published: average quantization at ``bits`` on average (default 1),
-        spread over the slots by sensitivity (``adaptive=False`` spreads it evenly).
+        spread over the slots by sensitivity (``adaptive=False`` spreads it evenly), calibrated
+        after the first step on one example, K packed along the sequence, norms keeping their
+        own input.
         "checkpoint": packed activation checkpointing: each layer keeps only its input, at
         ``bits`` (default 4; ``checkpoint_bits`` of the config; rotated before rounding unless
         ``checkpoint_codec="uniform"``), and is recomputed in backward;
@@ -403,8 +430,18 @@ def _with_recipe(name, given: dict) -> dict:
     if name == "uniform":
         return dict(given)
     if name == "alam":
-        # As ALAM's code runs it: its sensitivity on one example, its ladder and accounting.
-        base = {"codec": "aq", "bits": 1, "adaptive": True, "calibration_examples": 1}
+        # As ALAM's code runs it: its sensitivity on one example after the first step, its
+        # ladder and accounting, K packed along the sequence, and no norm output shared with
+        # the next linears (its calibration would measure a slot training never packs).
+        base = {
+            "codec": "aq",
+            "bits": 1,
+            "adaptive": True,
+            "calibration_examples": 1,
+            "calibration_step": 1,
+            "key_layout": "sequence",
+            "share_norm_outputs": False,
+        }
         return {**base, **given}
     if name == "checkpoint":
         # ``bits`` is the checkpointed inputs' precision unless checkpoint_bits is given. The

@@ -237,7 +237,7 @@ def calibrate(
     saved_grads = [p.grad for p in params]
     start = time.perf_counter()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), training_mode(model):
         rng_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
 
         def run(seed_for) -> torch.Tensor:
@@ -273,6 +273,19 @@ def calibrate(
     return _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_bytes, start)
 
 
+@contextlib.contextmanager
+def training_mode(model):
+    """``model`` in training mode (hf_actq compresses nothing in eval, so there would be
+    nothing to measure), each module's own mode put back after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _is_fewbit(handle, slot: str) -> bool:
     """An activation's slot holding a few-bit code (not its input under a codec)."""
     state, name = handle._states[slot]
@@ -292,7 +305,13 @@ def list_slots(handle, batch) -> dict[str, SlotInfo]:
     """Every slot one forward on ``batch`` fills, with its shape, codec and bytes (the RNG is
     left as it was; nothing is kept)."""
     recorder = _Recorder(handle)
-    with torch.random.fork_rng(), observe(recorder), slot_seeds(_seeds(1)), torch.enable_grad():
+    with (
+        torch.random.fork_rng(),
+        observe(recorder),
+        slot_seeds(_seeds(1)),
+        torch.enable_grad(),
+        training_mode(handle.model),
+    ):
         out = handle.model(**batch) if isinstance(batch, dict) else handle.model(batch)
         del out
     return recorder.infos

@@ -75,7 +75,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         if config.skips(path) or not _is_attention(module):
             continue
         # Without grad in eval, the original implementation runs, so outputs stay identical.
-        state = OpState(path=path, attention_fallback=previous)
+        state = OpState(path=path, attention_fallback=previous, key_layout=config.key_layout)
         for slot in slots:
             # Attention kept exact (no codec) takes no per-slot settings.
             state.codecs[slot] = (

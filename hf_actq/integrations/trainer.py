@@ -12,8 +12,9 @@ step's peak allocation (``actq_peak_mib``). The figures go into the Trainer's lo
 ``state.log_history``; ``log_memory=False`` turns this off. (Under FSDP the figure also holds the
 gathered weights autograd keeps for backward; parameters are excluded by their local shards.)
 
-With an adaptive config (``ActQConfig.from_recipe("alam")``) and no plan, it calibrates before the
-first step and again after ``recalibrate_at`` of the steps (ALAM re-plans after 10% of training,
+With an adaptive config (``ActQConfig.from_recipe("alam")``) and no plan, it calibrates before
+step ``calibration_step`` (the "alam" recipe: after the first step, as ALAM's code does; 0: before
+the first) and again after ``recalibrate_at`` of the steps (ALAM re-plans after 10% of training,
 when sensitivities have settled), on ``calibration_examples`` examples collated from the training
 set (the Trainer's own data loader and RNG are not touched), logs a per-kind summary of the bits
 and writes the plan to ``<output_dir>/actq_plan.json``.
@@ -110,7 +111,7 @@ class ActQCallback(TrainerCallback, ExportableState):
             # which put the stock function back.
             checkpointing.install(self.handle.checkpointed, self.config)
         self._dataloader = train_dataloader
-        if self._adaptive() and not self._resume_plan(state):
+        if self._adaptive() and not self._resume_plan(state) and self._first_plan_due(state):
             self._calibrate(args, state)
         if self.log_memory and model is not None:
             if self._monitor is not None:
@@ -119,7 +120,8 @@ class ActQCallback(TrainerCallback, ExportableState):
 
     def on_step_begin(self, args, state, control, **kwargs):
         at = int(self.config.recalibrate_at * (state.max_steps or 0))
-        if self._adaptive() and at > 0 and state.global_step == at and at not in self.calibrated_at:
+        due = self._first_plan_due(state) or (at > 0 and state.global_step == at)
+        if self._adaptive() and due and state.global_step not in self.calibrated_at:
             self._calibrate(args, state)
         if self._monitor is None:
             return
@@ -212,6 +214,12 @@ class ActQCallback(TrainerCallback, ExportableState):
         folder = os.path.join(args.output_dir or "", f"checkpoint-{state.global_step}")
         if plan is not None and state.is_world_process_zero and os.path.isdir(folder):
             plan.save(os.path.join(folder, PLAN_FILE))  # beside the model, for people to read
+
+    def _first_plan_due(self, state) -> bool:
+        """Whether the first plan is to be made before this step (``calibration_step``; ALAM's
+        code calibrates after the first step): none made yet, and the step reached."""
+        step = (self.handle.config if self.handle is not None else self.config).calibration_step
+        return not self.calibrated_at and state.global_step >= step
 
     def _adaptive(self) -> bool:
         config = self.handle.config if self.handle is not None else self.config

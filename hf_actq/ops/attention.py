@@ -37,18 +37,22 @@ class _Slot:
     It holds no tensor itself: everything goes through ``ctx.save_for_backward``.
     """
 
-    def __init__(self, codec: Codec | None):
+    def __init__(self, codec: Codec | None, transposed: bool = False):
         # An exact slot (``ExactCodec``, or no codec given) keeps the tensor itself: backward
         # takes it as it came, and compacting a transposed q, k or v would copy it.
         if codec is not None and codec.name == "exact":
             codec = None
         self.codec, self.header, self.start, self.count = codec, None, 0, 0
+        # Packed as its last two dimensions transposed: K as the score matmul reads it, whose
+        # AQ groups and blocks run along the sequence (ALAM's layout).
+        self.transposed = transposed and codec is not None
 
     def keep(self, x: torch.Tensor, saved: list, state: OpState, slot: str) -> None:
         self.start = len(saved)
         if self.codec is None:
             saved.append(x)
         else:
+            x = x.transpose(-1, -2) if self.transposed else x
             packed = state.cache.pack(x, self.codec, state.slot_id(slot))
             self.header = packed.with_tensors(())
             saved.extend(packed.tensors)
@@ -56,7 +60,17 @@ class _Slot:
 
     def restore(self, saved) -> torch.Tensor:
         own = saved[self.start : self.start + self.count]
-        return own[0] if self.header is None else self.header.with_tensors(own).unpack()
+        if self.header is None:
+            return own[0]
+        x = self.header.with_tensors(own).unpack()
+        return x.transpose(-1, -2) if self.transposed else x
+
+
+def _slots(state: OpState, names) -> dict[str, _Slot]:
+    return {
+        name: _Slot(state.codecs.get(name), name == "k" and state.key_layout == "sequence")
+        for name in names
+    }
 
 
 def _eager_forward(query, key, value, mask, scaling, dropout):
@@ -80,9 +94,8 @@ class CompressedAttentionFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, mask, scaling, dropout, state):
         out, probs, dropped, seed = _eager_forward(query, key, value, mask, scaling, dropout)
         saved: list = []
-        slots = {}
+        slots = _slots(state, EAGER_SLOTS)
         for name, tensor in zip(EAGER_SLOTS, (query, key, value, probs)):
-            slots[name] = _Slot(state.codecs.get(name))
             slots[name].keep(tensor, saved, state, name)
         ctx.slots, ctx.seed, ctx.dropout, ctx.scaling = slots, seed, dropout, scaling
         ctx.save_for_backward(*saved)
@@ -123,6 +136,7 @@ def _state(module, codecs, cache) -> OpState:
         cache=cache if cache is not None else DEFAULT_CACHE,
         path=state.path if state is not None else "",
         attention_fallback=state.attention_fallback if state is not None else None,
+        key_layout=state.key_layout if state is not None else "head",
     )
 
 
@@ -211,9 +225,8 @@ class CompressedSDPAFunction(torch.autograd.Function):
         rng = _capture_rng(query.device) if dropout > 0.0 else None
         output = run_sdpa(query, key, value, mask, bias)
         saved: list = []
-        slots = {}
-        for name, tensor in (("q", query), ("k", key), ("v", value)):
-            slots[name] = _Slot(state.codecs.get(name))
+        slots = _slots(state, SDPA_SLOTS)
+        for name, tensor in zip(SDPA_SLOTS, (query, key, value)):
             slots[name].keep(tensor, saved, state, name)
         # The mask is the model's (one for all layers), and so is T5's position bias (computed
         # by the first layer, passed to the others): kept as they are, never per layer, while

@@ -69,8 +69,10 @@ class OpState:
     # warning that one was replaced later has been given.
     fused_projections: bool = False
     warned_replaced: bool = False
-    # Attention: the implementation to run where nothing is kept for backward (eval, no_grad).
+    # Attention: the implementation to run where nothing is kept for backward (eval, no_grad),
+    # and how K is laid out when packed ("head" or "sequence", ActQConfig.key_layout).
     attention_fallback: str | None = None
+    key_layout: str = "head"
     # MoE experts: the ``ExpertsInterface`` implementation to run where nothing is kept.
     experts_fallback: str | None = None
     # Norms: keep the output (which the next layer keeps anyway) instead of the input, and

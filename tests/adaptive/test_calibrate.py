@@ -30,7 +30,8 @@ def test_list_slots_reports_shapes_bytes_and_shared_inputs():
     k = infos["model.layers.0.self_attn.k_proj:input"]
     assert q.shape == (4, 12, 32) and q.shared_with is None
     assert k.shared_with == "model.layers.0.self_attn.q_proj:input"  # one packed x for q, k, v
-    assert infos["model.layers.0.self_attn:k"].shape == (4, 2, 12, 8)  # GQA: 2 kv heads
+    # GQA: 2 kv heads; K packed transposed, as ALAM's code packs it (groups along the sequence)
+    assert infos["model.layers.0.self_attn:k"].shape == (4, 2, 8, 12)
     assert infos["model.layers.0.mlp:act"].nbytes == (4 * 12 * 64 + 7) // 8 + 4
     assert set(infos) <= set(handle.slots)
 
@@ -134,3 +135,14 @@ def test_a_pass_cut_by_its_time_cap_says_so_and_one_cut_by_its_count_does_not(ca
     with caplog.at_level(logging.WARNING, logger="hf_actq"):
         assert calibrate(handle, _batch(), slots=2).info["estimated"] > 0
     assert "time cap" not in caplog.text
+
+
+def test_a_model_in_eval_mode_is_measured_in_training_mode_and_left_in_eval():
+    # Nothing is compressed in eval: measured there, every slot would look insensitive.
+    model, handle = _patched()
+    want = handle.calibrate(_batch()).slots
+    model.eval()
+    model.model.layers[0].train()  # a mixed state is put back as it was
+    assert handle.calibrate(_batch()).slots == want
+    assert not model.training and model.model.layers[0].training
+    assert not model.model.layers[1].training

@@ -173,14 +173,16 @@ def test_adaptive_callback_plans_before_training_and_again_after_a_fraction(tmp_
     from hf_actq import ActQConfig
     from hf_actq.adaptive import BitPlan
 
-    config = ActQConfig.from_recipe("alam", bits=1, calibration_examples=2, recalibrate_at=0.25)
+    config = ActQConfig.from_recipe(
+        "alam", bits=1, calibration_examples=2, recalibrate_at=0.5, calibration_step=0
+    )
     callback = ActQCallback(config)
     trainer = Trainer(
         model=_llama(), args=_args(tmp_path), train_dataset=Toy(True), callbacks=[callback]
     )
     with caplog.at_level(logging.INFO, logger="hf_actq"):
         trainer.train()
-    assert callback.calibrated_at == [0, 1]  # before step 1, and after a quarter of 4 steps
+    assert callback.calibrated_at == [0, 2]  # before step 1, and after half of 4 steps
     assert "plan for 1 bits on average before step 0" in caplog.text
     saved = BitPlan.load(tmp_path / "actq_plan.json")
     assert saved == callback.handle.plan
@@ -245,7 +247,9 @@ def test_trl_sft_trainer_with_the_callback_tracks_the_unpatched_loss(tmp_path, p
 def _alam_trainer(tmp_path, dataset, **extra):
     from hf_actq import ActQConfig
 
-    config = ActQConfig.from_recipe("alam", bits=1, calibration_examples=2, recalibrate_at=0.25)
+    config = ActQConfig.from_recipe(
+        "alam", bits=1, calibration_examples=2, recalibrate_at=0.25, calibration_step=0
+    )
     callback = ActQCallback(config)
     args = _args(tmp_path)
     for name, value in extra.items():
@@ -347,7 +351,9 @@ def test_resuming_with_other_bits_calibrates_for_them_and_says_so(tmp_path, capl
     extra = dict(max_steps=4, save_strategy=SaveStrategy.STEPS, save_steps=2)
     whole, _ = _alam_trainer(tmp_path / "whole", Toy(True), **extra)
     whole.train()
-    config = ActQConfig.from_recipe("alam", bits=2, calibration_examples=2, recalibrate_at=0.25)
+    config = ActQConfig.from_recipe(
+        "alam", bits=2, calibration_examples=2, recalibrate_at=0.25, calibration_step=0
+    )
     callback = ActQCallback(config)
     args = _args(tmp_path / "resumed")
     for name, value in extra.items():
@@ -359,3 +365,20 @@ def test_resuming_with_other_bits_calibrates_for_them_and_says_so(tmp_path, capl
         "the checkpoint's plan is for bits=1 and this run's config asks for bits=2" in caplog.text
     )
     assert callback.handle.plan.target_bits == 2
+
+
+def test_alam_calibrates_after_the_first_step_as_its_code_does(tmp_path, caplog):
+    # ALAM's run_glue calls its controller after each optimizer step, and the first plan is
+    # made there: step 1 trains at the even spread.
+    from hf_actq import ActQConfig
+
+    config = ActQConfig.from_recipe("alam", bits=1, calibration_examples=2, recalibrate_at=0.5)
+    assert config.calibration_step == 1
+    callback = ActQCallback(config)
+    trainer = Trainer(
+        model=_llama(), args=_args(tmp_path), train_dataset=Toy(True), callbacks=[callback]
+    )
+    with caplog.at_level(logging.INFO, logger="hf_actq"):
+        trainer.train()
+    assert callback.calibrated_at == [1, 2]
+    assert "plan for 1 bits on average before step 1" in caplog.text

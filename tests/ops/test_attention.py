@@ -283,3 +283,26 @@ def test_sdpa_path_with_position_bias_matches_stock_with_its_gradient(causal, qu
     torch.testing.assert_close(ours, out)
     for a, b in zip(our_grads, grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["head", "sequence"])
+def test_k_is_averaged_along_the_dimension_its_layout_names(layout):
+    # ALAM's code packs the transposed K the score matmul reads: its AQ groups run along the
+    # sequence, where ours ran along head_dim (ActQConfig.key_layout).
+    from hf_actq.codecs import AverageQuantCodec
+    from hf_actq.ops.attention import _slots
+    from hf_actq.ops.state import OpState
+
+    codec = AverageQuantCodec(bits=8, group_size=4, stochastic=False)
+    state = OpState(codecs={"k": codec}, cache=PackCache(), key_layout=layout)
+    _, k, _, _ = _inputs()
+    slot = _slots(state, ["k"])["k"]
+    saved: list = []
+    slot.keep(k.detach(), saved, state, "k")
+    rebuilt = slot.restore(saved)
+    assert rebuilt.shape == k.shape
+    along = -2 if layout == "sequence" else -1  # groups of 4 share one mean
+    groups = rebuilt.unflatten(along, (-1, 4))
+    assert torch.equal(groups, groups.narrow(along, 0, 1).expand_as(groups))
+    means = k.detach().unflatten(along, (-1, 4)).mean(along, keepdim=True)
+    torch.testing.assert_close(groups.narrow(along, 0, 1), means, atol=0.05, rtol=0)
