@@ -119,6 +119,14 @@ class DataArguments:
     max_seq_length: int = field(
         default=128, metadata={"help": "Longer inputs are truncated; batches pad dynamically."}
     )
+    pad_to_max_length: bool = field(
+        default=False,
+        metadata={"help": "Pad every example to max_seq_length (ALAM's run_glue) instead."},
+    )
+    drop_token_type_ids: bool = field(
+        default=False,
+        metadata={"help": "Leave token_type_ids out of the inputs (ALAM's run_glue deletes them)."},
+    )
     max_train_samples: int | None = field(
         default=None,
         metadata={
@@ -284,9 +292,16 @@ def main(args: list[str] | None = None) -> dict | None:
         **({"attn_implementation": a} if (a := model_args.attn_implementation) else {}),
     )
 
+    padding = "max_length" if data_args.pad_to_max_length else False
+
     def tokenize(batch):
         texts = [batch["text_a"]] + ([batch["text_b"]] if "text_b" in batch else [])
-        return tokenizer(*texts, truncation=True, max_length=data_args.max_seq_length)
+        encoded = tokenizer(
+            *texts, truncation=True, max_length=data_args.max_seq_length, padding=padding
+        )
+        if data_args.drop_token_type_ids:
+            encoded.pop("token_type_ids", None)
+        return encoded
 
     texts = [c for c in ("text_a", "text_b") if c in train.column_names]
     with training_args.main_process_first(desc="tokenizing"):
@@ -347,6 +362,10 @@ def main(args: list[str] | None = None) -> dict | None:
             "num_train_epochs": training_args.num_train_epochs,
             "max_steps": training_args.max_steps,
             "max_seq_length": data_args.max_seq_length,
+            "pad_to_max_length": data_args.pad_to_max_length,
+            "drop_token_type_ids": data_args.drop_token_type_ids,
+            "warmup_steps": training_args.warmup_steps,
+            "weight_decay": training_args.weight_decay,
             "train_examples": len(train),
             "dev_examples": len(dev),
             "world_size": training_args.world_size,

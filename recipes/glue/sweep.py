@@ -148,9 +148,13 @@ def result_path(results: Path, task: str, recipe: str, seed: int) -> Path:
     return results / task / f"{recipe}_seed{seed}.json"
 
 
-def run_one(task, recipe, seed, args, extra) -> bool:
-    target = result_path(Path(args.results), task, recipe, seed)
-    workdir = Path(args.runs) / task / f"{recipe}_seed{seed}"
+def run_one(task, recipe, seed, args, extra, training=None, target=None) -> bool:
+    """One ``run.py`` run with ``training`` (default: ``TRAINING`` and the task's arguments),
+    its results written to ``target`` (default: ``result_path``)."""
+    if training is None:
+        training = [*TRAINING, *TASK_ARGS.get(task, [])]
+    target = target or result_path(Path(args.results), task, recipe, seed)
+    workdir = Path(args.runs) / target.relative_to(Path(args.results)).with_suffix("")
     workdir.mkdir(parents=True, exist_ok=True)
     lock = workdir / "lock"
     if target.exists() or not take_lock(lock):
@@ -159,7 +163,7 @@ def run_one(task, recipe, seed, args, extra) -> bool:
         command = [*shlex.split(args.launcher), str(HERE / "run.py")]
         command += ["--model_name_or_path", args.model, "--task_name", task]
         command += ["--glue_dir", args.glue_dir, "--seed", str(seed)]
-        command += ["--output_dir", str(workdir), *TRAINING, *TASK_ARGS.get(task, [])]
+        command += ["--output_dir", str(workdir), *training]
         command += [*RECIPES[recipe], *extra]
         commit = checkout_commit(REPO)  # the code the run starts with, not the one it ends on
         with open(workdir / "log.txt", "w") as log:

@@ -33,6 +33,8 @@ def _load(name):
 
 run = _load("run")
 sweep = _load("sweep")
+sys.path.insert(0, str(RECIPE_DIR))  # paper_protocol imports sweep by name, as its CLI does
+paper = _load("paper_protocol")
 
 WORDS = ["good", "bad", "movie", "film", "plot", "actor", "great", "awful", "fine", "dull"]
 
@@ -354,3 +356,40 @@ def test_the_committed_table_is_the_render_of_the_committed_results():
     results = RECIPE_DIR / "results"
     table = sweep.render(sweep.load_results(results))
     assert (results / "table.md").read_text() == table
+
+
+def test_alam_protocol_pads_every_example_and_drops_token_type_ids(tiny_model, glue_dir, tmp_path):
+    common = ["--no_actq", "--max_seq_length", "32"]
+    dynamic = run.main(_arguments(tiny_model, glue_dir, tmp_path / "dynamic", "rte", *common))
+    padded = run.main(
+        _arguments(
+            tiny_model, glue_dir, tmp_path / "padded", "rte", *common,
+            "--pad_to_max_length", "true", "--drop_token_type_ids", "true",
+        )
+    )  # fmt: skip
+    assert padded["training"]["pad_to_max_length"] and padded["training"]["drop_token_type_ids"]
+    # Every batch 32 tokens long (the tiny sentences pair to 9-21): more kept for backward.
+    assert padded["activation_bytes_step0"] > dynamic["activation_bytes_step0"]
+
+
+def test_alam_protocol_runs_the_grid_at_seed_0_then_the_best_rate():
+    def result(task, recipe, rate, seed, best):
+        history = [{"epoch": 1, "value": best / 100 - 0.01}, {"epoch": 2, "value": best / 100}]
+        return (task, recipe, rate, seed), {"eval_history": history}
+
+    found = dict(result("mrpc", "baseline", rate, 0, 80 + i) for i, rate in enumerate(
+        ["2e-05", "3e-05", "5e-05", "4e-05"]))  # fmt: skip
+    pending = paper.todo(found, ["mrpc"], ["baseline", "alam-2"], [0, 1])
+    # alam-2's grid at seed 0 first; the baseline's seed 1 at its best seed-0 rate (4e-5).
+    assert pending[:4] == [("mrpc", "alam-2", rate, 0) for rate in paper.TASKS["mrpc"]["rates"]]
+    assert pending[4:] == [("mrpc", "baseline", "4e-05", 1)]
+    found.update([result("mrpc", "baseline", "4e-05", 1, 81)])
+    found.update(result("mrpc", "alam-2", rate, 0, 78) for rate in paper.TASKS["mrpc"]["rates"])
+    found.update([result("mrpc", "alam-2", "2e-05", 1, 76)])
+    table = paper.render(found)
+    # baseline: 83 and 81 at 4e-5; alam-2: 78 and 76 at 2e-5 (the first of equals).
+    assert "| MRPC | baseline | 2 | 4e-05 | 82.0 ± 1.4 |" in table
+    assert (
+        "| MRPC | alam-2 | 2 | 2e-05 | 77.0 ± 1.4 | -5.0 | +0.1 (BERT-base) | no (SE 1.4) |"
+        in table
+    )
