@@ -1,6 +1,6 @@
 """Run a grid of GLUE tasks x hf_actq recipes x seeds with ``run.py``, resumably, and render
-the results table (Markdown, also written into this directory's README) and a plot (metric
-against activation memory per recipe) from the per-run JSON files.
+the results table (``results/table.md``; its summary goes into this directory's README) and a
+plot (metric against activation memory per recipe) from the per-run JSON files.
 
     python recipes/glue/sweep.py                       # the default grid below
     python recipes/glue/sweep.py --tasks rte mrpc --recipes baseline fewbit-3 --seeds 0 1 2
@@ -48,7 +48,38 @@ RECIPES = {
     # Our allocator at 1 bit on 8 examples (what "alam" was until 2026-11-27), retired since
     # (hf_actq/config.py, RETIRED_FIELDS): its results stay in the table; it runs no more.
     "alam-1-gradvar": None,
-    "alam-1-even": ["--recipe", "alam", "--bits", "1", "--adaptive", "false"],
+    # The "alam" recipe before its fidelity switches (2026-12-04), pinned to what it meant:
+    # norm outputs shared with the next linears, K packed along head_dim, and (adaptive) the
+    # plan made before step 1.
+    **{
+        f"alam-{b}-shared-norms": [
+            "--recipe",
+            "alam",
+            "--bits",
+            str(b),
+            "--attn_implementation",
+            "eager",
+            "--share_norm_outputs",
+            "true",
+            "--key_layout",
+            "head",
+            "--calibration_step",
+            "0",
+        ]
+        for b in (2, 1)
+    },
+    "alam-1-even": [
+        "--recipe",
+        "alam",
+        "--bits",
+        "1",
+        "--adaptive",
+        "false",
+        "--share_norm_outputs",
+        "true",
+        "--key_layout",
+        "head",
+    ],
     # Packed activation checkpointing: each layer keeps its input at 4 bits and is recomputed.
     # Unrotated (the recipe's codec until rotation became its default).
     "checkpoint-4": ["--recipe", "checkpoint", "--bits", "4", "--checkpoint_codec", "uniform"],
@@ -315,6 +346,49 @@ def render(results: list[dict]) -> str:
     return "\n".join(lines).strip() + "\n"
 
 
+def render_summary(results: list[dict]) -> str:
+    """The README's table: per recipe, the mean over the tasks it ran on every seed of the
+    baseline's (dev metric x 100), its difference from the baseline's mean over the same tasks,
+    whether that is within the baseline's seed std (averaged over those tasks), and the
+    activation compression and step peak against the baseline at the same seeds."""
+    by_key: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        by_key.setdefault((r["task"], r["sweep_recipe"]), []).append(r)
+    tasks = [t for t in TASKS if (t, "baseline") in by_key]
+    lines = [
+        "| recipe | tasks | seeds | mean metric | Δ vs baseline | within baseline std | "
+        "activation compression | step peak vs baseline |",
+        "|---|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for recipe in [r for r in RECIPES if any((t, r) in by_key for t in tasks)]:
+        ran = [t for t in tasks if (t, recipe) in by_key]
+        means, base_means, stds, compressions, peaks, seeds = [], [], [], [], [], set()
+        for task in ran:
+            runs, baseline = by_key[(task, recipe)], by_key[(task, "baseline")]
+            base_by_seed = {r["seed"]: r for r in baseline}
+            means.append(statistics.fmean(100 * r["metric"]["value"] for r in runs))
+            values = [100 * r["metric"]["value"] for r in baseline]
+            base_means.append(statistics.fmean(values))
+            stds.append(statistics.stdev(values) if len(values) > 1 else 0.0)
+            seeds.add(len(runs))
+            for key, into in (("activation_bytes_step0", compressions), ("step_peak_bytes", peaks)):
+                ratio = _ratio(runs, base_by_seed, key)
+                if ratio is not None:
+                    into.append(ratio)
+        delta = statistics.fmean(means) - statistics.fmean(base_means)
+        std = statistics.fmean(stds)
+        names = "all five" if len(ran) == len(TASKS) else ", ".join(t.upper() for t in ran)
+        factor = 1 / statistics.fmean(compressions) if compressions else None
+        compression = "" if factor is None else f"{factor:.{1 if factor < 10 else 0}f}x"
+        peak = f"{statistics.fmean(peaks):.2f}x" if peaks else ""
+        lines.append(
+            f"| {recipe} | {names} | {'-'.join(map(str, sorted(seeds)))} | "
+            f"{statistics.fmean(means):.1f} | {delta:+.1f} | "
+            f"{'yes' if abs(delta) <= std else 'no'} (std {std:.1f}) | {compression} | {peak} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _alam_comparison(summary: dict[str, dict[str, tuple]], best_epoch: dict) -> list[str]:
     """ALAM's own plans (``alam-2``, ``alam-1``) against the paper's deltas (Table 2): a result is
     "not reproduced" when our delta (last epoch) is below the paper's by more than the seeds'
@@ -438,7 +512,7 @@ def main(argv: list[str] | None = None) -> None:
     (results / "table.md").write_text(table)
     plot(found, results / "plot.png")
     if results.resolve() == (HERE / "results").resolve():  # the committed results
-        replace_marked_section(HERE / "README.md", table)
+        replace_marked_section(HERE / "README.md", render_summary(found))
     print(table)
 
 
