@@ -55,7 +55,7 @@ RECIPES = {
         slots={"re:(query|key|value|dense|classifier):input$": {"codec": "rotated", "bits": 1}},
     ),
     # The backward chain kept low-variance and unbiased, the budget's cut taken from the weight
-    # gradients' inputs alone (docs/reference.md, "Per parameter group"): norm inputs and
+    # gradients' inputs alone (docs/reference.md, "ALAM as published"): norm inputs and
     # attention's q, k, v at uniform 4 bits, few-bit GELU at 2, the layers' linear inputs under
     # rotated sampling at 1 bit, the pooler's and classifier's inputs at 8 (about 2.5 bits).
     "alam-chain-safe": lambda: ActQConfig.from_recipe(

@@ -7,8 +7,8 @@ each group are equal. Every update is projected onto a ``1/g``-dimensional subsp
 space; no rounding seed changes that, so it never averages out over steps, and the adaptive
 pass's seed-to-seed variance cannot see it. On the pretrained MiniLM (a real MRPC batch) averaging
 alone (8-bit means) turns the whole-model gradient to cosine 0.70, 0.54 and 0.42 for
-groups of 2, 4 and 8, and its length shrinks by the same factors (docs/reference.md, "Adaptive
-precision").
+groups of 2, 4 and 8, and its length shrinks by the same factors (measured by
+``benchmarks/bench_gradients.py --minilm-bias``).
 
 This codec spends the same bytes without bias. Each run of ``ROTATION`` (128) values of the flat
 tensor is multiplied by random signs ``D`` (regenerated in backward from the pack's seed), rotated

@@ -8,7 +8,7 @@ backward is the exact backward of the layer evaluated at the rounded input, give
 output gradient, so every tensor the layer's backward reads (norm inputs, attention operands,
 activations, linear inputs) carries the error of one rounding of the layer's input, never a
 rounding of its own: the tensors on the backward's chain, which compound their noise through the
-layers below when each is rounded to a bit or two (docs/reference.md, "Per parameter group"),
+layers below when each is rounded to a bit or two (docs/reference.md, "ALAM as published"),
 see 4-bit quality here while the whole layer keeps ``hidden * bits / 8`` bytes per token.
 
 The first pass runs under ``no_grad`` and the backward recomputes the layer with the RNG and
