@@ -34,12 +34,13 @@ def tiny_bert(seed: int = 0):
 
 
 def synthetic_batches(steps: int, batch_size: int, seq_len: int, seed: int = 0):
-    """Label = whether the first token is one of the 16 "positive" ids 8..23."""
-    generator = torch.Generator().manual_seed(seed)
+    """Label = whether the first token is one of the 16 "positive" ids 8..23; CPU tensors
+    whatever torch's default device, the same batches everywhere."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
     for _ in range(steps):
-        ids = torch.randint(24, 512, (batch_size, seq_len), generator=generator)
-        labels = torch.randint(0, 2, (batch_size,), generator=generator)
-        positives = torch.randint(8, 24, (batch_size,), generator=generator)
+        ids = torch.randint(24, 512, (batch_size, seq_len), generator=generator, device="cpu")
+        labels = torch.randint(0, 2, (batch_size,), generator=generator, device="cpu")
+        positives = torch.randint(8, 24, (batch_size,), generator=generator, device="cpu")
         ids[:, 0] = torch.where(labels.bool(), positives, ids[:, 0])
         yield ids, labels
 

@@ -132,7 +132,7 @@ class CausalRows(torch.utils.data.Dataset):
 
     def __init__(self, n: int = 16, length: int = 16, seed: int = 3):
         generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(3, 100, (n, length), generator=generator)
+        self.ids = torch.randint(3, 100, (n, length), generator=generator, device="cpu")
 
     def __len__(self):
         return len(self.ids)

@@ -145,25 +145,31 @@ def _cell(value) -> str:
 
 
 # Part 1: the CUDA test subset ----------------------------------------------------------------
-def run_tests(out: Path, device: torch.device, dry: bool, deadline: float) -> list:
+def run_tests(
+    out: Path, device: torch.device, dry: bool, deadline: float, rerun: Path | None = None
+) -> list:
+    """``rerun``: a ``tests-<n>.jsonl`` of an earlier check; the kernel selection then runs only
+    the tests that did not pass there (failed, or not reached before its budget ran out)."""
     if dry:
         selections = [
             ("kernel fallback", {}, ["tests/kernels/test_fallback.py", "-k", "every_launcher"])
         ]
     else:
         on_gpu = ["tests/kernels", "tests/codecs", "tests/fewbit", "tests/ops"]
+        on_gpu += ["-k", "not every_kernel_compiles"]  # the AOT compile needs no GPU
+        cuda_env = {"HF_ACTQ_TEST_DEVICE": "cuda", "TRITON_INTERPRET": "0"}
+        if rerun is not None:
+            on_gpu = _not_passed(on_gpu, cuda_env, rerun)
+        # The training steps first: a dozen tests, where the kernel selection (a thousand, each
+        # kernel compiled on first use) ran out of its budget on the first lent H200.
         selections = [
-            (
-                "kernels, codecs, few-bit, ops on the GPU",
-                {"HF_ACTQ_TEST_DEVICE": "cuda"},
-                [*on_gpu, "-k", "not every_kernel_compiles"],  # the AOT compile needs no GPU
-            ),
             (
                 "training steps, CUDA against CPU",
                 {},
-                # test_cuda's first test reruns the selection above
+                # test_cuda's first test reruns the selection below
                 ["tests/test_cuda.py", "-m", "cuda", "-k", "not compiled_on_the_gpu"],
             ),
+            ("kernels, codecs, few-bit, ops on the GPU", cuda_env, on_gpu),
         ]
     env_info, rows = environment(device), []
     for name, extra_env, arguments in selections:
@@ -173,6 +179,8 @@ def run_tests(out: Path, device: torch.device, dry: bool, deadline: float) -> li
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
         if extra_env.get("HF_ACTQ_TEST_DEVICE") == "cuda":
             env.pop("TRITON_INTERPRET", None)
+        if not arguments:  # a rerun with nothing left to run
+            continue
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
         command += ["-p", "pytest_lines", *arguments]
         timed_out, status, tail = False, None, ""
@@ -187,7 +195,12 @@ def run_tests(out: Path, device: torch.device, dry: bool, deadline: float) -> li
         results = [json.loads(line) for line in _read_lines(lines_path)]
         counts = {k: sum(r["outcome"] == k for r in results) for k in ("passed", "failed")}
         counts["skipped"] = sum(r["outcome"] == "skipped" for r in results)
-        failures = [f"{r['test']}: {r['message']}" for r in results if r["outcome"] == "failed"]
+        # The first and last lines of each failure (tests-<n>.jsonl in the archive has more)
+        failures = [
+            f"{r['test']}: {' / '.join(dict.fromkeys(_ends(r['message'])))[:400]}"
+            for r in results
+            if r["outcome"] == "failed"
+        ]
         rows.append(
             {
                 "selection": name,
@@ -200,6 +213,25 @@ def run_tests(out: Path, device: torch.device, dry: bool, deadline: float) -> li
         (out / f"tests-{len(rows) - 1}.log").write_text(tail)
         write(out, "tests", rows, env_info)
     return rows
+
+
+def _not_passed(arguments: list[str], env: dict, earlier: Path) -> list[str]:
+    """The ids ``pytest arguments`` collects that did not pass in ``earlier``'s lines."""
+    passed = {
+        line["test"]
+        for line in map(json.loads, _read_lines(earlier))
+        if line["outcome"] in ("passed", "skipped")
+    }
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", *arguments]
+    listed = subprocess.run(
+        command, cwd=ROOT, env=dict(os.environ, **env), capture_output=True, text=True
+    ).stdout.splitlines()
+    return [test for test in listed if "::" in test and test not in passed]
+
+
+def _ends(message: str) -> list[str]:
+    lines = message.splitlines() or [""]
+    return [lines[0], lines[-1]]
 
 
 def _read_lines(path: Path) -> list[str]:
@@ -485,7 +517,10 @@ def _step(runs: dict, batch: dict, device: torch.device, autocast, recipe: str) 
     optimizer.zero_grad(set_to_none=True)
 
 
-def run_steps(out: Path, device: torch.device, dry: bool, deadline: float) -> list:
+def run_steps(
+    out: Path, device: torch.device, dry: bool, deadline: float, models: str | None = None
+) -> list:
+    """``models``: only the step models whose name contains it."""
     from hf_actq.memory import PeakMemory
 
     env_info, rows = environment(device), []
@@ -495,6 +530,8 @@ def run_steps(out: Path, device: torch.device, dry: bool, deadline: float) -> li
     for model_name, build, autocast in step_models(device, dry):
         if time.monotonic() > deadline:
             break
+        if models and models not in model_name:
+            continue
         model, batch = build()
         runs = {recipe: _patched(model, recipe) for recipe in RECIPES}
         del model
@@ -592,6 +629,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/gpu"))
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreter")
     parser.add_argument("--budget", type=float, help="seconds for the part (default: its own)")
+    parser.add_argument(
+        "--rerun", type=Path, help="tests: only what did not pass in this earlier tests-<n>.jsonl"
+    )
+    parser.add_argument("--models", help="steps: only the models whose name contains this")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -614,7 +655,8 @@ def main(argv=None) -> int:
         for part in PARTS if args.part == "all" else (args.part,):
             budget = args.budget or BUDGETS[part]
             began = time.monotonic()
-            runners[part](out, device, args.dry_run, began + budget)
+            options = {"tests": {"rerun": args.rerun}, "steps": {"models": args.models}}
+            runners[part](out, device, args.dry_run, began + budget, **options.get(part, {}))
             print(f"{part}: {time.monotonic() - began:.0f} s", flush=True)
     report(out)
     return 0

@@ -12,14 +12,17 @@ def pytest_runtest_logreport(report):
         return
     message = ""
     if report.failed:
+        # The assertion's lines and where it failed (the last line, "file:line: Error"): one
+        # "E" line alone said "where ... = torch.equal" and nothing of which comparison failed.
         lines = str(report.longrepr).strip().splitlines()
-        message = next((line for line in reversed(lines) if line.startswith("E ")), lines[-1])
+        errors = [line for line in lines if line.startswith("E ")][:12]
+        message = "\n".join([*errors, lines[-1]])
     line = {
         "test": report.nodeid,
         "when": report.when,
         "outcome": report.outcome,
         "seconds": round(report.duration, 3),
-        "message": message[:300],
+        "message": message[:1500],
     }
     with open(path, "a", encoding="utf-8") as file:
         file.write(json.dumps(line) + "\n")

@@ -188,11 +188,19 @@ def _distributed() -> bool:
     )
 
 
+def _collective_device() -> torch.device:
+    """Where the process group reduces: NCCL (what ``accelerate launch`` starts on GPUs) takes
+    CUDA tensors only; gloo, and a ``cpu:gloo,cuda:nccl`` group, take CPU ones."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _average_across_ranks(values: list[float]) -> list[float]:
     """The mean over ranks (every rank passes its values in the same order)."""
     if not _distributed():
         return values
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_collective_device())
     torch.distributed.all_reduce(tensor)
     return (tensor / torch.distributed.get_world_size()).tolist()
 
@@ -200,7 +208,7 @@ def _average_across_ranks(values: list[float]) -> list[float]:
 def _all_ranks_agree_to_stop(stop: bool) -> bool:
     if not _distributed():
         return stop
-    flag = torch.tensor([float(stop)])
+    flag = torch.tensor([float(stop)], device=_collective_device())
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return bool(flag.item())
 

@@ -72,7 +72,9 @@ def _hadamard_rows(keep: int, device: torch.device) -> torch.Tensor:
 def _fixed_rotation(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``D H^T`` for one fixed random sign vector ``D``: ``x @ it`` rotates rows of 128 values,
     ``y @ it.T`` rotates them back (the matrix is orthogonal)."""
-    signs = torch.randint(0, 2, (ROTATION,), generator=torch.Generator().manual_seed(0x5EED))
+    # Drawn on the CPU whatever torch's default device: the same signs on every device.
+    generator = torch.Generator(device="cpu").manual_seed(0x5EED)
+    signs = torch.randint(0, 2, (ROTATION,), generator=generator, device="cpu")
     rotation = (signs.to(torch.float32) * 2 - 1)[:, None] * _hadamard_rows(ROTATION, "cpu").T
     return rotation.to(device=device, dtype=dtype)
 
@@ -144,7 +146,7 @@ class RotatedSampleCodec(Codec):
         data, mins, scales = aq_quantize(
             coeffs.reshape(-1), 1, self.bits, self.block_size, self.stochastic, seed
         )
-        seed_tensor = torch.tensor([seed], dtype=torch.int64)
+        seed_tensor = torch.tensor([seed], dtype=torch.int64, device="cpu")  # cpu_buffers
         return Packed(self, x.shape, x.dtype, (data, mins, scales, seed_tensor))
 
     def _pack_whole(self, x: torch.Tensor, seed: int | None) -> Packed:

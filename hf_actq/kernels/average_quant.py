@@ -18,6 +18,7 @@ from hf_actq.kernels.compiled import mix_seed, run, uniform_noise, use_compiled
 from hf_actq.kernels.packing import (
     CODEC_CHUNK,
     COMPILED_CHUNK,
+    divided,
     pack_uint8_codes_into,
     packed_nbytes,
     unpack_codes,
@@ -82,11 +83,11 @@ def _aq_codes(rows, bits: int, noise_key, offset, group: int, stochastic: bool):
     total = rows[..., 0].float()
     for k in range(1, group):  # in order, as the Triton kernel sums
         total = total + rows[..., k].float()
-    means = (total / group).to(rows.dtype).float()
+    means = divided(total, group).to(rows.dtype).float()
     top = float(2**bits - 1)
     lo, hi = means.amin(dim=1), means.amax(dim=1)
     # hi / top - lo / top rather than (hi - lo) / top, which overflows for huge ranges.
-    scale = hi / top - lo / top
+    scale = divided(hi, top) - divided(lo, top)
     inv = torch.where(scale > 0, 1.0 / scale, 0.0)
     q = means * inv[:, None] - (lo * inv)[:, None]
     if stochastic:

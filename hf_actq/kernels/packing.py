@@ -124,6 +124,17 @@ def pad_to(chunk: torch.Tensor, size: int, fill: float) -> torch.Tensor:
     return out
 
 
+def divided(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` rounded as IEEE division on every device, as the kernels divide
+    (``tl.math.div_rn``). PyTorch's CUDA kernels divide by a Python number as
+    ``x * (1 / divisor)``, a bit off for most divisors: on a GPU the twins then disagreed with
+    the kernels (the first lent H200: AQ bf16 and SmaQ codes one step apart). A 0-dim tensor
+    on the same device is divided by."""
+    if x.device.type == "cpu":
+        return x / divisor
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def expanded_lookup(lut: torch.Tensor, bits: int):
     """A table of levels per packed index, and how to index it from packed bytes.
 

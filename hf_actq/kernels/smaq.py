@@ -11,7 +11,14 @@ import math
 
 import torch
 
-from hf_actq.kernels.packing import pack_chunk_into, pack_codes, packed_nbytes, pad_to, unpack_codes
+from hf_actq.kernels.packing import (
+    divided,
+    pack_chunk_into,
+    pack_codes,
+    packed_nbytes,
+    pad_to,
+    unpack_codes,
+)
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
@@ -99,13 +106,13 @@ def smaq_dequantize_reference(
     top = (codes & 15).float()
     rank = torch.cumsum(outlier.to(torch.int32), dim=1) - 1
     extended = outlier & (rank < slots)
-    magnitude = top / 15.0
+    magnitude = divided(top, 15.0)
     if slots:
         ext = unpack_codes(extension, blocks * slots, 2).view(blocks, slots).float()
         low = ext.gather(1, rank.clamp(0, slots - 1).to(torch.int64))
-        magnitude = torch.where(extended, (4 * top + low) / 63.0, magnitude)
+        magnitude = torch.where(extended, divided(4 * top + low, 63.0), magnitude)
     sign = torch.where((codes & 16) > 0, -1.0, 1.0)
-    z = torch.where(outlier, sign * (1.0 + magnitude), codes.float() / 15.5 - 1.0)
+    z = torch.where(outlier, sign * (1.0 + magnitude), divided(codes.float(), 15.5) - 1.0)
     values = z.view(-1)[:n] * stats[1] + stats[0]
     return values.to(dtype).view(shape)
 

@@ -36,7 +36,7 @@ class CompressedDropoutFunction(torch.autograd.Function):
         ctx.p, ctx.mode, ctx.shape = p, mode, x.shape
         if mode == "seed":
             # On a GPU the kernel draws each element's decision from the seed: no mask exists.
-            ctx.save_for_backward(torch.tensor([seed], dtype=torch.int64))
+            ctx.save_for_backward(torch.tensor([seed], dtype=torch.int64, device="cpu"))
             return seeded_dropout(x, p, seed)
         keep = keep_mask(x.shape, p, seed, x.device)
         ctx.save_for_backward(mask_pack(keep))

@@ -34,9 +34,12 @@ def checkout_commit(repo: Path, *paths: str) -> str | None:
     """The short commit of the git checkout at ``repo``, with ``+`` when it has uncommitted
     changes (under ``paths``, else anywhere but the results directories and Markdown); None without git or
     a checkout. A copy of the tree without its ``.git`` (what a lent GPU gets) names its commit
-    in ``HF_ACTQ_COMMIT``, set by whoever sends the copy."""
+    in ``HF_ACTQ_COMMIT``, set by whoever sends the copy; it wins where set, since a lent GPU's
+    copy came with a ``.git`` of its own making (its commit named nothing here)."""
+    if os.environ.get("HF_ACTQ_COMMIT"):
+        return os.environ["HF_ACTQ_COMMIT"]
     if not (Path(repo) / ".git").exists():
-        return os.environ.get("HF_ACTQ_COMMIT") or None
+        return None
     paths = paths or CODE_PATHSPECS
     try:
         head, dirty = (

@@ -146,3 +146,16 @@ def test_a_model_in_eval_mode_is_measured_in_training_mode_and_left_in_eval():
     assert handle.calibrate(_batch()).slots == want
     assert not model.training and model.model.layers[0].training
     assert not model.model.layers[1].training
+
+
+@pytest.mark.parametrize(
+    "backend,device", [("nccl", "cuda:1"), ("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu")]
+)
+def test_ranks_reduce_on_the_device_their_backend_takes(backend, device, monkeypatch):
+    # accelerate launch on GPUs starts an NCCL group, which reduces CUDA tensors only: a CPU
+    # tensor there fails ("No backend type associated with device type cpu").
+    from hf_actq.adaptive import calibrate as module
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert module._collective_device() == torch.device(device)

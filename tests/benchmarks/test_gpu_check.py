@@ -109,3 +109,22 @@ def test_the_summary_names_a_kernel_that_fell_back_and_does_not_count_it_identic
     summary = check.report(tmp_path)
     assert "- kernel aq_quantize failed, its twin ran instead: CompilationError: no" in summary
     assert "- kernels bit-identical with their twins: 1 of 2" in summary
+
+
+def test_a_rerun_selects_what_did_not_pass_before(tmp_path):
+    # --rerun tests-<n>.jsonl: the kernel selection runs again without what passed (or was
+    # skipped) on the last loan, so that a second short loan reaches what the first did not.
+    sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+    try:
+        import check
+    finally:
+        sys.path.pop(0)
+    selection = ["tests/kernels/test_reference.py"]
+    listed = check._not_passed(selection, {}, tmp_path / "none.jsonl")
+    assert len(listed) > 3 and all(t.startswith(selection[0] + "::") for t in listed)
+    earlier = tmp_path / "tests-1.jsonl"
+    outcomes = ["passed", "skipped", "failed"]
+    earlier.write_text(
+        "".join(json.dumps({"test": t, "outcome": o}) + "\n" for t, o in zip(listed, outcomes))
+    )
+    assert check._not_passed(selection, {}, earlier) == listed[2:]

@@ -56,7 +56,7 @@ def test_fewbit_ops_pass_torch_library_opcheck():
     from hf_actq.ops.fewbit_activation import ActivationTable
 
     table = ActivationTable("gelu", 3)
-    borders, levels = table.tensors("cpu")
+    borders, levels = table.tensors(torch.get_default_device())
     x = torch.randn(5, 24)
     codes_op = torch.ops.hf_actq.fewbit_codes.default
     torch.library.opcheck(codes_op, (x, "gelu", borders, 3, []))

@@ -67,7 +67,7 @@ def test_a_linear_layers_weight_gradient_stays_unbiased_where_averaging_projects
     """AQ's group means make dY^T X a projection of the weight gradient (cosine about
     sqrt(1/g) whatever the seeds); rotated sampling at the same bytes averages out."""
     x = _outlier_features(rows=256)
-    dy = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(256, 32, generator=torch.Generator(torch.get_default_device()).manual_seed(1))
     exact = dy.T @ x
 
     def mean_gradient(codec, draws=64):

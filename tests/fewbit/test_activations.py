@@ -81,7 +81,7 @@ def test_numpy_derivative_matches_autograd(name):
     x.requires_grad_(True)
     spec.forward(x, **spec.params).sum().backward()
     torch.testing.assert_close(
-        torch.from_numpy(spec.derivative(x.detach().numpy(), **spec.params)),
+        torch.from_numpy(spec.derivative(x.detach().cpu().numpy(), **spec.params)).to(x.device),
         x.grad,
         rtol=1e-6,
         atol=1e-9,

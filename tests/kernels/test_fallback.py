@@ -102,7 +102,9 @@ ALWAYS |= {"norm_backward"}
 def test_training_goes_on_with_the_twins_when_every_kernel_fails(case, monkeypatch, caplog):
     make, config, kernels_run = CASES[case]
     model = make()
-    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(
+        3, 100, (2, 16), generator=torch.Generator(torch.get_default_device()).manual_seed(0)
+    )
     labels = torch.tensor([0, 1]) if case.startswith("bert") else ids
 
     def step(m):

@@ -19,7 +19,7 @@ from hf_actq.kernels.norm import norm_backward_reference  # noqa: E402
 
 
 def _inputs(rows, width, dtype, centered):
-    generator = torch.Generator().manual_seed(rows * 7919 + width)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(rows * 7919 + width)
     x = torch.randn(rows, width, generator=generator) * 3 + 1
     mean = x.mean(-1, keepdim=True) if centered else torch.zeros(rows, 1)
     rstd = torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + 1e-5)

@@ -221,16 +221,21 @@ def test_sdpa_encoder_with_dropout_and_padding_matches_stock_sdpa():
         assert torch.allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("key_layout", ["head", "sequence"])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-def test_sdpa_path_keeps_no_s_by_s_tensor(dropout):
+def test_sdpa_path_keeps_no_s_by_s_tensor(dropout, key_layout):
     from torch.nn.functional import scaled_dot_product_attention
 
     from hf_actq.memory.peak import PeakMemory
-    from hf_actq.ops.attention import compressed_sdpa_attention
+    from hf_actq.ops.attention import _capture_rng, compressed_sdpa_attention
+    from hf_actq.ops.state import OpState, set_state
 
     module = Holder()
     module.is_causal = False
     module.training = True
+    # K packed along the sequence (ALAM's layout) comes back as a transposed view; the fused
+    # kernels need its last dimension contiguous, or SDPA takes its S x S math path.
+    set_state(module, OpState(key_layout=key_layout))
     # Long enough that the fused kernel's blocks are smaller than the whole score matrix.
     b, h, s, d = 1, 1, 2048, 16
     torch.manual_seed(0)
@@ -241,7 +246,7 @@ def test_sdpa_path_keeps_no_s_by_s_tensor(dropout):
         out, _ = compressed_sdpa_attention(
             module, q, k, v, mask, dropout=dropout, codecs=dict.fromkeys("qkv", codec)
         )
-    rng_bytes = torch.get_rng_state().numel() if dropout else 0
+    rng_bytes = sum(s.numel() for s in _capture_rng(q.device)[1]) if dropout else 0
     assert meter.nbytes == 3 * codec.nbytes(q.shape) + mask.numel() + rng_bytes
     with SavedTensorMeter() as stock:
         scaled_dot_product_attention(q, k, v, mask, dropout_p=dropout)

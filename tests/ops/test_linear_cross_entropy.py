@@ -29,7 +29,7 @@ def _stock(hidden, weight, bias, labels, softcap=None, num_items=None, smoothing
 
 
 def _inputs(dtype, bias=True, seed=0):
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(seed)
     hidden = torch.randn(3, 20, HIDDEN, generator=generator).to(dtype).requires_grad_()
     weight = (0.3 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(dtype).requires_grad_()
     b = torch.randn(VOCAB, generator=generator).to(dtype).requires_grad_() if bias else None
@@ -214,7 +214,7 @@ def test_a_half_precision_head_with_more_words_than_tokens_walks_the_vocabulary(
     softcap, bias, smoothing
 ):
     # 40 tokens, 300 words, bf16: backward by vocabulary block (from the forward's log-sum-exp).
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(3)
     hidden = torch.randn(2, 20, HIDDEN, generator=generator).bfloat16().requires_grad_()
     weight = (0.3 * torch.randn(300, HIDDEN, generator=generator)).bfloat16().requires_grad_()
     b = torch.randn(300, generator=generator).bfloat16().requires_grad_() if bias else None
@@ -273,7 +273,7 @@ def test_fp16_gradients_under_a_loss_scale_are_as_good_as_stocks(head, num_items
     # A GradScaler's 65536 is no fp16 number, and 1/tokens times a 32k-word softmax flushes to
     # zero in fp16: the frozen head's gradient, formed in the forward, used to be all inf at
     # 65536 and 4x the stock error at 32768. The error is against the same computation in fp32.
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(0)
     hidden32 = torch.randn(512, 16, generator=generator)
     weight32 = 0.05 * torch.randn(32000, 16, generator=generator)
     labels = torch.randint(0, 32000, (512,), generator=generator)

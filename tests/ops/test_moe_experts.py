@@ -31,7 +31,7 @@ def _experts(dtype=torch.float32, codec=None):
 
 
 def _routing(dtype=torch.float32):
-    generator = torch.Generator().manual_seed(1)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(1)
     hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(dtype)
     logits = torch.randn(TOKENS, EXPERTS, generator=generator)
     weights, index = torch.topk(logits.softmax(-1), TOP_K, dim=-1)

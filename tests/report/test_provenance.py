@@ -33,12 +33,27 @@ def test_a_written_results_file_does_not_mark_the_checkout_as_changed(tmp_path):
     assert checkout_commit(tmp_path, "recipes/glue/results/rte") == clean + "+"
 
 
-def test_a_copy_without_git_names_the_commit_it_is_given(tmp_path, monkeypatch):
-    # A lent GPU gets the working tree without .git: the sender names the commit.
+def test_a_copy_sent_to_a_gpu_names_the_commit_it_is_given(tmp_path, monkeypatch):
+    # A lent GPU gets a copy of the working tree, without .git or (as on 2026-12-04) with a
+    # .git of the device's own making: the sender names the commit, and that name wins.
     (tmp_path / "hf_actq").mkdir()
     monkeypatch.delenv("HF_ACTQ_COMMIT", raising=False)
     assert checkout_commit(tmp_path) is None
     monkeypatch.setenv("HF_ACTQ_COMMIT", "e2a0486")
     assert checkout_commit(tmp_path) == "e2a0486"
-    _git(tmp_path, "init", "-q")  # a checkout: git says, not the variable
-    assert checkout_commit(tmp_path) is None  # no commit yet
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(
+        tmp_path,
+        "-c",
+        "user.name=x",
+        "-c",
+        "user.email=x@x",
+        "commit",
+        "-qm",
+        "device's",
+        "--allow-empty",
+    )
+    assert checkout_commit(tmp_path) == "e2a0486"
+    monkeypatch.delenv("HF_ACTQ_COMMIT")
+    assert checkout_commit(tmp_path) not in (None, "e2a0486")  # git's own commit
