@@ -246,6 +246,8 @@ def test_a_half_precision_head_with_more_words_than_tokens_walks_the_vocabulary(
 def test_walking_the_vocabulary_never_holds_an_fp32_weight_gradient(monkeypatch):
     import hf_actq.ops.linear_cross_entropy as lce
 
+    if torch.get_default_device().type != "cpu":
+        pytest.skip("the largest single allocation is read from the CPU profiler")
     tokens, vocab = 256, 8192
     hidden = torch.randn(tokens, HIDDEN).bfloat16().requires_grad_()
     weight = (0.1 * torch.randn(vocab, HIDDEN)).bfloat16().requires_grad_()
