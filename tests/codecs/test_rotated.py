@@ -57,7 +57,7 @@ def test_unbiased_with_the_variance_it_should_have(group):
     x = _outlier_features()
     draws = torch.stack([codec.pack(x, seed).unpack() for seed in range(200)])
     energy = x.pow(2).sum()
-    single = ((draws - x).pow(2).sum(dim=(1, 2)) / energy).mean()
+    single = ((draws - x).pow(2).sum(dim=(1, 2)) / energy).mean().item()
     assert single == pytest.approx(group - 1, rel=0.1)
     mean_error = (draws.mean(0) - x).pow(2).sum() / energy
     assert mean_error < 2 * single / 200  # the error of the mean falls as 1/draws

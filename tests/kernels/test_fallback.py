@@ -55,7 +55,7 @@ def test_a_failing_kernel_warns_once_and_its_twin_runs_from_then_on(failing_kern
 
 
 def test_cpu_tensors_take_the_kernel_path_only_inside_kernels_on_cpu(monkeypatch):
-    x = torch.randn(300)
+    x = torch.randn(300, device="cpu")
     expected = kernels.mask_pack(x)
     seen = []
     kernel = registry.KERNELS["mask_pack"]
@@ -115,7 +115,9 @@ def test_training_goes_on_with_the_twins_when_every_kernel_fails(case, monkeypat
 
     twins = copy.deepcopy(model)
     handle = hf_actq.apply(twins, config)
-    expected = step(twins)
+    with monkeypatch.context() as twins_only:  # on a GPU too, where kernels would run
+        twins_only.setattr(registry, "triton_enabled", lambda: False)
+        expected = step(twins)
     handle.revert()
     handle = hf_actq.apply(model, config)
     with _fail_every_kernel(monkeypatch) as failing, caplog.at_level(logging.WARNING, "hf_actq"):
