@@ -18,6 +18,8 @@ from dataclasses import dataclass
 # Sizes above 2**31 - 1 are passed as i64; Triton specialises smaller ones to i32. Both launch.
 INDEX_TYPES = ("i32", "i64")
 FLOAT_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+# Stack bytes per thread a variant may use: a few spilled registers, not a spilled tile.
+SPILL_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ def variants() -> list[Variant]:
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit.activations import ACTIVATIONS
     from hf_actq.kernels import average_quant, dropout, fewbit, mask, norm, sign_preserving
+    from hf_actq.kernels.smaq import extension_bytes_pad
 
     out = []
     for dtype in FLOAT_TYPES.values():
@@ -155,7 +158,9 @@ def variants() -> list[Variant]:
                     )
                 )
             for block in SMAQ_BLOCK_SIZES:
-                out.append(
+                # Every tile a capacity in [0, 1] can ask for: slots // 4 runs 0..block // 4.
+                pads = sorted({extension_bytes_pad(4 * n) for n in range(block // 4 + 1)})
+                out.extend(
                     _variant(
                         "smaq",
                         "smaq_quantize_kernel",
@@ -170,8 +175,9 @@ def variants() -> list[Variant]:
                             "stochastic": "i32",
                             "seed": "i32",
                         },
-                        {"BLOCK": block, "SLOTS_PAD": block},
+                        {"BLOCK": block, "BYTES_PAD": pad},
                     )
+                    for pad in pads
                 )
                 out.append(
                     _variant(
@@ -313,7 +319,32 @@ def compile_variant(variant: Variant, cc: int) -> dict:
         "cc": cc,
         "cubin_bytes": len(compiled.asm["cubin"]),
         "seconds": round(time.perf_counter() - start, 3),
+        **resource_usage(compiled.asm["cubin"]),
     }
+
+
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes per thread (where registers spill: SmaQ's quantize
+    kernel once had 3.5 KB, and ran 300-1400x two copies on an H200), read by the cuobjdump
+    that ships with Triton; {} where there is none."""
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        usage = subprocess.run(
+            [str(tool), "-res-usage", file.name], capture_output=True, text=True
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return {"registers": int(found[1]), "stack_bytes": int(found[2])} if found else {}
 
 
 def _compile_star(args):
@@ -335,8 +366,11 @@ def representatives(all_variants: list[Variant], per: str = "types") -> list[Var
     return list(chosen.values())
 
 
-def compile_all(ccs=(80, 90), jobs: int = 2, representative: str | None = None) -> list[dict]:
+def compile_all(
+    ccs=(80, 90), jobs: int = 2, representative: str | None = None, match: str | None = None
+) -> list[dict]:
     chosen = representatives(variants(), representative) if representative else variants()
+    chosen = [v for v in chosen if match is None or match in v.label]
     work = [(v, cc) for v in chosen for cc in ccs]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_compile_star, work, chunksize=4))
@@ -353,18 +387,25 @@ def main(argv=None) -> int:
         help="one variant per kernel and argument types, or per kernel, instead of every "
         "constexpr choice",
     )
+    parser.add_argument("--match", help="only the variants whose label holds this text")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    results = compile_all(tuple(args.cc), args.jobs, args.representative)
+    results = compile_all(tuple(args.cc), args.jobs, args.representative, args.match)
+    if not results:
+        sys.exit(f"no kernel variant's label holds {args.match!r}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     empty = [r for r in results if r["cubin_bytes"] == 0]
+    spilling = [r for r in results if r.get("stack_bytes", 0) > SPILL_LIMIT]
     print(
         f"compiled {len(results)} kernel variants for sm_{', sm_'.join(map(str, args.cc))} "
-        f"in {time.perf_counter() - start:.1f} s; {len(empty)} empty cubins"
+        f"in {time.perf_counter() - start:.1f} s; {len(empty)} empty cubins; "
+        f"{len(spilling)} with over {SPILL_LIMIT} stack bytes per thread"
     )
-    return 1 if empty else 0
+    for result in spilling:
+        print(f"  {result['variant']} sm_{result['cc']}: {result['stack_bytes']} stack bytes")
+    return 1 if empty or spilling else 0
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def smaq_quantize_kernel(
     stochastic,
     seed,
     BLOCK: tl.constexpr,
-    SLOTS_PAD: tl.constexpr,
+    BYTES_PAD: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offsets = pid * BLOCK + tl.arange(0, BLOCK)
@@ -157,14 +157,15 @@ def smaq_quantize_kernel(
     groups8 = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
     store_packed(main_ptr, groups8, tl.reshape(code, (BLOCK // 8, 8)), 6, n_main_bytes)
 
-    # Slot j of this block holds the low 2 magnitude bits of its outlier of rank j.
-    low = fine - 4.0 * tl.floor(tl.math.div_rn(fine, 4.0))
-    slot = tl.arange(0, SLOTS_PAD)
-    match = (rank[:, None] == slot[None, :]) & extended[:, None]
-    values = tl.sum(tl.where(match, low[:, None], 0.0), axis=0).to(tl.uint32)
-    quads = tl.reshape(values, (SLOTS_PAD // 4, 4))
-    byte = tl.sum(quads << (tl.arange(0, 4)[None, :] * 2).to(tl.uint32), axis=1)
-    byte_index = tl.arange(0, SLOTS_PAD // 4)
+    # Slot j of this block holds the low 2 magnitude bits of its outlier of rank j, at bits
+    # 2 (j % 4) of byte j // 4. Each outlier is matched against the block's bytes, not its slots:
+    # a BLOCK x BYTES_PAD tile (256 x 32 at the default capacity) where a BLOCK x BLOCK one
+    # spilled registers (the H200 check: 300-1400x two copies).
+    low = (fine - 4.0 * tl.floor(tl.math.div_rn(fine, 4.0))).to(tl.uint32)
+    shifted = low << ((tl.maximum(rank, 0) % 4) * 2).to(tl.uint32)
+    byte_index = tl.arange(0, BYTES_PAD)
+    match = ((rank // 4)[:, None] == byte_index[None, :]) & extended[:, None]
+    byte = tl.sum(tl.where(match, shifted[:, None], 0), axis=0)  # disjoint fields: sum is OR
     tl.store(
         ext_ptr + pid * (slots // 4) + byte_index, byte.to(tl.uint8), mask=byte_index < slots // 4
     )
@@ -199,6 +200,12 @@ def smaq_dequantize_kernel(
     tl.store(out_ptr + offsets, to_dtype(value, out_ptr.dtype.element_ty), mask=valid)
 
 
+def extension_bytes_pad(slots: int) -> int:
+    """The power of two at or above a block's extension bytes (``slots // 4``): the kernel's
+    constexpr, so each capacity compiles its own small tile."""
+    return 1 << (max(slots // 4, 1) - 1).bit_length()
+
+
 def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
     """The Triton side of :func:`smaq_quantize_reference`."""
     source = source.contiguous()
@@ -218,7 +225,7 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
             int(stochastic),
             seed,  # deterministic rounding: unused
             BLOCK=block,
-            SLOTS_PAD=block,
+            BYTES_PAD=extension_bytes_pad(slots),
             **LAUNCH_OPTIONS,
         )
     return main, extension
