@@ -119,6 +119,7 @@ def render(found: dict) -> str:
         for recipe in RECIPES:
             this = cell(found, task, recipe)
             if this is None:
+                lines += _partial_grid(found, task, recipe)
                 continue
             mean, std, seeds, rate = this
             metric = f"{mean:.1f}" + ("" if std is None else f" ± {std:.1f}")
@@ -137,6 +138,21 @@ def render(found: dict) -> str:
                 f"| {verdict} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _partial_grid(found: dict, task: str, recipe: str) -> list[str]:
+    """A row for a grid still running at seed 0: how far it is and its best rate so far."""
+    rates = TASKS[task]["rates"]
+    done = {
+        rate: found[(task, recipe, rate, 0)] for rate in rates if (task, recipe, rate, 0) in found
+    }
+    if not done:
+        return []
+    best = max(done, key=lambda rate: best_epoch(done[rate]))
+    return [
+        f"| {task.upper()} | {recipe} | 1 | {best} (seed 0 at {len(done)} of {len(rates)} rates) "
+        f"| {best_epoch(done[best]):.1f} | | | grid running |"
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
