@@ -24,7 +24,10 @@ Parts, each under its own time budget (the rows finished when it runs out are ke
   stock activation checkpointing beside "checkpoint".
 
 Every part writes ``<part>.json`` (rows, and the device, driver, torch and Triton versions) and
-``<part>.md``. ``--dry-run`` runs on CPU with tiny shapes and the Triton kernels under the
+``<part>.md``. Kernel and step rows give "host ms" too, the host's time per call from an idle
+device (close to the device's time: the launches bound it, or a hidden synchronisation), and
+``profile-*.txt`` (in the archive) holds torch.profiler's tables of each kernel case and of each
+recipe's step on the first model. ``--dry-run`` runs on CPU with tiny shapes and the Triton kernels under the
 interpreter, so that the default test suite keeps this script working between loans. Weights are
 random: nothing here needs pretrained ones.
 """
@@ -258,6 +261,46 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _host_timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds the host spends in ``fn()`` from an idle device: the launches' Python and
+    dispatch cost, plus any wait for the device (a hidden synchronisation). Beside the device
+    time it says whether a case is bound by the host or the device."""
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _profile(fn, device: torch.device, path: Path, calls: int = 3) -> None:
+    """torch.profiler's table of ``calls`` calls of ``fn``, by self host time and by self device
+    time, to ``path``: where a slow case spends its time, for the session after the loan."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    tables = [events.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if device.type == "cuda":
+        tables.append(events.table(sort_by="self_cuda_time_total", row_limit=25))
+    path.write_text(f"{calls} calls\n\n" + "\n\n".join(tables))
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
 class _Twins:
     """``with _Twins(): ...`` runs the PyTorch twins wherever the kernels would run."""
 
@@ -428,7 +471,10 @@ def run_kernels(out: Path, device: torch.device, dry: bool, deadline: float) -> 
                 twin = ours()
             ours_s = _timed(ours, device, repeats)
             stock_s = _timed(stock, device, repeats)
+            host_s = _host_timed(ours, device, repeats)
             ratio = ours_s / stock_s
+            if dtype_name == next(iter(dtypes)):
+                _profile(ours, device, out / f"profile-kernel-{_slug(name)}.txt")
             rows.append(
                 {
                     "kernel": name,
@@ -436,6 +482,7 @@ def run_kernels(out: Path, device: torch.device, dry: bool, deadline: float) -> 
                     "max |kernel - twin|": _difference(kernel, twin),
                     "ms": ours_s * 1e3,
                     "reference ms": stock_s * 1e3,
+                    "host ms": host_s * 1e3,
                     "ratio": ratio,
                     "goal": goal,
                     "met": None if goal is None else ratio <= goal,
@@ -527,11 +574,13 @@ def run_steps(
     rounds = 1 if dry else 8
     if dry:  # the kernels part ran them; here the interpreter would only be slow
         os.environ["HF_ACTQ_DISABLE_TRITON"] = "1"
+    first_model = None  # profiled, each recipe once
     for model_name, build, autocast in step_models(device, dry):
         if time.monotonic() > deadline:
             break
         if models and models not in model_name:
             continue
+        first_model = first_model or model_name
         model, batch = build()
         runs = {recipe: _patched(model, recipe) for recipe in RECIPES}
         del model
@@ -551,6 +600,13 @@ def run_steps(
             for recipe in order:
                 times[recipe].append(_timed(functools.partial(step, recipe), device, 1))
         base_time = statistics.median(times["baseline"])
+        host = {
+            recipe: _host_timed(functools.partial(step, recipe), device, 1) for recipe in RECIPES
+        }
+        if model_name == first_model:
+            for recipe in RECIPES:
+                path = out / f"profile-step-{_slug(model_name)}-{recipe}.txt"
+                _profile(functools.partial(step, recipe), device, path, calls=1)
         for recipe in RECIPES:
             median = statistics.median(times[recipe])
             rows.append(
@@ -559,6 +615,7 @@ def run_steps(
                     "recipe": recipe,
                     "step ms": median * 1e3,
                     "time ratio": median / base_time,
+                    "host ms": host[recipe] * 1e3,
                     "peak MiB": peaks[recipe] / 2**20,
                     "peak ratio": peaks[recipe] / max(peaks["baseline"], 1),
                     "rounds": len(times[recipe]),

@@ -40,10 +40,16 @@ def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
     for row in kernels:
         bound = 1e-6 if row["kernel"].startswith("LayerNorm") else 0.0
         assert row["max |kernel - twin|"] <= bound, row
-        assert row["ms"] > 0 and row["reference ms"] > 0
+        assert row["ms"] > 0 and row["reference ms"] > 0 and row["host ms"] > 0
     steps = parts["steps"]["rows"]
     assert len(steps) == 3 * 6
-    assert all(r["step ms"] > 0 and r["peak MiB"] > 0 for r in steps)
+    assert all(r["step ms"] > 0 and r["peak MiB"] > 0 and r["host ms"] > 0 for r in steps)
+    # A profile of every kernel case and of each recipe's step on the first model, for the
+    # session after a loan to see where a slow case spends its time.
+    profiles = sorted(p.name for p in tmp_path.glob("profile-*.txt"))
+    assert len(profiles) == 10 + 6, profiles
+    gelu = (tmp_path / "profile-kernel-few-bit-gelu-3-bit-fwd-bwd-vs-torch.txt").read_text()
+    assert "hf_actq::fewbit_codes" in gelu and "hf_actq::fewbit_backward" in gelu
     summary = (tmp_path / "summary.md").read_text()
     assert "kernels bit-identical with their twins: 9 of 10" in summary
     assert "# GPU check: steps" in summary and "Dry run" in summary
