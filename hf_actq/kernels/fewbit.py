@@ -27,6 +27,7 @@ from hf_actq.kernels.packing import (
     CHUNK,
     COMPILED_CHUNK,
     expanded_lookup,
+    little_endian_words,
     pack_into,
     pack_uint8_codes_into,
     packed_nbytes,
@@ -229,10 +230,7 @@ def _groups_backward(grad_y, groups, lut, bits: int):
     """``grad_y * lut[code]`` for whole groups of eight codes (``groups``: ``bits`` bytes each),
     written out for the compiler. Up to eight levels are a chain of selects, which vectorizes
     where a gather does not; sixteen selects cost more than the gather."""
-    b = groups.to(torch.int32)  # bits <= 4: eight codes fit in 32 bits
-    word = b[:, 0]
-    for j in range(1, bits):
-        word = word | (b[:, j] << (8 * j))
+    word = little_endian_words(groups)
     shifts = torch.arange(8, device=grad_y.device, dtype=torch.int32) * bits
     codes = (word[:, None] >> shifts) & (2**bits - 1)
     if bits == 4:

@@ -166,9 +166,19 @@ def _byte_index(chunk: torch.Tensor) -> torch.Tensor:
 
 
 def _twelve_bit_index(chunk: torch.Tensor) -> torch.Tensor:
-    b = chunk.view(-1, 3).to(torch.int32)
-    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    word = little_endian_words(chunk.view(-1, 3))
     return torch.stack([word & 0xFFF, word >> 12], dim=1).view(-1)
+
+
+def little_endian_words(byte_rows: torch.Tensor) -> torch.Tensor:
+    """Each row of up to 4 packed bytes as one int32, first byte lowest: the bit order the
+    packers write. A fourth byte's top bit lands in the sign bit, so callers mask the fields
+    they shift out."""
+    b = byte_rows.to(torch.int32)
+    word = b[:, 0]
+    for j in range(1, b.shape[1]):
+        word = word | (b[:, j] << (8 * j))
+    return word
 
 
 # fp32 elements a chunked twin materialises at a time (16 MiB): bounds the transients of the
