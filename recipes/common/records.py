@@ -23,6 +23,9 @@ from hf_actq.integrations.transformers import unwrap
 from hf_actq.memory.meter import ActivationMonitor
 from hf_actq.memory.peak import PeakMemory
 
+# StepStats' records beside each checkpoint, for a run resumed from it.
+RECORD_FILE = "hf_actq_recipe_record.json"
+
 
 @dataclass
 class RecipeArguments:
@@ -45,6 +48,15 @@ class RecipeArguments:
             "recorded run, for tools/replay_results.py to compare with its record."
         },
     )
+    resume: bool = field(
+        default=False,
+        metadata={
+            "help": "Go on from the last checkpoint in --output_dir when there is one (with "
+            "--save_strategy epoch, a run cut short loses at most an epoch); the results "
+            "count both parts: step 0's activation memory, the step peak, every step's time "
+            "and every calibration."
+        },
+    )
 
 
 class StepStats(TrainerCallback):
@@ -60,13 +72,20 @@ class StepStats(TrainerCallback):
         self.step_seconds: dict[int, float] = {}
         self.peak_bytes: int | None = None
         self.activation_bytes: int | None = None
+        self.actq_callback = None  # set by recipe_callbacks: its records go into checkpoints
+        # What the run's earlier part recorded, when it resumed from a checkpoint.
+        self.resumed_from_step: int | None = None
+        self.earlier_calibrations: list[dict] = []
+        self.earlier_train_seconds = 0.0
         self._monitor = None
         self._peak = None
         self._began = 0.0
+        self._train_began = 0.0
         self._step = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.meter_activations and model is not None:
+        self._train_began = time.perf_counter()
+        if self.meter_activations and model is not None and self.resumed_from_step is None:
             self._monitor = ActivationMonitor(unwrap(model))
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
@@ -93,6 +112,60 @@ class StepStats(TrainerCallback):
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
+
+    def on_save(self, args, state, control, **kwargs):
+        """This run's records so far, beside the checkpoint Trainer just wrote: what a resumed
+        run cannot measure again (step 0, the peak step, the earlier steps' times)."""
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not folder.is_dir() or not state.is_world_process_zero:
+            return
+        record = {
+            "step_seconds": {str(k): v for k, v in self.step_seconds.items()},
+            "peak_bytes": self.peak_bytes,
+            "activation_bytes": self.step0_activation_bytes(),
+            "calibrations": self.calibrations(),
+            "train_seconds": self.train_seconds(),
+        }
+        (folder / RECORD_FILE).write_text(json.dumps(record) + "\n")
+
+    def restore(self, checkpoint: str) -> None:
+        """Take the records the run's earlier part left beside ``checkpoint``."""
+        record = json.loads((Path(checkpoint) / RECORD_FILE).read_text())
+        self.step_seconds = {int(k): v for k, v in record["step_seconds"].items()}
+        self.peak_bytes = record["peak_bytes"]
+        self.activation_bytes = record["activation_bytes"]
+        self.earlier_calibrations = record["calibrations"]
+        self.earlier_train_seconds = record["train_seconds"]
+        self.resumed_from_step = int(Path(checkpoint).name.split("-")[-1])
+
+    def step0_activation_bytes(self) -> int | None:
+        """Step 0's activation memory: ``ActQCallback``'s figure (its first record is step
+        0's), the baseline's own, or the earlier part's after a resume."""
+        if self.resumed_from_step is not None or self.actq_callback is None:
+            return self.activation_bytes
+        history = self.actq_callback.memory_history
+        return history[0]["activation_bytes"] if history else None
+
+    def calibrations(self) -> list[dict]:
+        """Each adaptive plan's step, size and cost (not its per-slot sensitivities), the
+        earlier part's first."""
+        callback = self.actq_callback
+        found = list(self.earlier_calibrations)
+        if callback is None:
+            return found
+        # After a resume the callback lists every step a plan was made at, but holds the
+        # checkpoint's plan and this part's new ones only: pair this part's steps with the
+        # plans made in it, the last ones.
+        first = self.resumed_from_step or 0  # the earlier part's calibrations came before it
+        steps = [at for at in callback.calibrated_at if at >= first]
+        plans = callback.plans[-len(steps) :] if steps else []
+        for at, plan in zip(steps, plans):  # a failed calibration made no plan: shorter
+            info = {k: v for k, v in plan.info.items() if k not in ("sensitivity", "shared")}
+            found.append({"step": at, **info})
+        return found
+
+    def train_seconds(self) -> float:
+        return self.earlier_train_seconds + time.perf_counter() - self._train_began
 
     def typical_step_seconds(self) -> float | None:
         """The median step, leaving out step 0 (warm-up, optimizer state) and the profiled one."""
@@ -129,15 +202,6 @@ def run_record(trainer, stats: StepStats, actq_callback, config: ActQConfig | No
 
     import hf_actq
 
-    if actq_callback is not None:
-        history = actq_callback.memory_history  # its first record is step 0's
-        activation_bytes = history[0]["activation_bytes"] if history else None
-    else:
-        activation_bytes = stats.activation_bytes
-    calibrations = []
-    for at, plan in zip(actq_callback.calibrated_at, actq_callback.plans) if actq_callback else ():
-        info = {k: v for k, v in plan.info.items() if k not in ("sensitivity", "shared")}
-        calibrations.append({"step": at, **info})
     args = trainer.args
     return {
         "recipe": recipe_label(config),
@@ -145,12 +209,17 @@ def run_record(trainer, stats: StepStats, actq_callback, config: ActQConfig | No
         "loss_history": [
             [entry["step"], entry["loss"]] for entry in trainer.state.log_history if "loss" in entry
         ],
-        "activation_bytes_step0": activation_bytes,
+        "activation_bytes_step0": stats.step0_activation_bytes(),
         "step_peak_bytes": stats.peak_bytes,
         "step_peak_step": stats.peak_step,
         "step_seconds_median": stats.typical_step_seconds(),
         "steps": trainer.state.global_step,
-        "calibrations": calibrations,
+        **(
+            {}
+            if stats.resumed_from_step is None
+            else {"resumed_from_step": stats.resumed_from_step}
+        ),
+        "calibrations": stats.calibrations(),
         "actq": config.to_dict() if config is not None else None,
         "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
         "versions": {
@@ -186,7 +255,22 @@ def recipe_callbacks(config: ActQConfig | None, recipe_args: RecipeArguments):
         from hf_actq.integrations.trainer import ActQCallback
 
         actq_callback = ActQCallback(config)
+    stats.actq_callback = actq_callback
     return stats, actq_callback, [c for c in (actq_callback, stats) if c is not None]
+
+
+def resume_checkpoint(recipe_args: RecipeArguments, training_args, stats: StepStats) -> str | None:
+    """With ``--resume``, the last checkpoint in ``--output_dir`` (its records restored into
+    ``stats``), for ``trainer.train(resume_from_checkpoint=...)``; else None."""
+    if not recipe_args.resume or not os.path.isdir(training_args.output_dir):
+        return None
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoint = get_last_checkpoint(training_args.output_dir)
+    if checkpoint is None or not (Path(checkpoint) / RECORD_FILE).exists():
+        return None  # none, or one this recipe did not write: train from the start
+    stats.restore(checkpoint)
+    return checkpoint
 
 
 def write_results(output_dir: str, results: dict, markdown: str) -> Path:

@@ -35,7 +35,10 @@ TRAINING = [
     "--max_seq_length", "128", "--pad_to_max_length", "true", "--drop_token_type_ids", "true",
     "--weight_decay", "0.01", "--warmup_steps", "0.1", "--lr_scheduler_type", "linear",
     "--max_grad_norm", "1.0", "--eval_strategy", "epoch", "--logging_steps", "50",
-    "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true",
+    "--report_to", "none", "--disable_tqdm", "true",
+    # A checkpoint each epoch, the last kept: a run cut short goes on from it (sweep.run_one
+    # deletes it once the run is done).
+    "--save_strategy", "epoch", "--save_total_limit", "1", "--resume", "true",
 ]  # fmt: skip
 # Appendix D: MRPC (BERT-base) 3 epochs over four rates; STS-B (DistilBERT) 5 over two.
 TASKS = {

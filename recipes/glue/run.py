@@ -50,6 +50,7 @@ from common.records import (
     RecipeArguments,
     recipe_callbacks,
     record_markdown_rows,
+    resume_checkpoint,
     run_record,
     setup_logging,
     write_results,
@@ -327,9 +328,10 @@ def main(args: list[str] | None = None) -> dict | None:
         compute_metrics=compute_metrics,
         callbacks=callbacks,
     )
+    checkpoint = resume_checkpoint(recipe_args, training_args, stats)
     began = time.perf_counter()
-    train_result = trainer.train()
-    train_seconds = time.perf_counter() - began
+    train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    train_seconds = stats.earlier_train_seconds + time.perf_counter() - began  # both parts
     metrics = trainer.evaluate()
     if not trainer.is_world_process_zero():
         return None

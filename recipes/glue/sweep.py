@@ -21,9 +21,11 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # recipes/: common/ is shared
@@ -197,11 +199,16 @@ def run_one(task, recipe, seed, args, extra, training=None, target=None) -> bool
         command += ["--output_dir", str(workdir), *training]
         command += [*RECIPES[recipe], *extra]
         commit = checkout_commit(REPO)  # the code the run starts with, not the one it ends on
-        with open(workdir / "log.txt", "w") as log:
+        # Appended: a run resumed from its checkpoint (--resume) keeps its first part's log.
+        with open(workdir / "log.txt", "a") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
+            log.flush()
             code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
         if code != 0:
             print(f"{task} {recipe} seed {seed} failed (exit {code}); see {workdir}/log.txt")
             return False
+        for checkpoint in workdir.glob("checkpoint-*"):  # only a run cut short needs them
+            shutil.rmtree(checkpoint)
         result = json.loads((workdir / "actq_results.json").read_text())
         result["sweep_recipe"] = recipe
         result["command"] = shlex.join(command)

@@ -59,6 +59,7 @@ from common.records import (
     RecipeArguments,
     recipe_callbacks,
     record_markdown_rows,
+    resume_checkpoint,
     run_record,
     setup_logging,
     write_results,
@@ -341,9 +342,10 @@ def main(args: list[str] | None = None) -> dict | None:
         data_collator=collator,
         callbacks=callbacks,
     )
+    checkpoint = resume_checkpoint(recipe_args, training_args, stats)
     began = time.perf_counter()
-    train_result = trainer.train()
-    train_seconds = time.perf_counter() - began
+    train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    train_seconds = stats.earlier_train_seconds + time.perf_counter() - began  # both parts
     metrics = trainer.evaluate()
     if model_args.save_model:
         trainer.save_model(str(Path(training_args.output_dir) / "model"))

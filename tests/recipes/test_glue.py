@@ -401,3 +401,70 @@ def test_alam_protocol_runs_the_grid_at_seed_0_then_the_best_rate():
         "| MRPC | alam-1 | 1 | 4e-05 (seed 0 at 2 of 4 rates) | 71.0 | | | grid running |"
         in paper.render(found)
     )
+
+
+@pytest.mark.parametrize("recipe", [["--no_actq"], ["--recipe", "alam", "--bits", "2"]])
+def test_a_run_cut_short_resumes_from_its_last_checkpoint_with_every_record(
+    tiny_model, glue_dir, tmp_path, recipe
+):
+    two_epochs = [
+        "--max_steps", "-1", "--num_train_epochs", "2", "--eval_strategy", "epoch",
+        "--logging_steps", "1", "--peak_step", "2", *recipe,
+    ]  # fmt: skip
+    whole = run.main(_arguments(tiny_model, glue_dir, tmp_path / "whole", "rte", *two_epochs))
+    cut = tmp_path / "cut"
+    resumable = [*two_epochs, "--save_strategy", "epoch", "--resume", "true"]
+    # The first part stops after epoch 1 (6 steps), as a killed run would have, past its save.
+    first = run.main(
+        _arguments(tiny_model, glue_dir, cut, "rte", *resumable, "--stop_after_steps", "6")
+    )
+    assert first["steps"] == 6 and (cut / "checkpoint-6").is_dir()
+    resumed = run.main(_arguments(tiny_model, glue_dir, cut, "rte", *resumable))
+    assert resumed["resumed_from_step"] == 6 and resumed["steps"] == whole["steps"] == 12
+    # What only the first part could measure comes from its record beside the checkpoint.
+    assert resumed["activation_bytes_step0"] == whole["activation_bytes_step0"] > 0
+    assert resumed["step_peak_bytes"] > 0 and resumed["step_peak_step"] == 2
+    assert resumed["train_seconds"] >= first["train_seconds"] > 0  # both parts, 0.1 s rounding
+    # Trainer restores the weights, optimizer, schedule, data order and RNG: the second epoch
+    # trains as in the uninterrupted run, and both epochs' evaluations are there.
+    assert [e["epoch"] for e in resumed["eval_history"]] == [1, 2]
+    steps, losses = zip(*resumed["loss_history"], strict=True)
+    assert list(steps) == [step for step, _ in whole["loss_history"]] == list(range(1, 13))
+    assert list(losses) == pytest.approx([loss for _, loss in whole["loss_history"]], rel=1e-5)
+    assert resumed["eval"]["eval_accuracy"] == pytest.approx(whole["eval"]["eval_accuracy"])
+    if recipe[0] != "--no_actq":  # ALAM's plan made after step 1, in the first part, once
+        assert [c["step"] for c in resumed["calibrations"]] == [
+            c["step"] for c in whole["calibrations"]
+        ]
+        assert resumed["calibrations"][0] == first["calibrations"][0]
+
+
+def test_the_sweep_resumes_a_run_it_finds_cut_short_and_then_drops_its_checkpoint(
+    tiny_model, glue_dir, tmp_path
+):
+    from types import SimpleNamespace
+
+    results, runs = tmp_path / "results", tmp_path / "runs"
+    args = SimpleNamespace(
+        results=str(results), runs=str(runs), launcher=sys.executable,
+        model=str(tiny_model), glue_dir=str(glue_dir),
+    )  # fmt: skip
+    training = [
+        "--max_steps", "-1", "--num_train_epochs", "2", "--per_device_train_batch_size", "16",
+        "--use_cpu", "true", "--report_to", "none", "--eval_strategy", "epoch",
+        "--save_strategy", "epoch", "--resume", "true",
+    ]  # fmt: skip
+    target = results / "rte" / "baseline_seed0.json"
+    workdir = runs / "rte" / "baseline_seed0"
+    # A first part that stopped after epoch 1, as a process killed then would have left it.
+    command = ["--model_name_or_path", str(tiny_model), "--task_name", "rte"]
+    command += ["--glue_dir", str(glue_dir), "--seed", "0", "--output_dir", str(workdir)]
+    run.main([*command, *training, "--no_actq", "--stop_after_steps", "6"])
+    (workdir / "log.txt").write_text("the first part's log\n")
+    assert sweep.run_one("rte", "baseline", 0, args, [], training=training, target=target)
+    result = json.loads(target.read_text())
+    assert result["resumed_from_step"] == 6 and result["steps"] == 12
+    assert len(result["eval_history"]) == 2
+    assert not list(workdir.glob("checkpoint-*"))  # done: nothing to resume any more
+    log = (workdir / "log.txt").read_text()
+    assert log.startswith("the first part's log\n--- ") and "--resume true" in log
