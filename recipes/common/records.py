@@ -193,9 +193,9 @@ def recipe_label(config: ActQConfig | None) -> str:
     return f"{config.recipe or 'custom-' + config.codec}-{bits}{rotated}"
 
 
-def run_record(trainer, stats: StepStats, actq_callback, config: ActQConfig | None) -> dict:
+def run_record(trainer, stats: StepStats, config: ActQConfig | None) -> dict:
     """The fields every recipe's results file holds: loss history, activation bytes of step 0
-    (``ActQCallback``'s figure, or ``stats``' for the baseline), the step peak, the median step
+    (``ActQCallback``'s figure, or ``stats``' own for the baseline), the step peak, the median step
     time, each adaptive plan's size and cost (not its per-slot sensitivities), the config, the
     device and the versions."""
     import transformers
@@ -245,18 +245,17 @@ def setup_logging(training_args, *names: str) -> None:
 
 
 def recipe_callbacks(config: ActQConfig | None, recipe_args: RecipeArguments):
-    """``(stats, actq_callback, callbacks)``: the step statistics, ``ActQCallback`` (``None``
-    for the baseline, whose activations ``stats`` meters instead) and the list for Trainer."""
+    """``(stats, callbacks)``: the step statistics, and the list for Trainer: ``ActQCallback``
+    (none for the baseline, whose activations ``stats`` meters instead) and ``stats``."""
     stats = StepStats(
         recipe_args.peak_step, config is None, stop_after_steps=recipe_args.stop_after_steps
     )
-    actq_callback = None
-    if config is not None:
-        from hf_actq.integrations.trainer import ActQCallback
+    if config is None:
+        return stats, [stats]
+    from hf_actq.integrations.trainer import ActQCallback
 
-        actq_callback = ActQCallback(config)
-    stats.actq_callback = actq_callback
-    return stats, actq_callback, [c for c in (actq_callback, stats) if c is not None]
+    stats.actq_callback = ActQCallback(config)
+    return stats, [stats.actq_callback, stats]
 
 
 def resume_checkpoint(recipe_args: RecipeArguments, training_args, stats: StepStats) -> str | None:

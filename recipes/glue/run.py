@@ -317,7 +317,7 @@ def main(args: list[str] | None = None) -> dict | None:
         predicted = logits.squeeze(-1) if num_labels == 1 else logits.argmax(-1)
         return compute(predicted, prediction.label_ids)
 
-    stats, actq_callback, callbacks = recipe_callbacks(config, recipe_args)
+    stats, callbacks = recipe_callbacks(config, recipe_args)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -338,7 +338,7 @@ def main(args: list[str] | None = None) -> dict | None:
 
     spec = TASKS.get(data_args.task_name)
     main_metric = spec.main_metric if spec else ("pearson" if num_labels == 1 else "accuracy")
-    record = run_record(trainer, stats, actq_callback, config)
+    record = run_record(trainer, stats, config)
     results = {
         "task": data_args.task_name,
         "recipe": record.pop("recipe"),

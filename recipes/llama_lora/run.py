@@ -332,7 +332,7 @@ def main(args: list[str] | None = None) -> dict | None:
     else:
         collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
-    stats, actq_callback, callbacks = recipe_callbacks(config, recipe_args)
+    stats, callbacks = recipe_callbacks(config, recipe_args)
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -352,7 +352,7 @@ def main(args: list[str] | None = None) -> dict | None:
     if not trainer.is_world_process_zero():
         return None
 
-    record = run_record(trainer, stats, actq_callback, config)
+    record = run_record(trainer, stats, config)
     eval_loss = metrics.get("eval_loss")
     results = {
         "task": "instruction-tuning",
