@@ -201,6 +201,7 @@ def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) 
     plan = _load_plan(config.plan)
     guard = base.register_forward_pre_hook(_PickleGuard())
     handle.record(undo=guard.remove)
+    _suspend_hub_kernels(base, handle)
     patch_config = config
     if config.checkpoint_bits is not None:
         handle.checkpointed = checkpointing.enable(base, config, handle)
@@ -221,6 +222,41 @@ def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) 
             config.bits,
         )
     setattr(base, _HANDLE, handle)
+
+
+def _suspend_hub_kernels(model: nn.Module, handle: ActQHandle) -> None:
+    """Turn transformers' hub kernels off for ``model`` while it is patched.
+
+    transformers (5.x, with the ``kernels`` package it depends on) loads a model with
+    ``use_kernels`` on and kernelizes it again at every ``train()`` or ``eval()`` that changes
+    the mode, which sets or pops the instance-level forward of every module decorated for hub
+    kernels (GELU and SiLU activations, RMSNorms): where hf_actq binds its ops. Left on, the
+    ``Trainer``'s first ``model.train()`` silently put the stock modules back (MiniLM under
+    "alam": 89.5 MiB kept for backward where 21.8 was meant). Revert turns the kernels back on,
+    in the mode they had. A CPU had no kernel to lose: the hub's mapping has none for it."""
+    for module in model.modules():
+        if not getattr(module, "_use_kernels", False) or not hasattr(module, "reset_kernels"):
+            continue
+        mode = getattr(module, "_kernels_mode", None)
+        module.reset_kernels()
+        handle.record(undo=functools.partial(_resume_hub_kernels, module, mode))
+        logger.info(
+            "hf_actq: transformers' hub kernels (use_kernels) would replace the forwards hf_actq "
+            "binds at every train()/eval(); they are off for %s while it is patched",
+            type(module).__name__,
+        )
+
+
+def _resume_hub_kernels(module: nn.Module, mode) -> None:
+    try:
+        module.set_use_kernels(True, getattr(module, "kernel_config", None), mode=mode)
+    except Exception as error:  # noqa: BLE001 (a hub download, a kernel: revert must finish)
+        logger.warning(
+            "hf_actq: revert could not turn %s's hub kernels back on (%s); "
+            "model.set_use_kernels(True) retries",
+            type(module).__name__,
+            error,
+        )
 
 
 def _check_settings_match(model: nn.Module, config: ActQConfig) -> None:

@@ -681,3 +681,44 @@ def test_settings_that_match_nothing_are_named(caplog):
     assert "slots['re:decoder\\\\.block'] matches no slot" in caplog.text
     assert "skip_modules pattern 'encoder\\\\.layer' matches no module path" in caplog.text
     handle.revert()
+
+
+@pytest.mark.parametrize("build", ["tiny_bert", "tiny_llama"])
+def test_a_pretrained_model_stays_patched_through_train_and_eval_with_hub_kernels(tmp_path, build):
+    """transformers 5.x loads with use_kernels on (the kernels package is its dependency) and
+    kernelizes again at each train()/eval() that changes the mode, popping the forwards hf_actq
+    binds on decorated modules (GELU, SiLU, RMSNorm): the Trainer's first model.train() put the
+    stock GELU back in the GLUE recipe (MiniLM under "alam": 89.5 MiB kept, 21.8 meant)."""
+    import hf_actq.testing as testing
+
+    saved = getattr(testing, build)()
+    saved.save_pretrained(tmp_path)
+    loaded = type(saved).from_pretrained(tmp_path)
+    if not getattr(loaded, "use_kernels", False):
+        pytest.skip("this transformers loads without hub kernels")
+    handle = hf_actq.apply(loaded, ActQConfig.from_recipe("fewbit"))
+    assert not loaded.use_kernels  # off while patched
+    decorated = [
+        (path, module)
+        for path, module in loaded.named_modules()
+        if hasattr(type(module), "kernel_layer_name") and path in handle.patched
+    ]
+    assert decorated  # the test covers the modules kernelize rebinds
+    for mode in (False, True, False, True):  # what Trainer's evaluate-then-train does
+        loaded.train(mode)
+        for path, module in decorated:
+            assert STATE in module.__dict__ and "forward" in module.__dict__, (mode, path)
+    fresh = getattr(testing, build)()
+    hf_actq.apply(fresh, ActQConfig.from_recipe("fewbit"))
+    ids = torch.randint(0, 100, (2, 16))
+
+    def saved_bytes(model):
+        model.train()
+        with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+            model(input_ids=ids).logits.sum()
+        return meter.nbytes
+
+    assert saved_bytes(loaded) == saved_bytes(fresh)  # as compressed as a model built here
+    handle.revert()
+    assert loaded.use_kernels  # back on, as loaded
+    assert all("forward" not in module.__dict__ for _, module in decorated)
