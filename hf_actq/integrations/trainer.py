@@ -75,6 +75,7 @@ class ActQCallback(TrainerCallback, ExportableState):
         self.plans: list = []  # the BitPlans computed, in order
         self.resumed_plan: dict | None = None  # a checkpoint's plan, until it is installed
         self._dataloader = None
+        self._binding_checked = False
 
     def _ensure_patched(self, args, state, model) -> None:
         if model is None:
@@ -133,6 +134,19 @@ class ActQCallback(TrainerCallback, ExportableState):
                 torch.cuda.reset_peak_memory_stats()
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not self._binding_checked and self.handle is not None:
+            # After the first step: Trainer's model.train() has run, and anything that binds
+            # modules again on a mode change (transformers' hub kernels) has done so.
+            self._binding_checked = True
+            lost = self.handle.unbound()
+            if lost and state.is_world_process_zero:
+                logger.warning(
+                    "hf_actq: %d patched modules run their stock forward again (%s first): "
+                    "something bound them after apply (model.use_kernels turned on?); call "
+                    "hf_actq.revert(model) and apply again",
+                    len(lost),
+                    lost[0],
+                )
         if self._monitor is None or not self._monitor.armed:
             return
         self._monitor.disarm()

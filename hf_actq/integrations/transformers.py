@@ -23,6 +23,7 @@ from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig, check_activation_setting
 from hf_actq.integrations import checkpointing
 from hf_actq.integrations.patching import (
+    DESCRIBE,
     MISSING,
     _forward_attribute,
     support_data_parallel,
@@ -135,6 +136,17 @@ class ActQHandle:
         self.patched.clear()
         if getattr(self.model, _HANDLE, None) is self:
             delattr(self.model, _HANDLE)
+
+    def unbound(self) -> list[str]:
+        """Paths of patched modules whose op is no longer their forward: something bound them
+        again after apply (transformers' hub kernels turned back on, another library), so they
+        run stock and keep full tensors."""
+        return [
+            path
+            for path, module in self.model.named_modules()
+            if DESCRIBE in module.__dict__
+            and not {"forward", "_old_forward"} & module.__dict__.keys()
+        ]
 
     def summary(self) -> str:
         kinds: dict[str, int] = {}

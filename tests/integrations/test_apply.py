@@ -722,3 +722,32 @@ def test_a_pretrained_model_stays_patched_through_train_and_eval_with_hub_kernel
     handle.revert()
     assert loaded.use_kernels  # back on, as loaded
     assert all("forward" not in module.__dict__ for _, module in decorated)
+
+
+def test_modules_bound_again_after_apply_are_named_and_the_callback_warns(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from hf_actq import ActQCallback
+    from hf_actq.testing import tiny_bert
+
+    tiny_bert().save_pretrained(tmp_path)
+    loaded = type(tiny_bert()).from_pretrained(tmp_path)
+    if not hasattr(loaded, "set_use_kernels"):
+        pytest.skip("this transformers has no hub kernels")
+    handle = hf_actq.apply(loaded, ActQConfig.from_recipe("fewbit"))
+    assert handle.unbound() == []
+    loaded.set_use_kernels(True)  # the user's, after apply: kernelize pops the GELUs' forwards
+    lost = handle.unbound()
+    assert lost and all(path.endswith("intermediate_act_fn") for path in lost)
+    callback = ActQCallback(ActQConfig.from_recipe("fewbit"))
+    callback.handle = handle
+    state = SimpleNamespace(is_world_process_zero=True)
+    with caplog.at_level(logging.WARNING, logger="hf_actq"):
+        callback.on_step_end(None, state, None)
+        callback.on_step_end(None, state, None)  # once, after the first step
+    warnings = [r.getMessage() for r in caplog.records if "stock forward again" in r.getMessage()]
+    assert warnings == [
+        f"hf_actq: {len(lost)} patched modules run their stock forward again ({lost[0]} "
+        "first): something bound them after apply (model.use_kernels turned on?); call "
+        "hf_actq.revert(model) and apply again"
+    ]
