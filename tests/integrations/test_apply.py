@@ -732,8 +732,8 @@ def test_modules_bound_again_after_apply_are_named_and_the_callback_warns(tmp_pa
 
     tiny_bert().save_pretrained(tmp_path)
     loaded = type(tiny_bert()).from_pretrained(tmp_path)
-    if not hasattr(loaded, "set_use_kernels"):
-        pytest.skip("this transformers has no hub kernels")
+    if not getattr(loaded, "use_kernels", False):
+        pytest.skip("this transformers loads without hub kernels (or kernels is not installed)")
     handle = hf_actq.apply(loaded, ActQConfig.from_recipe("fewbit"))
     assert handle.unbound() == []
     loaded.set_use_kernels(True)  # the user's, after apply: kernelize pops the GELUs' forwards
