@@ -81,6 +81,7 @@ class StepStats(TrainerCallback):
         self._peak = None
         self._began = 0.0
         self._train_began = 0.0
+        self._train_ended: float | None = None
         self._step = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -109,6 +110,7 @@ class StepStats(TrainerCallback):
             control.should_training_stop = True  # after this step's log: the loop checks later
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._train_ended = time.perf_counter()
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
@@ -165,7 +167,10 @@ class StepStats(TrainerCallback):
         return found
 
     def train_seconds(self) -> float:
-        return self.earlier_train_seconds + time.perf_counter() - self._train_began
+        """Training's wall time, the earlier part's included after a resume (the one clock of
+        the run's record and of the checkpoints' records)."""
+        end = time.perf_counter() if self._train_ended is None else self._train_ended
+        return self.earlier_train_seconds + end - self._train_began
 
     def typical_step_seconds(self) -> float | None:
         """The median step, leaving out step 0 (warm-up, optimizer state) and the profiled one."""

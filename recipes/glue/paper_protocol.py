@@ -69,15 +69,18 @@ def best_epoch(run: dict) -> float:
     return 100 * max(e["value"] for e in run["eval_history"])
 
 
+def seed0_scores(found: dict, task: str, recipe: str) -> dict[str, float]:
+    """The best-epoch metric of each grid rate that seed 0 has run, for ``task`` and ``recipe``."""
+    runs = {rate: found.get((task, recipe, rate, 0)) for rate in TASKS[task]["rates"]}
+    return {rate: best_epoch(run) for rate, run in runs.items() if run is not None}
+
+
 def chosen_rate(found: dict, task: str, recipe: str) -> str | None:
     """The learning rate best at seed 0 for ``task`` and ``recipe``, once seed 0 has run at
     every rate of the grid; None before."""
-    scores = {}
-    for rate in TASKS[task]["rates"]:
-        run = found.get((task, recipe, rate, 0))
-        if run is None:
-            return None
-        scores[rate] = best_epoch(run)
+    scores = seed0_scores(found, task, recipe)
+    if len(scores) < len(TASKS[task]["rates"]):
+        return None
     return max(scores, key=scores.get)
 
 
@@ -145,16 +148,13 @@ def render(found: dict) -> str:
 
 def _partial_grid(found: dict, task: str, recipe: str) -> list[str]:
     """A row for a grid still running at seed 0: how far it is and its best rate so far."""
-    rates = TASKS[task]["rates"]
-    done = {
-        rate: found[(task, recipe, rate, 0)] for rate in rates if (task, recipe, rate, 0) in found
-    }
-    if not done:
+    scores = seed0_scores(found, task, recipe)
+    if not scores:
         return []
-    best = max(done, key=lambda rate: best_epoch(done[rate]))
+    best = max(scores, key=scores.get)
     return [
-        f"| {task.upper()} | {recipe} | 1 | {best} (seed 0 at {len(done)} of {len(rates)} rates) "
-        f"| {best_epoch(done[best]):.1f} | | | grid running |"
+        f"| {task.upper()} | {recipe} | 1 | {best} (seed 0 at {len(scores)} of "
+        f"{len(TASKS[task]['rates'])} rates) | {scores[best]:.1f} | | | grid running |"
     ]
 
 

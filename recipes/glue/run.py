@@ -29,7 +29,6 @@ import csv
 import json
 import logging
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -329,9 +328,8 @@ def main(args: list[str] | None = None) -> dict | None:
         callbacks=callbacks,
     )
     checkpoint = resume_checkpoint(recipe_args, training_args, stats)
-    began = time.perf_counter()
     train_result = trainer.train(resume_from_checkpoint=checkpoint)
-    train_seconds = stats.earlier_train_seconds + time.perf_counter() - began  # both parts
+    train_seconds = stats.train_seconds()
     metrics = trainer.evaluate()
     if not trainer.is_world_process_zero():
         return None

@@ -38,7 +38,6 @@ import json
 import logging
 import math
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -343,9 +342,8 @@ def main(args: list[str] | None = None) -> dict | None:
         callbacks=callbacks,
     )
     checkpoint = resume_checkpoint(recipe_args, training_args, stats)
-    began = time.perf_counter()
     train_result = trainer.train(resume_from_checkpoint=checkpoint)
-    train_seconds = stats.earlier_train_seconds + time.perf_counter() - began  # both parts
+    train_seconds = stats.train_seconds()
     metrics = trainer.evaluate()
     if model_args.save_model:
         trainer.save_model(str(Path(training_args.output_dir) / "model"))
