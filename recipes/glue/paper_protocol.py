@@ -11,7 +11,8 @@ weights), a linear schedule with 10% warmup, gradient clipping at 1, MRPC 3 epoc
 rates {2, 3, 4, 5}e-5, STS-B 5 epochs at {5e-5, 1e-4}; the dev metric of the best epoch. The
 paper reports the best learning rate's result, averaged over 5 seeds. Here seed 0 runs at every
 learning rate, and the other seeds at the one that was best for that task and recipe at seed 0
-(the grid's cost once, not per seed). Each finished run leaves
+(the grid's cost once, not per seed); each recipe's row is completed before the next recipe's
+grid starts. Each finished run leaves
 ``results/paper_protocol/<task>/<recipe>_lr<rate>_seed<k>.json``; the table goes to
 ``results/paper_protocol/table.md`` and into this directory's README.
 """
@@ -85,20 +86,17 @@ def chosen_rate(found: dict, task: str, recipe: str) -> str | None:
 
 
 def todo(found: dict, tasks, recipes, seeds) -> list[tuple]:
-    """Seed 0 over the grid first, then the other seeds at the chosen rates."""
-    runs = [
-        (task, recipe, rate, 0)
-        for task in tasks
-        for recipe in recipes
-        for rate in TASKS[task]["rates"]
-        if 0 in seeds
-    ]
-    for seed in [s for s in seeds if s != 0]:
-        for task in tasks:
-            for recipe in recipes:
-                rate = chosen_rate(found, task, recipe)
-                if rate is not None:
-                    runs.append((task, recipe, rate, seed))
+    """Per task and recipe: seed 0 over the grid, then the other seeds at the chosen rate (a
+    recipe's row is complete before the next recipe's grid starts; a second worker goes on to
+    the next one while a grid is still running)."""
+    runs = []
+    for task in tasks:
+        for recipe in recipes:
+            if 0 in seeds:
+                runs += [(task, recipe, rate, 0) for rate in TASKS[task]["rates"]]
+            rate = chosen_rate(found, task, recipe)
+            if rate is not None:
+                runs += [(task, recipe, rate, seed) for seed in seeds if seed != 0]
     return [run for run in runs if run not in found]
 
 

@@ -380,9 +380,10 @@ def test_alam_protocol_runs_the_grid_at_seed_0_then_the_best_rate():
     found = dict(result("mrpc", "baseline", rate, 0, 80 + i) for i, rate in enumerate(
         ["2e-05", "3e-05", "5e-05", "4e-05"]))  # fmt: skip
     pending = paper.todo(found, ["mrpc"], ["baseline", "alam-2"], [0, 1])
-    # alam-2's grid at seed 0 first; the baseline's seed 1 at its best seed-0 rate (4e-5).
-    assert pending[:4] == [("mrpc", "alam-2", rate, 0) for rate in paper.TASKS["mrpc"]["rates"]]
-    assert pending[4:] == [("mrpc", "baseline", "4e-05", 1)]
+    # The baseline's row first: its seed 1 at its best seed-0 rate (4e-5); then alam-2's grid
+    # at seed 0, whose seed 1 waits for the grid's best rate.
+    assert pending[0] == ("mrpc", "baseline", "4e-05", 1)
+    assert pending[1:] == [("mrpc", "alam-2", rate, 0) for rate in paper.TASKS["mrpc"]["rates"]]
     found.update([result("mrpc", "baseline", "4e-05", 1, 81)])
     found.update(result("mrpc", "alam-2", rate, 0, 78) for rate in paper.TASKS["mrpc"]["rates"])
     found.update([result("mrpc", "alam-2", "2e-05", 1, 76)])
