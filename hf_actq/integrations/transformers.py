@@ -243,8 +243,8 @@ def _suspend_hub_kernels(model: nn.Module, handle: ActQHandle) -> None:
     ``use_kernels`` on and kernelizes it again at every ``train()`` or ``eval()`` that changes
     the mode, which sets or pops the instance-level forward of every module decorated for hub
     kernels (GELU and SiLU activations, RMSNorms): where hf_actq binds its ops. Left on, the
-    ``Trainer``'s first ``model.train()`` silently put the stock modules back (MiniLM under
-    "alam": 89.5 MiB kept for backward where 21.8 was meant). Revert turns the kernels back on,
+    ``Trainer``'s first ``model.train()`` silently put the stock modules back (MiniLM's GELUs
+    kept their full inputs for backward). Revert turns the kernels back on,
     in the mode they had. A CPU had no kernel to lose: the hub's mapping has none for it."""
     for module in model.modules():
         if not getattr(module, "_use_kernels", False) or not hasattr(module, "reset_kernels"):

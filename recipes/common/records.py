@@ -85,7 +85,7 @@ class StepStats(TrainerCallback):
         self._step = 0
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._train_began = time.perf_counter()
+        self._train_began, self._train_ended = time.perf_counter(), None
         if self.meter_activations and model is not None and self.resumed_from_step is None:
             self._monitor = ActivationMonitor(unwrap(model))
 

@@ -688,7 +688,7 @@ def test_a_pretrained_model_stays_patched_through_train_and_eval_with_hub_kernel
     """transformers 5.x loads with use_kernels on (the kernels package is its dependency) and
     kernelizes again at each train()/eval() that changes the mode, popping the forwards hf_actq
     binds on decorated modules (GELU, SiLU, RMSNorm): the Trainer's first model.train() put the
-    stock GELU back in the GLUE recipe (MiniLM under "alam": 89.5 MiB kept, 21.8 meant)."""
+    stock GELU back in the GLUE recipe."""
     import hf_actq.testing as testing
 
     saved = getattr(testing, build)()
