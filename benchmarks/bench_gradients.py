@@ -423,12 +423,14 @@ def measure_alam_additivity(glue_dir: str, bits=(2, 1), draws: int = 2, device="
     return rows
 
 
-# ALAM's fidelity switches, each set back to what "alam" did before 2026-12-04 on its own.
+# ALAM's fidelity switches, each set back to what "alam" did before 2026-12-04 on its own; and
+# our option that leaves GELU out of the allocation (its few-bit derivative code kept).
 FIDELITY_VARIANTS = {
     "as ALAM's code (the recipe now)": {},
     "norm outputs shared": {"share_norm_outputs": True},
     "K packed along head_dim": {"key_layout": "head"},
     "calibrated before step 1, unpadded": {"calibration_step": 0},
+    "GELU's few-bit code kept (allocate_activations=False)": {"allocate_activations": False},
 }
 
 
@@ -495,10 +497,10 @@ def measure_alam_fidelity(glue_dir: str, bits=(2, 1), draws: int = 4, device="cp
             handle = hf_actq.apply(net, config)
             if config.calibration_step == 0:
                 net.load_state_dict(before)
-                calibrate_fully(handle, lone)
+                plan = calibrate_fully(handle, lone)
                 net.load_state_dict(after)
             else:
-                calibrate_fully(handle, {k: v[:1] for k, v in second.items()})
+                plan = calibrate_fully(handle, {k: v[:1] for k, v in second.items()})
             runs = [gradient(100 + i) for i in range(draws)]
             handle.revert()
             whole = [_cosine(torch.cat(list(g.values())), exact_whole) for g in runs]
@@ -512,6 +514,7 @@ def measure_alam_fidelity(glue_dir: str, bits=(2, 1), draws: int = 4, device="cp
                 "cosine": sum(whole) / draws,
                 "least group": worst,
                 "least group cosine": groups[worst],
+                "bytes": plan.info["counted_bytes"],
             }
     return rows
 
@@ -604,11 +607,13 @@ def main() -> None:
         return
     if args.alam_fidelity:
         rows = measure_alam_fidelity(args.glue_dir, device=args.device)
-        print("| variant | 2 bits: cosine, least group | 1 bit: cosine, least group |")
+        print("| variant | 2 bits: cosine, least group, bytes | 1 bit: the same |")
         print("|---|---|---|")
         for variant, row in rows.items():
             cells = " | ".join(
-                "{cosine:.3f}, {least group} {least group cosine:.3f}".format_map(row[b])
+                "{cosine:.3f}, {least group} {least group cosine:.3f}, {bytes:,} B".format_map(
+                    row[b]
+                )
                 for b in ("2 bits", "1 bits")
             )
             print(f"| {variant} | {cells} |")

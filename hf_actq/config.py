@@ -26,6 +26,7 @@ SWITCHES = (
     "share_norm_outputs",
     "fused_loss",
     "adaptive",
+    "allocate_activations",
     "compress_checkpointed",
 )
 
@@ -132,6 +133,15 @@ class ActQConfig:
             "does (each tensor at AQ 0.5 bit with two seeds and at 8 bits, per-parameter "
             "gradient norms, the ladder exact/8/4/2/AQ 0.5); the calibration runs on a batch "
             "(ActQCallback does it)."
+        ),
+    )
+    allocate_activations: bool = field(
+        default=True,
+        metadata=_help(
+            "Adaptive plans only. True: a standalone activation's input (GELU's) is allocated "
+            "like any other tensor, as ALAM does. False: the activation keeps its few-bit "
+            "derivative code (activation_bits), which counts toward the budget, and the plan "
+            "spreads the rest over the other tensors."
         ),
     )
     checkpoint_bits: int | None = field(
@@ -247,6 +257,11 @@ class ActQConfig:
             raise ValueError(
                 "codec='rotated' is for fixed bits: an adaptive plan picks each slot's codec "
                 "itself; give codec='uniform' or 'aq' with adaptive=True"
+            )
+        if not self.allocate_activations and not self.adaptive:
+            raise ValueError(
+                "allocate_activations=False changes only adaptive plans (adaptive=True); "
+                "without one every activation keeps its few-bit derivative code already"
             )
         if self.checkpoint_bits is not None and self.adaptive:
             raise ValueError(

@@ -327,12 +327,14 @@ def list_slots(handle, batch) -> dict[str, SlotInfo]:
 
 def _items(handle, recorder) -> dict[str, list[str]]:
     """The tensors ALAM allocates, each with the slots that share it: every codec slot that
-    packed its own tensor, and standalone activations (their input, under a codec). Few-bit
-    codes that cannot be a codec (a gated MLP's activation, ReLU's exact bit) stay as they are."""
+    packed its own tensor, and standalone activations (their input, under a codec) unless
+    ``allocate_activations`` is off. Few-bit codes that cannot be a codec (a gated MLP's
+    activation, ReLU's exact bit) stay as they are."""
+    allocate_activations = handle.config.allocate_activations
     items: dict[str, list[str]] = {}
     for slot, info in recorder.infos.items():
         state, name = handle._states[slot]
-        if name == "act" and not state.act_codec:
+        if name == "act" and not (state.act_codec and allocate_activations):
             continue
         if info.shared_with is None or info.shared_with not in recorder.infos:
             items[slot] = [slot]

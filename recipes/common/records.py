@@ -183,7 +183,8 @@ def recipe_label(config: ActQConfig | None) -> str:
     """A short name for tables: ``baseline``, ``fewbit-3``, ``uniform-4``, ``alam-1`` (ALAM's
     allocation), ``alam-1-even`` (adaptive off), ``checkpoint-4`` (the layers' inputs' bits), or
     ``custom-...`` for configs made field by field; ``-rotated`` marks ``codec="rotated"``
-    (``checkpoint_codec`` for the checkpoint recipe)."""
+    (``checkpoint_codec`` for the checkpoint recipe), ``-fewbit-act`` an adaptive plan that
+    keeps activations' few-bit codes (``allocate_activations=False``)."""
     if config is None:
         return "baseline"
     bits = f"{config.bits:g}"
@@ -195,7 +196,8 @@ def recipe_label(config: ActQConfig | None) -> str:
     if config.recipe == "alam" and not config.adaptive and config.plan is None:
         return f"alam-{bits}-even"
     rotated = "-rotated" if config.recipe and config.codec == "rotated" else ""
-    return f"{config.recipe or 'custom-' + config.codec}-{bits}{rotated}"
+    fewbit = "" if config.allocate_activations else "-fewbit-act"
+    return f"{config.recipe or 'custom-' + config.codec}-{bits}{rotated}{fewbit}"
 
 
 def run_record(trainer, stats: StepStats, config: ActQConfig | None) -> dict:

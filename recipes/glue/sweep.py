@@ -47,6 +47,18 @@ RECIPES = {
         f"alam-{b}": ["--recipe", "alam", "--bits", str(b), "--attn_implementation", "eager"]
         for b in (2, 1)
     },
+    # Ours, not ALAM's: its allocation at 2 bits with GELU left out, GELU keeping its 2-bit
+    # few-bit derivative code (counted in the budget) instead of its input under AQ.
+    "alam-2-fewbit-act": [
+        "--recipe",
+        "alam",
+        "--bits",
+        "2",
+        "--attn_implementation",
+        "eager",
+        "--allocate_activations",
+        "false",
+    ],
     # Our allocator at 1 bit on 8 examples (what "alam" was until 2026-11-27), retired since
     # (hf_actq/config.py, RETIRED_FIELDS): its results stay in the table; it runs no more.
     "alam-1-gradvar": None,

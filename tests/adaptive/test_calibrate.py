@@ -105,6 +105,38 @@ def test_adaptive_config_warns_until_calibrated_and_validates_its_options(caplog
         ActQConfig(recalibrate_at=1.5)
 
 
+def test_activations_kept_few_bit_count_toward_the_budget_and_the_rest_is_allocated():
+    from hf_actq.testing import tiny_bert
+
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": torch.tensor([0, 1])}
+    plans = {}
+    for allocate in (True, False):
+        model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        config = ActQConfig.from_recipe("alam", bits=2, allocate_activations=allocate)
+        handle = hf_actq.apply(model, config)
+        plans[allocate] = handle.calibrate(batch, seconds=float("inf"))
+        acts = [s for s in handle.slots if s.endswith(":act")]
+        # what the pass measured is what training runs: a few-bit code, not a codec
+        assert all(("act" in handle._states[s][0].codecs) == allocate for s in acts)
+        handle.revert()
+    assert len(acts) == 2
+    allocated, kept = plans[True], plans[False]
+    assert all("codec" in allocated.slots[s] for s in acts)
+    assert all(s in allocated.info["sensitivity"] for s in acts)
+    assert all(kept.slots[s] == {"bits": 2} for s in acts)
+    assert not any(s in kept.info["sensitivity"] for s in acts)
+    # the two-bit codes count: the rest gets what is left of the same average
+    assert kept.info["budget_met"] and allocated.info["budget_met"]
+    assert (
+        kept.info["alam_bits"] <= 2 and kept.info["budget_bytes"] == allocated.info["budget_bytes"]
+    )
+    others = [s for s in kept.info["sensitivity"]]
+    assert others and set(others) == set(allocated.info["sensitivity"]) - set(acts)
+    with pytest.raises(ValueError, match="allocate_activations=False changes only adaptive"):
+        ActQConfig(allocate_activations=False)
+
+
 def test_retired_allocator_options_say_why_and_old_configs_still_load():
     with pytest.raises(ValueError, match="sensitivity='gradvar' is no longer supported: our own"):
         ActQConfig.from_recipe("alam", sensitivity="gradvar")

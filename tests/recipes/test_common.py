@@ -14,6 +14,8 @@ def test_recipe_labels_name_the_bits_that_define_each_recipe():
     assert recipe_label(ActQConfig.from_recipe("fewbit", bits=3)) == "fewbit-3"
     assert recipe_label(ActQConfig.from_recipe("alam", adaptive=False)) == "alam-1-even"
     assert recipe_label(ActQConfig.from_recipe("alam", bits=2)) == "alam-2"
+    kept = ActQConfig.from_recipe("alam", bits=2, allocate_activations=False)
+    assert recipe_label(kept) == "alam-2-fewbit-act"
     # The checkpoint recipe keeps its other slots at 8 bits; its label names the layers' inputs.
     rotated = ActQConfig.from_recipe("checkpoint", bits=4)  # rotated inputs by default
     assert (rotated.checkpoint_bits, rotated.checkpoint_codec) == (4, "rotated")
