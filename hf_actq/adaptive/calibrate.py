@@ -469,7 +469,8 @@ def _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_by
     for slot in handle.slots:
         if slot in settings:
             continue
-        if _is_fewbit(handle, slot):
+        kept_fewbit = handle._states[slot][1] == "act" and not config.allocate_activations
+        if _is_fewbit(handle, slot) or kept_fewbit:  # counted as few-bit in the budget above
             settings[slot] = {"bits": handle._states[slot][0].activation.bits}
             counted += recorder.infos[slot].nbytes if slot in recorder.infos else 0
         else:  # never filled on this batch (a frozen layer's input): the even setting

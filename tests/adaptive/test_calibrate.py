@@ -133,6 +133,14 @@ def test_activations_kept_few_bit_count_toward_the_budget_and_the_rest_is_alloca
     )
     others = [s for s in kept.info["sensitivity"]]
     assert others and set(others) == set(allocated.info["sensitivity"]) - set(acts)
+    # a GELU given a codec by the user's slots is set back to the few-bit code it is counted as
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    aq = {"re::act$": {"codec": "aq", "bits": 2}}
+    config = ActQConfig.from_recipe("alam", bits=2, allocate_activations=False, slots=aq)
+    handle = hf_actq.apply(model, config)
+    plan = handle.calibrate(batch, seconds=float("inf"))
+    assert all(plan.slots[s] == {"bits": 2} for s in acts)
+    handle.revert()
     with pytest.raises(ValueError, match="allocate_activations=False changes only adaptive"):
         ActQConfig(allocate_activations=False)
 
