@@ -295,9 +295,11 @@ def training_mode(model):
 
 
 def _is_fewbit(handle, slot: str) -> bool:
-    """An activation's slot holding a few-bit code (not its input under a codec)."""
+    """An activation's slot planned as a few-bit code: it holds one (not its input under a
+    codec), or ``allocate_activations`` is off, which counts every activation as few-bit."""
     state, name = handle._states[slot]
-    return name == "act" and state.codecs.get("act") is None
+    kept = state.codecs.get("act") is None or not handle.config.allocate_activations
+    return name == "act" and kept
 
 
 def _fill_unmeasured(handle, items, sensitivity: dict) -> None:
@@ -469,8 +471,7 @@ def _plan(handle, recorder, items, sensitivity, measured, target_bits, budget_by
     for slot in handle.slots:
         if slot in settings:
             continue
-        kept_fewbit = handle._states[slot][1] == "act" and not config.allocate_activations
-        if _is_fewbit(handle, slot) or kept_fewbit:  # counted as few-bit in the budget above
+        if _is_fewbit(handle, slot):
             settings[slot] = {"bits": handle._states[slot][0].activation.bits}
             counted += recorder.infos[slot].nbytes if slot in recorder.infos else 0
         else:  # never filled on this batch (a frozen layer's input): the even setting

@@ -131,7 +131,7 @@ def test_activations_kept_few_bit_count_toward_the_budget_and_the_rest_is_alloca
     assert (
         kept.info["alam_bits"] <= 2 and kept.info["budget_bytes"] == allocated.info["budget_bytes"]
     )
-    others = [s for s in kept.info["sensitivity"]]
+    others = list(kept.info["sensitivity"])
     assert others and set(others) == set(allocated.info["sensitivity"]) - set(acts)
     # a GELU given a codec by the user's slots is set back to the few-bit code it is counted as
     model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
