@@ -149,14 +149,14 @@ def render(found: dict) -> str:
 
 
 def _partial_grid(found: dict, task: str, recipe: str) -> list[str]:
-    """A row for a grid still running at seed 0: how far it is and its best rate so far."""
+    """A row for a grid unfinished at seed 0: how far it is and its best rate so far."""
     scores = seed0_scores(found, task, recipe)
     if not scores:
         return []
     best = max(scores, key=scores.get)
     return [
         f"| {task.upper()} | {recipe} | 1 | {best} (seed 0 at {len(scores)} of "
-        f"{len(TASKS[task]['rates'])} rates) | {scores[best]:.1f} | | | grid running |"
+        f"{len(TASKS[task]['rates'])} rates) | {scores[best]:.1f} | | | grid unfinished |"
     ]
 
 

@@ -402,12 +402,12 @@ def test_alam_protocol_runs_the_grid_at_seed_0_then_the_best_rate():
         "| MRPC | alam-2-fewbit-act | 2 | 2e-05 | 82.0 ± 1.4 | +0.0 | +0.1 (BERT-base) | yes "
         "(SE 1.4) |" in paper.render(found)
     )
-    # A grid still running at seed 0 shows how far it is, not a delta.
+    # A grid unfinished at seed 0 shows how far it is, not a delta.
     found.update(
         result("mrpc", "alam-1", rate, 0, 70 + i) for i, rate in enumerate(["2e-05", "4e-05"])
     )
     assert (
-        "| MRPC | alam-1 | 1 | 4e-05 (seed 0 at 2 of 4 rates) | 71.0 | | | grid running |"
+        "| MRPC | alam-1 | 1 | 4e-05 (seed 0 at 2 of 4 rates) | 71.0 | | | grid unfinished |"
         in paper.render(found)
     )
 
