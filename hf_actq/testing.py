@@ -16,9 +16,16 @@ import from ``tests/``.
   few logged steps on the CPU, as the multi-process ``Trainer`` tests run them.
 - ``stock_checkpointing`` and ``checkpointing_argument``: transformers' own activation
   checkpointing, under its name in the installed version.
+- ``host_budget``: what a piece of code asks of the host, counted on the CPU with the Triton
+  kernels stubbed: kernel launches, other device ops, allocations, seeds and host reads (the
+  budget tests and ``benchmarks/bench_host.py``).
 """
 
+import collections
+import contextlib
+import dataclasses
 import functools
+import importlib
 import sys
 from unittest import mock
 
@@ -517,3 +524,95 @@ def more_model(name: str, **options):
     torch.manual_seed(0)
     model, batch = MORE_MODELS[name](**options)
     return model.train(), batch
+
+
+# Host budgets ----------------------------------------------------------------------------------
+# ATen ops that launch no device kernel: views, metadata, allocation, the host's own reads, and
+# conversions and copies that had nothing to do (a composite op that does launch has a child
+# that is counted instead).
+_NO_LAUNCH = {
+    "aten::empty", "aten::empty_strided", "aten::view", "aten::_unsafe_view", "aten::reshape",
+    "aten::as_strided", "aten::expand", "aten::t", "aten::transpose", "aten::permute",
+    "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::slice", "aten::detach",
+    "aten::alias", "aten::lift_fresh", "aten::split", "aten::unbind", "aten::chunk",
+    "aten::narrow", "aten::view_as", "aten::_reshape_alias", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::item", "aten::_local_scalar_dense", "aten::is_nonzero",
+    "aten::result_type", "aten::contiguous", "aten::flatten", "aten::unflatten",
+    "aten::movedim", "aten::expand_as", "aten::split_with_sizes", "aten::to", "aten::type_as",
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class HostBudget:
+    """What code asked of the host (see :func:`host_budget`)."""
+
+    triton_launches: collections.Counter  # kernel name -> launches
+    device_ops: int  # ATen ops that would launch a kernel on a GPU (leaf ops, no views)
+    allocations: int  # aten::empty / empty_strided calls, nested ones included
+    host_reads: int  # aten::_local_scalar_dense (.item(), bool(tensor)): a sync on a GPU
+    seeds: int  # seeds drawn on the host for stochastic rounding (hf_actq.codecs.draw_seed)
+
+    @property
+    def launches(self) -> int:
+        """Device launches: Triton kernels and the other leaf ops."""
+        return sum(self.triton_launches.values()) + self.device_ops
+
+
+@contextlib.contextmanager
+def host_budget():
+    """Count what the code in the block asks of the host, on the CPU, with every hf_actq Triton
+    kernel replaced by a stub that only counts its launches (CPU tensors take the path CUDA
+    tensors take, so launchers, allocations and dispatch run as on a GPU; the outputs are
+    garbage). Yields a :class:`HostBudget`, filled when the block ends. Seeds are drawn as a
+    counter (``draw_seed``'s own ``.item()`` is a CPU read, not a sync), so ``host_reads``
+    counts the reads that would wait for a GPU.
+    """
+    import pkgutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    import hf_actq.kernels
+    from hf_actq.kernels.registry import kernels_on_cpu
+
+    launches = collections.Counter()
+    seeds = [0]
+
+    class _Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[self.name] += 1
+
+            return launch
+
+    def draw_seed() -> int:
+        seeds[0] += 1
+        return 1234 + seeds[0]
+
+    patches = []
+    for info in pkgutil.iter_modules(hf_actq.kernels.__path__):
+        module = importlib.import_module(f"hf_actq.kernels.{info.name}")
+        for name, value in vars(module).items():
+            if name.endswith("_kernel") and hasattr(value, "fn"):  # a triton.jit function
+                patches.append(mock.patch.object(module, name, _Stub(name)))
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hf_actq") and getattr(module, "draw_seed", None) is not None:
+            patches.append(mock.patch.object(module, "draw_seed", draw_seed))
+    budget = HostBudget(launches, 0, 0, 0, 0)
+    with contextlib.ExitStack() as stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        stack.enter_context(kernels_on_cpu())
+        prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
+        yield budget
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    budget.allocations = sum(e.name in ("aten::empty", "aten::empty_strided") for e in events)
+    budget.host_reads = sum(e.name == "aten::_local_scalar_dense" for e in events)
+    budget.seeds = seeds[0]
+    budget.device_ops = sum(
+        e.name not in _NO_LAUNCH
+        and not any(child.name.startswith("aten::") for child in e.cpu_children)
+        for e in events
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -39,6 +40,17 @@ class Variant:
 def _variant(module, kernel, signature, constexprs):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
     return Variant(module, kernel, signature, constexprs)
+
+
+def codec_shapes(block_sizes) -> list[tuple[int, int, int]]:
+    """(bits, group, block) of the codec kernels compiled ahead of time: every width at group 1
+    and every block size; every group at ALAM's 2 bits and at 3 (the width packed byte by
+    byte), block 128; the largest run (group 16, block 256: one block a program). The other
+    combinations compile the same code paths with other constants (the JIT compiles them as
+    they are launched)."""
+    shapes = [(bits, 1, block) for bits in range(1, 9) for block in block_sizes]
+    shapes += [(bits, group, 128) for group in (2, 4, 8, 16) for bits in (2, 3)]
+    return shapes + [(2, 16, 256)]
 
 
 def variants() -> list[Variant]:
@@ -122,41 +134,80 @@ def variants() -> list[Variant]:
                     {"BLOCK": dropout.BLOCK},
                 )
             )
-            for block in BLOCK_SIZES:
+            for bits, group, block in codec_shapes(BLOCK_SIZES):
+                rows = average_quant._rows_per_tile(block, group)
+                for stochastic in (False, True):
+                    out.append(
+                        _variant(
+                            "average_quant",
+                            "aq_quantize_kernel",
+                            {
+                                "src_ptr": f"*{dtype}",
+                                "packed_ptr": "*u8",
+                                "mins_ptr": "*fp32",
+                                "scales_ptr": "*fp32",
+                                "n_means": index,
+                                "n_bytes": index,
+                                "noise_key": "i32",
+                            },
+                            {
+                                "STOCHASTIC": stochastic,
+                                "BITS": bits,
+                                "GROUP": group,
+                                "BLOCK": block,
+                                "ROWS": rows,
+                            },
+                        )
+                    )
                 out.append(
                     _variant(
                         "average_quant",
-                        "aq_quantize_kernel",
+                        "aq_dequantize_kernel",
                         {
-                            "src_ptr": f"*{dtype}",
                             "packed_ptr": "*u8",
                             "mins_ptr": "*fp32",
                             "scales_ptr": "*fp32",
+                            "out_ptr": f"*{dtype}",
                             "n_means": index,
                             "n_bytes": index,
-                            "group": "i32",
-                            "bits": "i32",
-                            "stochastic": "i32",
-                            "seed": "i32",
                         },
-                        {"BLOCK": block},
+                        {"BITS": bits, "GROUP": group, "BLOCK": block, "ROWS": rows},
                     )
                 )
-                out.append(
-                    _variant(
-                        "sign_preserving",
-                        "blpa_quantize_kernel",
-                        {
-                            "src_ptr": f"*{dtype}",
-                            "packed_ptr": "*u8",
-                            "steps_ptr": "*fp32",
-                            "n_elements": index,
-                            "n_bytes": index,
-                            "bits": "i32",
-                        },
-                        {"BLOCK": block},
+                if group == 1:
+                    blpa = {
+                        "BITS": bits,
+                        "BLOCK": block,
+                        "ROWS": sign_preserving._rows_per_tile(block),
+                    }
+                    out.append(
+                        _variant(
+                            "sign_preserving",
+                            "blpa_quantize_kernel",
+                            {
+                                "src_ptr": f"*{dtype}",
+                                "packed_ptr": "*u8",
+                                "steps_ptr": "*fp32",
+                                "n_elements": index,
+                                "n_bytes": index,
+                            },
+                            blpa,
+                        )
                     )
-                )
+                    out.append(
+                        _variant(
+                            "sign_preserving",
+                            "blpa_dequantize_kernel",
+                            {
+                                "packed_ptr": "*u8",
+                                "steps_ptr": "*fp32",
+                                "out_ptr": f"*{dtype}",
+                                "n_elements": index,
+                                "n_bytes": index,
+                            },
+                            blpa,
+                        )
+                    )
             for block in SMAQ_BLOCK_SIZES:
                 # Every tile a capacity in [0, 1] can ask for: slots // 4 runs 0..block // 4.
                 pads = sorted({extension_bytes_pad(4 * n) for n in range(block // 4 + 1)})
@@ -196,42 +247,6 @@ def variants() -> list[Variant]:
                         {"BLOCK": block},
                     )
                 )
-            out.append(
-                _variant(
-                    "average_quant",
-                    "aq_dequantize_kernel",
-                    {
-                        "packed_ptr": "*u8",
-                        "mins_ptr": "*fp32",
-                        "scales_ptr": "*fp32",
-                        "out_ptr": f"*{dtype}",
-                        "n_elements": index,
-                        "n_bytes": index,
-                        "last": "i32",
-                        "per_row": "i32",
-                        "group": "i32",
-                        "block": "i32",
-                        "bits": "i32",
-                    },
-                    {"BLOCK": average_quant.DEQUANT_BLOCK},
-                )
-            )
-            out.append(
-                _variant(
-                    "sign_preserving",
-                    "blpa_dequantize_kernel",
-                    {
-                        "packed_ptr": "*u8",
-                        "steps_ptr": "*fp32",
-                        "out_ptr": f"*{dtype}",
-                        "n_elements": index,
-                        "n_bytes": index,
-                        "block": "i32",
-                        "bits": "i32",
-                    },
-                    {"BLOCK": sign_preserving.DEQUANT_BLOCK},
-                )
-            )
     # The norm kernels index rows and columns separately: both fit i32 at any real size.
     for dtype in FLOAT_TYPES.values():
         out.append(
@@ -282,7 +297,7 @@ def variants() -> list[Variant]:
                         "n_elements": index,
                         "n_bytes": index,
                     },
-                    {"GROUPS": mask.GROUPS},
+                    {"ROWS": mask.ROWS},
                 )
             )
             out.append(
@@ -295,39 +310,96 @@ def variants() -> list[Variant]:
                         "n_elements": index,
                         "n_bytes": index,
                     },
-                    {"BLOCK": mask.UNPACK_BLOCK},
+                    {"ROWS": mask.ROWS},
                 )
             )
     return out
 
 
+# Kernels that stream a tensor and must run at memory bandwidth (the codecs' packs and unpacks):
+# aot.py fails a variant of theirs that divides integers in software (a 64-bit `//` or `%` by a
+# runtime value is a subroutine of about 80 instructions), moves its float tensor without
+# 128-bit accesses, or spills. The first GPU run found all three in the kernels before these.
+BANDWIDTH_KERNELS = {
+    "aq_quantize_kernel": "LDG.E.128",
+    "aq_dequantize_kernel": "STG.E.128",
+    "blpa_quantize_kernel": "LDG.E.128",
+    "blpa_dequantize_kernel": "STG.E.128",
+    "mask_pack_kernel": "LDG.E.128",
+    "mask_unpack_kernel": "STG.E.128",
+}
+_INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
+
+
+def aligned_arguments(variant: Variant) -> dict:
+    """The attributes the JIT gives a launch on PyTorch's allocations: 16-byte aligned pointers
+    and sizes that are multiples of 16 (the common case, and the one whose code the JIT runs at
+    scale). Without them a cubin shows scalar loads where the JIT's has 128-bit ones."""
+    names = list(variant.signature)
+    return {
+        (names.index(name),): [["tt.divisibility", 16]]
+        for name, kind in variant.signature.items()
+        if kind.startswith("*") or (kind in INDEX_TYPES and name.startswith("n_"))
+    }
+
+
 def compile_variant(variant: Variant, cc: int) -> dict:
     import importlib
 
+    fn = getattr(importlib.import_module(f"hf_actq.kernels.{variant.module}"), variant.kernel)
+    return compile_kernel(fn, variant, cc)
+
+
+def compile_kernel(fn, variant: Variant, cc: int) -> dict:
+    """``fn`` (a ``triton.jit`` function) compiled as ``variant`` for sm_``cc``, with what its
+    cubin uses and what keeps it from streaming if it is a bandwidth kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from hf_actq.kernels.triton_common import LAUNCH_OPTIONS
 
-    fn = getattr(importlib.import_module(f"hf_actq.kernels.{variant.module}"), variant.kernel)
     start = time.perf_counter()
-    source = ASTSource(fn=fn, signature=variant.signature, constexprs=variant.constexprs)
+    source = ASTSource(
+        fn=fn,
+        signature=variant.signature,
+        constexprs=variant.constexprs,
+        attrs=aligned_arguments(variant),
+    )
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=LAUNCH_OPTIONS)
-    return {
+    result = {
         "variant": variant.label,
+        "kernel": variant.kernel,
         "cc": cc,
         "cubin_bytes": len(compiled.asm["cubin"]),
         "seconds": round(time.perf_counter() - start, 3),
+        "integer_divisions": len(_INTEGER_DIVISION.findall(compiled.asm["ptx"])),
         **resource_usage(compiled.asm["cubin"]),
     }
+    result["problems"] = bandwidth_problems(result)
+    return result
+
+
+def bandwidth_problems(result: dict) -> list[str]:
+    """What keeps a bandwidth kernel's variant from streaming (nothing for other kernels)."""
+    wide = BANDWIDTH_KERNELS.get(result["kernel"])
+    if wide is None:
+        return []
+    problems = []
+    if result["integer_divisions"]:
+        problems.append(f"{result['integer_divisions']} integer divisions in software")
+    if "sass" in result and result["sass"].get(wide, 0) == 0:
+        problems.append(f"no {wide}: the float tensor moves in scalar accesses")
+    if result.get("stack_bytes", 0) > 0:
+        problems.append(f"{result['stack_bytes']} stack bytes per thread")
+    return problems
 
 
 def resource_usage(cubin: bytes) -> dict:
-    """Registers per thread and stack bytes per thread (where registers spill: SmaQ's quantize
-    kernel once had 3.5 KB, and ran 300-1400x two copies on an H200), read by the cuobjdump
-    that ships with Triton; {} where there is none."""
-    import re
+    """Registers and stack bytes per thread (where registers spill: SmaQ's quantize kernel once
+    had 3.5 KB, and ran 300-1400x two copies on an H200), and the count of each global memory,
+    barrier and call instruction in the SASS, read by the cuobjdump that ships with Triton; {}
+    where there is none."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -343,8 +415,19 @@ def resource_usage(cubin: bytes) -> dict:
         usage = subprocess.run(
             [str(tool), "-res-usage", file.name], capture_output=True, text=True
         ).stdout
+        sass = subprocess.run([str(tool), "-sass", file.name], capture_output=True, text=True)
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    return {"registers": int(found[1]), "stack_bytes": int(found[2])} if found else {}
+    if not found:
+        return {}
+    counts: dict[str, int] = {}
+    for opcode in _SASS_OPCODE.findall(sass.stdout):
+        if opcode.startswith(("LDG", "STG", "BAR", "CALL")):
+            counts[opcode] = counts.get(opcode, 0) + 1
+    return {"registers": int(found[1]), "stack_bytes": int(found[2]), "sass": counts}
+
+
+# An instruction line of cuobjdump's SASS: `/*0120*/  @!P0 LDG.E.128 R4, desc[...][R2.64] ;`
+_SASS_OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)", re.M)
 
 
 def _compile_star(args):
@@ -367,10 +450,14 @@ def representatives(all_variants: list[Variant], per: str = "types") -> list[Var
 
 
 def compile_all(
-    ccs=(80, 90), jobs: int = 2, representative: str | None = None, match: str | None = None
+    ccs=(80, 90),
+    jobs: int = 2,
+    representative: str | None = None,
+    match: str | list[str] | None = None,
 ) -> list[dict]:
     chosen = representatives(variants(), representative) if representative else variants()
-    chosen = [v for v in chosen if match is None or match in v.label]
+    texts = [match] if isinstance(match, str) else list(match or ())
+    chosen = [v for v in chosen if all(text in v.label for text in texts)]
     work = [(v, cc) for v in chosen for cc in ccs]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_compile_star, work, chunksize=4))
@@ -387,25 +474,31 @@ def main(argv=None) -> int:
         help="one variant per kernel and argument types, or per kernel, instead of every "
         "constexpr choice",
     )
-    parser.add_argument("--match", help="only the variants whose label holds this text")
+    parser.add_argument(
+        "--match", nargs="+", help="only the variants whose label holds each of these texts"
+    )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = compile_all(tuple(args.cc), args.jobs, args.representative, args.match)
     if not results:
-        sys.exit(f"no kernel variant's label holds {args.match!r}")
+        sys.exit(f"no kernel variant's label holds each of {args.match!r}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     empty = [r for r in results if r["cubin_bytes"] == 0]
     spilling = [r for r in results if r.get("stack_bytes", 0) > SPILL_LIMIT]
+    slow = [r for r in results if r["problems"]]
     print(
         f"compiled {len(results)} kernel variants for sm_{', sm_'.join(map(str, args.cc))} "
         f"in {time.perf_counter() - start:.1f} s; {len(empty)} empty cubins; "
-        f"{len(spilling)} with over {SPILL_LIMIT} stack bytes per thread"
+        f"{len(spilling)} with over {SPILL_LIMIT} stack bytes per thread; "
+        f"{len(slow)} bandwidth kernel variants that cannot stream"
     )
     for result in spilling:
         print(f"  {result['variant']} sm_{result['cc']}: {result['stack_bytes']} stack bytes")
-    return 1 if empty or spilling else 0
+    for result in slow:
+        print(f"  {result['variant']} sm_{result['cc']}: {'; '.join(result['problems'])}")
+    return 1 if empty or spilling or slow else 0
 
 
 if __name__ == "__main__":

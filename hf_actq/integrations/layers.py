@@ -41,6 +41,7 @@ from hf_actq.ops.norm import (
     CompressedRMSNorm,
     rms_norm_eps,
     rms_norm_offset,
+    shares_output,
 )
 from hf_actq.ops.state import OpState
 
@@ -194,11 +195,13 @@ def _linear(module, walk: Walk) -> Patch | None:
     return None
 
 
-def _norm_patch(forward, config: ActQConfig, **fields) -> Patch:
+def _norm_patch(forward, config: ActQConfig, module, offset=0.0, **fields) -> Patch | Skip:
     """A norm compressed (``norm``), or exact but keeping its output (memory sharing)."""
     if config.norm:
         fields["offer_output"] = config.share_norm_outputs
         return Patch(forward, {"input": "norm"}, "norm {input}", fields=fields)
+    if not shares_output(getattr(module, "weight", None), offset):
+        return Skip("norm whose weight has more zeros than guard columns (kept exact)")
     fields["norm_from_output"] = True
     describe = "norm (exact; keeps its output, shared with the next layer)"
     return Patch(forward, {}, describe, fields=fields)
@@ -209,13 +212,15 @@ def _norm(module, walk: Walk) -> Patch | Skip | None:
     if not (config.norm or config.share_norm_outputs):
         return None
     if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
-        return _norm_patch(CompressedLayerNorm.forward, config)
+        return _norm_patch(CompressedLayerNorm.forward, config, module)
     if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
         offset = rms_norm_offset(module)
         if offset is None:
             return Skip("RMSNorm with a different formula (kept exact)")
         eps = rms_norm_eps(module)
-        return _norm_patch(CompressedRMSNorm.forward, config, eps=eps, norm_offset=offset)
+        return _norm_patch(
+            CompressedRMSNorm.forward, config, module, offset, eps=eps, norm_offset=offset
+        )
     return None
 
 

@@ -2,10 +2,10 @@
 min and scale, stochastic rounding, bit packing) and ``hf_actq::aq_dequantize`` (unpack, scale,
 repeat over the group), each a PyTorch twin and a Triton kernel that does it in one pass.
 
-Stochastic rounding uses Triton's Philox stream keyed by the codec's seed (drawn from torch's
-RNG), so ``torch.manual_seed`` and checkpointing's RNG replay reproduce codes; the noise differs
-from the twin's counter hash (``kernels/compiled.py:uniform_noise``), so the two agree in
-distribution, and bit for bit when deterministic.
+Stochastic rounding adds the twin's counter hash of each mean's index keyed by the codec's seed
+(drawn from torch's RNG), so ``torch.manual_seed`` and checkpointing's RNG replay reproduce codes,
+and kernel and twin pack the same codes bit for bit, stochastic or not (group means aside: the
+kernel sums a group as a tree, the twin in order, which can differ in the last fp32 bit).
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from hf_actq.kernels.packing import (
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    TILE_ELEMENTS,
+    hashed_noise,
     jit,
-    load_codes,
-    store_packed,
+    pack_tile,
+    tile,
     tl,
     to_dtype,
     triton,
+    unpack_tile,
 )
-
-DEQUANT_BLOCK = 1024
 
 
 def aq_quantize_reference(
@@ -147,7 +148,12 @@ def _as_int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-@jit(do_not_specialize=["group", "bits", "stochastic", "seed"])
+def _rows_per_tile(block: int, group: int) -> int:
+    """Blocks a program handles: :data:`TILE_ELEMENTS` source elements (one block at least)."""
+    return max(1, TILE_ELEMENTS // (block * group))
+
+
+@jit(do_not_specialize=["noise_key"])
 def aq_quantize_kernel(
     src_ptr,
     packed_ptr,
@@ -155,116 +161,147 @@ def aq_quantize_kernel(
     scales_ptr,
     n_means,
     n_bytes,
-    group,
-    bits,
-    stochastic,
-    seed,
+    noise_key,
+    STOCHASTIC: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    # One program per block of BLOCK means, laid out as [BLOCK // 8, 8] for packing.
-    pid = tl.program_id(0).to(tl.int64)
-    groups8 = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    mean_idx = groups8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    valid = mean_idx < n_means
-    acc = tl.zeros([BLOCK // 8, 8], dtype=tl.float32)
-    for k in range(group):
-        acc += tl.load(src_ptr + mean_idx * group + k, mask=valid, other=0.0).to(tl.float32)
-    # Means are rounded to the source dtype, as the twin does.
-    mean = to_dtype(tl.math.div_rn(acc, group.to(tl.float32)), src_ptr.dtype.element_ty)
-    mean = mean.to(tl.float32)
+    # ROWS blocks of BLOCK means per program; bits, group and block are constants: shifts, no
+    # divisions.
+    first, count, local = tile(n_means, ROWS, BLOCK)
+    valid = local < count
+    src = src_ptr + first * GROUP
+    if GROUP == 1:
+        mean = tl.load(src + local, mask=valid, other=0.0).to(tl.float32)
+    else:
+        # Loaded as rows of BLOCK * GROUP elements (contiguous: vector loads, a row within a
+        # warp), then split into runs: each thread sums the runs it holds.
+        element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
+        run = tl.load(src + element, mask=element < count * GROUP, other=0.0).to(tl.float32)
+        # Dividing by a power of two is exact; the mean is rounded to the source dtype.
+        mean = tl.sum(tl.reshape(run, [ROWS, BLOCK, GROUP]), axis=2) * (1.0 / GROUP)
+        mean = to_dtype(mean, src_ptr.dtype.element_ty).to(tl.float32)
 
-    lo = tl.min(tl.where(valid, mean, float("inf")))
-    hi = tl.max(tl.where(valid, mean, float("-inf")))
-    top = ((1 << bits) - 1).to(tl.float32)
+    lo = tl.min(tl.where(valid, mean, float("inf")), axis=1)
+    hi = tl.max(tl.where(valid, mean, float("-inf")), axis=1)
+    top = tl.full([ROWS], (1 << BITS) - 1, tl.float32)
+    # Per row, so IEEE divisions cost nothing: hi / top - lo / top as the twin computes it.
     scale = tl.math.div_rn(hi, top) - tl.math.div_rn(lo, top)
-    inv = tl.where(scale > 0, tl.math.div_rn(1.0, scale), 0.0)
-    q = mean * inv - lo * inv
-    if stochastic != 0:  # noqa: SIM108 (a runtime branch inside a Triton kernel)
-        q = q + tl.rand(seed, mean_idx)
+    inv = tl.where(scale > 0, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), scale), 0.0)
+    q = mean * inv[:, None] - (lo * inv)[:, None]
+    if STOCHASTIC:
+        index = first.to(tl.uint32) + local.to(tl.uint32)  # the mean's index, mod 2**32
+        q = q + hashed_noise(index, noise_key.to(tl.uint32, bitcast=True))
     else:
         q = q + 0.5
-    q = tl.minimum(tl.maximum(tl.floor(q), 0.0), top)
-    code = tl.where(valid, q, 0.0).to(tl.uint32)
-    store_packed(packed_ptr, groups8, code, bits, n_bytes)
-    tl.store(mins_ptr + pid, lo)
-    tl.store(scales_ptr + pid, scale)
+    q = tl.minimum(tl.maximum(tl.floor(q), 0.0), (1 << BITS) - 1)
+    code = tl.where(valid, q, 0.0).to(tl.int32)
+    byte_start = first * BITS // 8  # a tile starts on a whole byte: it holds 8k means
+    pack_tile(packed_ptr + byte_start, code, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    row = tl.arange(0, ROWS)
+    row_valid = row * BLOCK < count
+    tl.store(mins_ptr + first // BLOCK + row, lo, mask=row_valid)
+    tl.store(scales_ptr + first // BLOCK + row, scale, mask=row_valid)
 
 
-@jit(do_not_specialize=["last", "per_row", "group", "block", "bits"])
+@jit
 def aq_dequantize_kernel(
     packed_ptr,
     mins_ptr,
     scales_ptr,
     out_ptr,
-    n_elements,
+    n_means,
     n_bytes,
-    last,
-    per_row,
-    group,
-    block,
-    bits,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    mean = (offsets // last) * per_row + (offsets % last) // group
-    code = load_codes(packed_ptr, mean, mask, bits, n_bytes)
-    blk = mean // block
-    lo = tl.load(mins_ptr + blk, mask=mask, other=0.0)
-    scale = tl.load(scales_ptr + blk, mask=mask, other=0.0)
-    value = lo + code.to(tl.float32) * scale
-    tl.store(out_ptr + offsets, to_dtype(value, out_ptr.dtype.element_ty), mask=mask)
+    # Each mean written over its GROUP elements: the tensor's flat runs (a last dim that is a
+    # multiple of the group, or group 1).
+    first, count, local = tile(n_means, ROWS, BLOCK)
+    byte_start = first * BITS // 8
+    code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    code = code.to(tl.float32)
+    row = tl.arange(0, ROWS)
+    row_valid = row * BLOCK < count
+    lo = tl.load(mins_ptr + first // BLOCK + row, mask=row_valid, other=0.0)
+    scale = tl.load(scales_ptr + first // BLOCK + row, mask=row_valid, other=0.0)
+    value = to_dtype(code * scale[:, None] + lo[:, None], out_ptr.dtype.element_ty)
+    valid = local < count
+    out = out_ptr + first * GROUP
+    if GROUP == 1:
+        tl.store(out + local, value, mask=valid)
+    else:
+        element = local[:, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+        repeated = tl.broadcast_to(value[:, :, None], [ROWS, BLOCK, GROUP])
+        tl.store(out + element, repeated, mask=valid[:, :, None])
 
 
 def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
-    """The Triton side of :func:`aq_quantize_reference`."""
+    """The Triton side of :func:`aq_quantize_reference`: one launch, one allocation (the
+    minimums and scales lead the packed codes in one buffer; the three are views of it)."""
     source = source.contiguous()
     m = source.numel() // group
     blocks = triton.cdiv(m, block)
-    packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=source.device)
-    mins = torch.empty(blocks, dtype=torch.float32, device=source.device)
-    scales = torch.empty(blocks, dtype=torch.float32, device=source.device)
+    n_bytes = packed_nbytes(m, bits)
+    buffer = torch.empty(8 * blocks + n_bytes, dtype=torch.uint8, device=source.device)
+    mins = buffer[: 4 * blocks].view(torch.float32)
+    scales = buffer[4 * blocks : 8 * blocks].view(torch.float32)
+    packed = buffer[8 * blocks :]
     if m:
-        aq_quantize_kernel[(blocks,)](
+        rows = _rows_per_tile(block, group)
+        aq_quantize_kernel[(triton.cdiv(m, rows * block),)](
             source,
             packed,
             mins,
             scales,
             m,
-            packed.numel(),
-            group,
-            bits,
-            int(stochastic),
-            seed,  # deterministic rounding: unused
+            n_bytes,
+            mix_seed(seed) if stochastic else 0,
+            STOCHASTIC=bool(stochastic),
+            BITS=bits,
+            GROUP=group,
             BLOCK=block,
+            ROWS=rows,
             **LAUNCH_OPTIONS,
         )
     return packed, mins, scales
 
 
 def aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block):
-    """The Triton side of :func:`aq_dequantize_reference`."""
+    """The Triton side of :func:`aq_dequantize_reference`: one launch, one allocation, where
+    the last dim is a multiple of the group (partial groups: the means, then repeated)."""
     n = math.prod(shape)
-    out = torch.empty(n, dtype=dtype, device=mins.device)
+    last = shape[-1] if len(shape) else 1
+    if n == 0 or last % group == 0:
+        out = torch.empty(n, dtype=dtype, device=mins.device)
+        n_means, kernel_group = n // group, group
+    else:
+        n_means, kernel_group = (n // last) * -(-last // group), 1
+        out = torch.empty(n_means, dtype=dtype, device=mins.device)
     if n:
-        last = shape[-1] if len(shape) else 1
-        grid = (triton.cdiv(n, DEQUANT_BLOCK),)
-        aq_dequantize_kernel[grid](
+        rows = _rows_per_tile(block, kernel_group)
+        aq_dequantize_kernel[(triton.cdiv(n_means, rows * block),)](
             data,
             mins,
             scales,
             out,
-            n,
+            n_means,
             data.numel(),
-            last,
-            -(-last // group),
-            group,
-            block,
-            bits,
-            BLOCK=DEQUANT_BLOCK,
+            BITS=bits,
+            GROUP=kernel_group,
+            BLOCK=block,
+            ROWS=rows,
             **LAUNCH_OPTIONS,
         )
-    return out.view(shape)
+    if kernel_group == group:
+        return out.view(shape)
+    rows = n // last
+    repeated = out.view(rows, -1, 1).expand(rows, -(-last // group), group)
+    return repeated.reshape(rows, -1)[:, :last].reshape(shape)
 
 
 def _aq_quantize_fake(source, group, bits, block, stochastic, seed=0):

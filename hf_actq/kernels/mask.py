@@ -11,16 +11,17 @@ from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    TILE_ELEMENTS,
     jit,
-    load_codes,
-    store_packed,
+    pack_tile,
+    tile,
     tl,
     to_dtype,
     triton,
+    unpack_tile,
 )
 
-GROUPS = 256
-UNPACK_BLOCK = 2048
+ROWS = TILE_ELEMENTS // 256  # rows of 256 elements (32 bytes packed) a program handles
 MASK_DTYPES = (torch.bool, torch.uint8, *FLOATS)  # what the kernels read and write
 
 
@@ -35,20 +36,21 @@ def mask_unpack_reference(data: torch.Tensor, shape: list[int], dtype: torch.dty
 
 
 @jit
-def mask_pack_kernel(src_ptr, packed_ptr, n_elements, n_bytes, GROUPS: tl.constexpr):
-    groups8 = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    offsets = groups8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    valid = offsets < n_elements
-    x = tl.load(src_ptr + offsets, mask=valid, other=0)
-    store_packed(packed_ptr, groups8, (valid & (x != 0)).to(tl.uint32), 1, n_bytes)
+def mask_pack_kernel(src_ptr, packed_ptr, n_elements, n_bytes, ROWS: tl.constexpr):
+    # ROWS x 256 elements a program, bytes packed in-thread.
+    first, count, local = tile(n_elements, ROWS, 256)
+    valid = local < count
+    x = tl.load(src_ptr + first + local, mask=valid, other=0)
+    code = (valid & (x != 0)).to(tl.int32)
+    pack_tile(packed_ptr + first // 8, code, n_bytes - first // 8, ROWS, 256, 1)
 
 
 @jit
-def mask_unpack_kernel(packed_ptr, out_ptr, n_elements, n_bytes, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    bit = load_codes(packed_ptr, offsets, mask, 1, n_bytes)
-    tl.store(out_ptr + offsets, to_dtype(bit.to(tl.float32), out_ptr.dtype.element_ty), mask=mask)
+def mask_unpack_kernel(packed_ptr, out_ptr, n_elements, n_bytes, ROWS: tl.constexpr):
+    first, count, local = tile(n_elements, ROWS, 256)
+    bit = unpack_tile(packed_ptr + first // 8, n_bytes - first // 8, ROWS, 256, 1)
+    value = to_dtype(bit.to(tl.float32), out_ptr.dtype.element_ty)
+    tl.store(out_ptr + first + local, value, mask=local < count)
 
 
 def mask_pack_triton(source: torch.Tensor) -> torch.Tensor:
@@ -59,8 +61,8 @@ def mask_pack_triton(source: torch.Tensor) -> torch.Tensor:
     n = source.numel()
     packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8, device=source.device)
     if n:
-        grid = (triton.cdiv(n, 8 * GROUPS),)
-        mask_pack_kernel[grid](source, packed, n, packed.numel(), GROUPS=GROUPS, **LAUNCH_OPTIONS)
+        grid = (triton.cdiv(n, TILE_ELEMENTS),)
+        mask_pack_kernel[grid](source, packed, n, packed.numel(), ROWS=ROWS, **LAUNCH_OPTIONS)
     return packed
 
 
@@ -69,8 +71,8 @@ def mask_unpack_triton(data: torch.Tensor, shape: list[int], dtype: torch.dtype)
     n = math.prod(shape)
     out = torch.empty(n, dtype=torch.uint8 if dtype == torch.bool else dtype, device=data.device)
     if n:
-        grid = (triton.cdiv(n, UNPACK_BLOCK),)
-        mask_unpack_kernel[grid](data, out, n, data.numel(), BLOCK=UNPACK_BLOCK, **LAUNCH_OPTIONS)
+        grid = (triton.cdiv(n, TILE_ELEMENTS),)
+        mask_unpack_kernel[grid](data, out, n, data.numel(), ROWS=ROWS, **LAUNCH_OPTIONS)
     return (out.view(torch.bool) if dtype == torch.bool else out).view(shape)
 
 

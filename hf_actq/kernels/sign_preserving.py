@@ -19,15 +19,15 @@ from hf_actq.kernels.packing import (
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    TILE_ELEMENTS,
     jit,
-    load_codes,
-    store_packed,
+    pack_tile,
+    tile,
     tl,
     to_dtype,
     triton,
+    unpack_tile,
 )
-
-DEQUANT_BLOCK = 1024
 
 
 def blpa_quantize_reference(
@@ -75,60 +75,85 @@ def blpa_dequantize_reference(
     return out.view(shape)
 
 
-@jit(do_not_specialize=["bits"])
+def _rows_per_tile(block: int) -> int:
+    return max(1, TILE_ELEMENTS // block)
+
+
+@jit
 def blpa_quantize_kernel(
-    src_ptr, packed_ptr, steps_ptr, n_elements, n_bytes, bits, BLOCK: tl.constexpr
+    src_ptr,
+    packed_ptr,
+    steps_ptr,
+    n_elements,
+    n_bytes,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    groups8 = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    offsets = groups8[:, None] * 8 + tl.arange(0, 8)[None, :]
-    valid = offsets < n_elements
-    x = tl.load(src_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
-    half = (1 << (bits - 1)).to(tl.float32)
-    step = tl.math.div_rn(tl.max(tl.abs(x)), half)
-    inv = tl.where(step > 0, tl.math.div_rn(1.0, step), 0.0)
+    # ROWS blocks per program, constant bits and block.
+    first, count, local = tile(n_elements, ROWS, BLOCK)
+    valid = local < count
+    x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
+    half = tl.full([ROWS], 1 << (BITS - 1), tl.float32)
+    step = tl.math.div_rn(tl.max(tl.abs(x), axis=1), half)
+    inv = tl.where(step > 0, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), step), 0.0)
     # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
-    q = tl.minimum(tl.maximum(tl.ceil(x * inv) - 1.0, -half), half - 1.0) + half
-    store_packed(packed_ptr, groups8, tl.where(valid, q, 0.0).to(tl.uint32), bits, n_bytes)
-    tl.store(steps_ptr + pid, step)
+    HALF: tl.constexpr = 1 << (BITS - 1)
+    q = tl.minimum(tl.maximum(tl.ceil(x * inv[:, None]) - 1.0, -HALF), HALF - 1.0) + HALF
+    byte_start = first * BITS // 8
+    code = tl.where(valid, q, 0.0).to(tl.int32)
+    pack_tile(packed_ptr + byte_start, code, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    row = tl.arange(0, ROWS)
+    tl.store(steps_ptr + first // BLOCK + row, step, mask=row * BLOCK < count)
 
 
-@jit(do_not_specialize=["block", "bits"])
+@jit
 def blpa_dequantize_kernel(
-    packed_ptr, steps_ptr, out_ptr, n_elements, n_bytes, block, bits, BLOCK: tl.constexpr
+    packed_ptr,
+    steps_ptr,
+    out_ptr,
+    n_elements,
+    n_bytes,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    code = load_codes(packed_ptr, offsets, mask, bits, n_bytes).to(tl.float32)
-    step = tl.load(steps_ptr + offsets // block, mask=mask, other=0.0)
-    middle = (1 << (bits - 1)).to(tl.float32) - 0.5
-    tl.store(
-        out_ptr + offsets, to_dtype((code - middle) * step, out_ptr.dtype.element_ty), mask=mask
-    )
+    first, count, local = tile(n_elements, ROWS, BLOCK)
+    byte_start = first * BITS // 8
+    code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    row = tl.arange(0, ROWS)
+    step = tl.load(steps_ptr + first // BLOCK + row, mask=row * BLOCK < count, other=0.0)
+    MIDDLE: tl.constexpr = (1 << (BITS - 1)) - 0.5
+    value = (code.to(tl.float32) - MIDDLE) * step[:, None]
+    tl.store(out_ptr + first + local, to_dtype(value, out_ptr.dtype.element_ty), mask=local < count)
 
 
 def blpa_quantize_triton(source, bits, block):
-    """The Triton side of :func:`blpa_quantize_reference`."""
+    """The Triton side of :func:`blpa_quantize_reference`: one launch, one allocation (the
+    steps lead the packed codes in one buffer)."""
     source = source.contiguous()
     n = source.numel()
     blocks = triton.cdiv(n, block)
-    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=source.device)
-    steps = torch.empty(blocks, dtype=torch.float32, device=source.device)
+    n_bytes = packed_nbytes(n, bits)
+    buffer = torch.empty(4 * blocks + n_bytes, dtype=torch.uint8, device=source.device)
+    steps = buffer[: 4 * blocks].view(torch.float32)
+    packed = buffer[4 * blocks :]
     if n:
-        blpa_quantize_kernel[(blocks,)](
-            source, packed, steps, n, packed.numel(), bits, BLOCK=block, **LAUNCH_OPTIONS
+        rows = _rows_per_tile(block)
+        blpa_quantize_kernel[(triton.cdiv(n, rows * block),)](
+            source, packed, steps, n, n_bytes, BITS=bits, BLOCK=block, ROWS=rows, **LAUNCH_OPTIONS
         )
     return packed, steps
 
 
 def blpa_dequantize_triton(data, steps, shape, dtype, bits, block):
-    """The Triton side of :func:`blpa_dequantize_reference`."""
+    """The Triton side of :func:`blpa_dequantize_reference`: one launch, one allocation."""
     n = math.prod(shape)
     out = torch.empty(n, dtype=dtype, device=steps.device)
     if n:
-        grid = (triton.cdiv(n, DEQUANT_BLOCK),)
-        blpa_dequantize_kernel[grid](
-            data, steps, out, n, data.numel(), block, bits, BLOCK=DEQUANT_BLOCK, **LAUNCH_OPTIONS
+        rows = _rows_per_tile(block)
+        blpa_dequantize_kernel[(triton.cdiv(n, rows * block),)](
+            data, steps, out, n, data.numel(), BITS=bits, BLOCK=block, ROWS=rows, **LAUNCH_OPTIONS
         )
     return out.view(shape)
 

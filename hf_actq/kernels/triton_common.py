@@ -33,6 +33,88 @@ LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 # value would be its own compilation that ahead-of-time compilation never saw.
 
 
+# Values a tile kernel handles per program: 32 a thread at 4 warps, loaded as 128-bit vectors
+# (the review of the first GPU run: one 128-value block per program kept about 4 KiB in flight
+# per SM where 25 KiB are needed to reach bandwidth).
+TILE_ELEMENTS = 4096
+
+
+@jit
+def tile(n_elements, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """This program's tile of ``ROWS * COLS`` consecutive elements of ``n_elements``: the first
+    (int64), how many of them exist (int32), and each one's int32 offset from the first
+    (``[ROWS, COLS]``). Per-element arithmetic stays 32-bit at any tensor size."""
+    first = tl.program_id(0).to(tl.int64) * (ROWS * COLS)
+    count = tl.minimum(n_elements - first, ROWS * COLS).to(tl.int32)
+    local = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    return first, count, local
+
+
+@jit
+def pack_tile(
+    packed_ptr, code, n_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr
+):
+    """Store ``code`` ([ROWS, COLS] int32 < 2**BITS, COLS a multiple of 8; the codes of
+    ROWS * COLS consecutive elements) from ``packed_ptr`` on, its first ``n_bytes`` bytes.
+    Packed inside each thread with constant shifts, rows kept apart (so the load's layout
+    stays and no shared memory is needed): a power-of-two width packs whole bytes, contiguous
+    (vector stores); another width packs each 8 codes into a 64-bit word and stores its BITS
+    bytes."""
+    if 8 % BITS == 0:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        lane = tl.arange(0, PER_BYTE)
+        fields = (
+            tl.reshape(code, [ROWS, COLS // PER_BYTE, PER_BYTE]) << (lane * BITS)[None, None, :]
+        )
+        byte = tl.sum(fields, axis=2)
+        index = tl.arange(0, ROWS)[:, None] * (COLS // PER_BYTE) + tl.arange(0, COLS // PER_BYTE)
+        tl.store(packed_ptr + index, byte.to(tl.uint8), mask=index < n_bytes)
+    else:
+        lane = tl.arange(0, 8).to(tl.int64)
+        fields = tl.reshape(code, [ROWS, COLS // 8, 8]).to(tl.int64) << (lane * BITS)[None, None, :]
+        word = tl.sum(fields, axis=2)
+        group = tl.arange(0, ROWS)[:, None] * (COLS // 8) + tl.arange(0, COLS // 8)[None, :]
+        for j in tl.static_range(BITS):
+            byte = ((word >> (8 * j)) & 0xFF).to(tl.uint8)
+            tl.store(packed_ptr + group * BITS + j, byte, mask=group * BITS + j < n_bytes)
+
+
+@jit
+def unpack_tile(packed_ptr, n_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
+    """The [ROWS, COLS] int32 codes :func:`pack_tile` stored from ``packed_ptr`` on (bytes at or
+    past ``n_bytes`` read as zeros)."""
+    if 8 % BITS == 0:
+        PER_BYTE: tl.constexpr = 8 // BITS
+        index = tl.arange(0, ROWS)[:, None] * (COLS // PER_BYTE) + tl.arange(0, COLS // PER_BYTE)
+        byte = tl.load(packed_ptr + index, mask=index < n_bytes, other=0).to(tl.int32)
+        lane = tl.arange(0, PER_BYTE)
+        code = (byte[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    else:
+        group = tl.arange(0, ROWS)[:, None] * (COLS // 8) + tl.arange(0, COLS // 8)[None, :]
+        word = tl.zeros([ROWS, COLS // 8], dtype=tl.int64)
+        for j in tl.static_range(BITS):
+            mask = group * BITS + j < n_bytes
+            byte = tl.load(packed_ptr + group * BITS + j, mask=mask, other=0)
+            word = word | (byte.to(tl.int64) << (8 * j))
+        lane = tl.arange(0, 8).to(tl.int64)
+        code = ((word[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)).to(tl.int32)
+    return tl.reshape(code, [ROWS, COLS])
+
+
+@jit
+def hashed_noise(index, key):
+    """``kernels/compiled.py:uniform_noise`` bit for bit: fp32 noise in [0, 1) with 24 random
+    bits, the lowbias32 hash of uint32 ``index`` and uint32 ``key``. About 10 integer
+    instructions a value where Philox takes about 100, and the twins draw the same noise."""
+    h = index * 0x9E3779B1 + key
+    h = h ^ (h >> 16)
+    h = h * 0x7FEB352D
+    h = h ^ (h >> 15)
+    h = h * 0x846CA68B
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216)
+
+
 @jit
 def store_packed(packed_ptr, group, code, bits, n_bytes):
     """Store ``code`` ([G, 8] integers < 2**bits, bits <= 8) of 8-element groups ``group``."""

@@ -7,7 +7,8 @@ has unit scale per row, which suits any codec) and ``rstd`` in fp32, one value p
 ``y`` instead, which the next linear layers keep anyway (the same storage, so no bytes of its
 own), and rebuild ``x_hat = (y - bias) / weight`` in backward: the input's copy is freed. That is
 exact up to the rounding of ``y`` to the model dtype (fp32: about 1e-7 relative; bf16: one bf16
-ulp of ``x_hat``). A weight with an exact zero cannot be divided by: then ``x_hat`` is kept. The
+ulp of ``x_hat``). ``y`` cannot be divided by a zero weight: the column of the smallest weight
+keeps its ``x_hat`` beside ``y`` (chosen on the device, without a host sync). The
 forward output is the unpatched module's, bit for bit. Neither direction makes a full-size fp32
 copy of a half-precision input: forward works a chunk of rows at a time, and backward runs fused
 Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -63,23 +63,36 @@ def _layer_norm_statistics(x, eps):
     return mean, rstd
 
 
-# id(weight) -> (a weak reference to it, its version, the offset, whether weight + offset has no
-# zero): checked once per weight update, so a GPU pays one sync per norm per optimizer step,
-# not one per forward.
-_NONZERO_CHECKED: dict[int, tuple[weakref.ref, int, float, bool]] = {}
+# Columns whose x_hat a memory-sharing norm keeps beside its output: those of the smallest
+# |weight + offset|, where y / (weight + offset) is undefined (an exact zero) or loses the most.
+# Chosen on the device, so that no step waits for the GPU to say whether a trained weight has
+# turned zero (a check that cost a sync per norm per optimizer step). One column: a zero that
+# training makes is one weight reaching 0.0 exactly; a norm whose weight has more zeros when it
+# is patched (a zero-initialised one) keeps x_hat instead (``shares_output``).
+GUARD_COLUMNS = 1
 
 
-def _divisible(weight: torch.Tensor | None, offset: float = 0.0) -> bool:
-    """Whether no element of ``weight + offset`` (what the output was scaled by) is zero."""
-    if weight is None:
-        return True
-    cached = _NONZERO_CHECKED.get(id(weight))
-    if cached is None or cached[0]() is not weight or cached[1:3] != (weight._version, offset):
-        key = id(weight)
-        reference = weakref.ref(weight, lambda _: _NONZERO_CHECKED.pop(key, None))
-        cached = (reference, weight._version, offset, bool((weight != -offset).all()))
-        _NONZERO_CHECKED[key] = cached
-    return cached[3]
+def shares_output(weight: torch.Tensor | None, offset: float = 0.0) -> bool:
+    """Whether a memory-sharing norm with ``weight`` can rebuild its input from its output: no
+    more zeros in ``weight + offset`` than it keeps guard columns. Read once, when the norm is
+    patched."""
+    if weight is None or type(weight.data) is not torch.Tensor or weight.device.type == "meta":
+        return True  # not readable here (a shard, a meta tensor): the guard column stands
+    with torch.no_grad():
+        return int((weight.detach() == -offset).sum()) <= GUARD_COLUMNS
+
+
+def _guard_columns(weight, offset, x_hat_columns):
+    """The columns of the smallest ``|weight + offset|`` and ``x_hat`` there (``[rows, K]``)."""
+    scale = weight.detach().float() + offset
+    index = torch.topk(scale.abs(), min(GUARD_COLUMNS, scale.numel()), largest=False).indices
+    return index, x_hat_columns(index)
+
+
+def _layer_norm_columns(x, mean, rstd, index):
+    """Columns ``index`` of :func:`_layer_norm_input`, the same arithmetic."""
+    columns = x.reshape(-1, x.shape[-1]).index_select(1, index).float()
+    return ((columns - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)).to(x.dtype)
 
 
 def _x_hat_from_output(y, weight, bias, offset=0.0):
@@ -154,17 +167,17 @@ def _offers_output(state) -> bool:
     )
 
 
-def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, rms=False):
-    """Save what backward needs: ``y`` (memory sharing), else ``x_hat`` packed by the slot's
-    codec, or exact when the norm has no codec (an exact norm whose weight has a zero)."""
+def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False):
+    """Save what backward needs: ``y`` (memory sharing) and the guard columns of ``x_hat``
+    (``x_hat_columns(index)``), else ``x_hat`` packed by the slot's codec, or exact when the
+    norm has no codec."""
     ctx.offset = offset = state.norm_offset
-    # Under torch.compile the zero check (data-dependent) cannot be traced: x_hat is kept.
-    ctx.from_output = (
-        state.norm_from_output and not torch.compiler.is_compiling() and _divisible(weight, offset)
-    )
+    # Under torch.compile x_hat is kept: the trace holds no cache for the shared output.
+    ctx.from_output = state.norm_from_output and not torch.compiler.is_compiling()
     if ctx.from_output:
         ctx.path = state.path
-        ctx.save_for_backward(rstd, weight, bias, y)
+        guard = () if weight is None else _guard_columns(weight, offset, x_hat_columns)
+        ctx.save_for_backward(rstd, weight, bias, y, *guard)
         return
     codec = state.codecs.get("input")
     if codec is None:
@@ -215,7 +228,11 @@ def _saved_x_hat(ctx):
             "ActQConfig(share_norm_outputs=False) (or change a copy of the output)"
         ) from None
     if ctx.from_output:
-        return rstd, weight, _x_hat_from_output(buffers[0], weight, bias, ctx.offset)
+        x_hat = _x_hat_from_output(buffers[0], weight, bias, ctx.offset)
+        if weight is not None:
+            index, columns = buffers[1:]
+            x_hat.view(-1, x_hat.shape[-1]).index_copy_(1, index, columns.to(x_hat.dtype))
+        return rstd, weight, x_hat
     if ctx.header is None:
         return rstd, weight, buffers[0]
     return rstd, weight, ctx.header.with_tensors(buffers).unpack()
@@ -230,7 +247,16 @@ class CompressedLayerNormFunction(torch.autograd.Function):
             # Some backends return half-precision statistics; backward wants fp32 ones.
             mean, rstd = _layer_norm_statistics(x, eps)
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
-        _keep(ctx, state, lambda: _layer_norm_input(x, mean, rstd), y, weight, bias, rstd)
+        _keep(
+            ctx,
+            state,
+            lambda: _layer_norm_input(x, mean, rstd),
+            y,
+            weight,
+            bias,
+            rstd,
+            lambda index: _layer_norm_columns(x, mean, rstd, index),
+        )
         return y
 
     @staticmethod
@@ -270,7 +296,8 @@ class CompressedRMSNormFunction(torch.autograd.Function):
                 normed[rows] = hidden * rstd[rows]
         normed = normed.view(x.shape)
         y = y.view(x.shape) if offset else weight * normed
-        _keep(ctx, state, lambda: normed, y, weight, None, rstd, rms=True)
+        columns = lambda index: normed.reshape(-1, width).index_select(1, index)
+        _keep(ctx, state, lambda: normed, y, weight, None, rstd, columns, rms=True)
         return y
 
     @staticmethod
@@ -337,7 +364,7 @@ class CompressedLayerNorm(nn.LayerNorm):
         self.elementwise_affine = norm.elementwise_affine
         self.weight, self.bias = norm.weight, norm.bias
         state = default_state(nn.LayerNorm.forward.__get__(self), codec, cache, SLOTS)
-        state.norm_from_output = share_output
+        state.norm_from_output = share_output and shares_output(norm.weight)
         set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -380,7 +407,7 @@ class CompressedRMSNorm(nn.Module):
         state = default_state(
             norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm), norm_offset=offset
         )
-        state.norm_from_output = share_output
+        state.norm_from_output = share_output and shares_output(norm.weight, offset)
         set_state(self, state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

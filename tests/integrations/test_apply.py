@@ -751,3 +751,27 @@ def test_modules_bound_again_after_apply_are_named_and_the_callback_warns(tmp_pa
         "first): something bound them after apply (model.use_kernels turned on?); call "
         "hf_actq.revert(model) and apply again"
     ]
+
+
+def test_a_zero_initialised_norm_stays_stock_under_memory_sharing():
+    """A norm whose weight is all zeros when patched (zero-init schemes) cannot rebuild its
+    input from its output: "fewbit" leaves it stock and says why; the others share theirs, and
+    the gradients are those of "fewbit" without sharing, up to rounding."""
+    model, batch = tiny_model("llama"), tiny_batch("llama")
+    zeroed = "model.layers.0.post_attention_layernorm"
+    with torch.no_grad():
+        model.get_submodule(zeroed).weight.zero_()
+    results = {}
+    for share in (False, True):
+        config = ActQConfig.from_recipe("fewbit", share_norm_outputs=share)
+        handle = hf_actq.apply(model, config)
+        if share:
+            assert "more zeros than guard columns" in handle.skipped[zeroed]
+            assert handle.patched["model.layers.0.input_layernorm"].startswith("norm (exact")
+        results[share] = metered_step(model, batch)
+        handle.revert()
+    (forward, grads, _), (shared_forward, shared_grads, _) = results.values()
+    assert torch.equal(shared_forward, forward)
+    for got, want in zip(shared_grads, grads):
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

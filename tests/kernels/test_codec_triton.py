@@ -65,6 +65,25 @@ def test_aq_deterministic_kernel_matches_twin(bits, group, block, dtype):
     assert torch.equal(out, aq_dequantize_reference(*expected, shape, dtype, bits, group, block))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_aq_stochastic_kernel_packs_the_twins_codes_bit_for_bit(bits):
+    """The kernel draws the twin's hashed noise: the same seed gives the same codes, over
+    several tiles and a partial last block and byte."""
+    torch.manual_seed(bits)
+    source = (torch.randn(9001) * 2).to(torch.bfloat16)
+    got = aq_quantize_triton(source, 1, bits, 64, True, 987654)
+    expected = aq_quantize_reference(source, 1, bits, 64, True, 987654)
+    for got_buffer, expected_buffer in zip(got, expected):
+        assert torch.equal(got_buffer, expected_buffer)
+
+
+def test_aq_quantize_keeps_codes_and_metadata_in_one_allocation():
+    mins_storage = aq_quantize_triton(torch.randn(1000), 1, 4, 128, False)
+    pointers = {t.untyped_storage().data_ptr() for t in mins_storage}
+    assert len(pointers) == 1
+    assert mins_storage[0].untyped_storage().nbytes() == 8 * 8 + 500  # 8 blocks, then codes
+
+
 def test_aq_dequantize_partial_groups_and_shapes():
     shape = torch.Size([5, 7, 10])  # last dim not a multiple of the group
     means = 5 * 7 * 3
@@ -102,6 +121,19 @@ def test_blpa_kernel_matches_twin(bits, block, dtype):
     shape = torch.Size([3001])
     out = blpa_dequantize_triton(*expected, shape, dtype, bits, block)
     assert torch.equal(out, blpa_dequantize_reference(*expected, shape, dtype, bits, block))
+
+
+@pytest.mark.parametrize("bits", [3, 4, 7])
+def test_blpa_kernel_matches_twin_over_several_tiles(bits):
+    torch.manual_seed(bits)
+    source = torch.randn(9001).to(torch.float16)  # 3 programs of 4096, a partial last block
+    got = blpa_quantize_triton(source, bits, 32)
+    expected = blpa_quantize_reference(source, bits, 32)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+    shape = torch.Size([9001])
+    out = blpa_dequantize_triton(*expected, shape, torch.float16, bits, 32)
+    assert torch.equal(out, blpa_dequantize_reference(*expected, shape, torch.float16, bits, 32))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.bfloat16])

@@ -160,9 +160,11 @@ def test_memory_sharing_norms_keep_their_output_and_rebuild_the_input(kind, dtyp
     shared = cls(norm, codec=None, share_output=True)
     with SavedTensorMeter(exclude=params) as meter:
         y = shared(x)
-    # The output itself (which the next layer keeps: no bytes of its own) and fp32 rstd per row.
+    # The output itself (which the next layer keeps: no bytes of its own), fp32 rstd per row,
+    # and the guard columns of x_hat with their indices.
     rows = x.numel() // 64
-    assert meter.nbytes == y.numel() * y.element_size() + rows * 4
+    guard = rows * y.element_size() + 8  # one guard column and its index
+    assert meter.nbytes == y.numel() * y.element_size() + rows * 4 + guard
     y, grads = _next_layer_grads(shared, x, *params)
     assert torch.equal(y, stock_y)
     # fp32: rounding only; bf16: x_hat is rebuilt from the bf16 output (about one bf16 ulp).
@@ -172,14 +174,41 @@ def test_memory_sharing_norms_keep_their_output_and_rebuild_the_input(kind, dtyp
         assert error < tolerance, error
 
 
-@pytest.mark.parametrize("kind", ["rms", "gemma"])
-def test_memory_sharing_norm_with_a_zero_weight_keeps_the_input_exactly(kind):
+@pytest.mark.parametrize("kind", ["layer", "rms", "gemma"])
+def test_memory_sharing_norm_whose_weight_turns_zero_in_training_stays_exact(kind):
+    """A zero that appears after patching (an optimizer step): y / w is undefined there, so the
+    column of the smallest |w| keeps its x_hat beside y, chosen on the device (no check that
+    waits for the GPU)."""
+    from hf_actq.ops.norm import GUARD_COLUMNS
+
     norm = _norm_of(kind, 32, torch.float32)
+    x = (3 * torch.randn(6, 32) + 1).requires_grad_()
+    cls = CompressedLayerNorm if kind == "layer" else CompressedRMSNorm
+    shared = cls(norm, codec=None, share_output=True)
+    with torch.no_grad():
+        norm.weight[17] = 0.0 if kind != "gemma" else -1.0
+    params = list(norm.parameters())
+    stock_y, stock_grads = _next_layer_grads(norm, x, *params)
+    with SavedTensorMeter(exclude=params) as meter:
+        y = shared(x)
+    # y (the next layer's), rstd, and x_hat's guard column with its index.
+    assert GUARD_COLUMNS == 1
+    assert meter.nbytes == y.numel() * 4 + 6 * 4 + 6 * 4 + 8
+    y, grads = _next_layer_grads(shared, x, *params)
+    assert torch.equal(y, stock_y)
+    for got, want in zip(grads, stock_grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["rms", "gemma"])
+def test_memory_sharing_norm_patched_with_a_zero_weight_keeps_the_input(kind):
+    """More zeros than guard columns when patched (a zero-initialised norm): x_hat is kept."""
+    norm = _norm_of(kind, 32, torch.float32)
+    with torch.no_grad():
+        norm.weight.fill_(0.0 if kind == "rms" else -1.0)
     x = torch.randn(6, 32, requires_grad=True)
     shared = CompressedRMSNorm(norm, codec=ExactCodec(), share_output=True)
-    with torch.no_grad():
-        # y / w (Gemma: y / (1 + w)) is undefined there; the check sees the new version
-        norm.weight[3] = 0.0 if kind == "rms" else -1.0
     stock_y, stock_grads = _next_layer_grads(norm, x, norm.weight)
     with SavedTensorMeter(exclude=[norm.weight]) as meter:
         shared(x)

@@ -81,16 +81,21 @@ def test_smaq_quantize_kernel_at_its_default_capacity_keeps_its_tile_in_register
 
 
 def test_the_variants_are_every_launchable_kernel_configuration():
-    from aot import FLOAT_TYPES, INDEX_TYPES, variants
+    from aot import FLOAT_TYPES, INDEX_TYPES, codec_shapes, variants
 
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit import ACTIVATIONS
     from hf_actq.kernels.fewbit import CODE_MODES
 
+    shapes = codec_shapes(BLOCK_SIZES)
+    assert {bits for bits, group, _ in shapes if group == 1} == set(range(1, 9))
+    assert {group for _, group, _ in shapes} == {1, 2, 4, 8, 16}
     # fewbit forward with its output (per activation) and codes only (per code mode), fewbit
-    # backward, seeded dropout, aq and blpa, smaq
-    per_float_type = len(ACTIVATIONS) + len(CODE_MODES) + 2 + 2 * len(BLOCK_SIZES) + 2
+    # backward, seeded dropout; aq quantize (deterministic and stochastic) and dequantize per
+    # codec shape, blpa's two per shape of group 1; smaq
+    per_float_type = len(ACTIVATIONS) + len(CODE_MODES) + 2
+    per_float_type += 3 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
     # from 1 to block // 4 bytes)
     per_float_type += sum(1 + (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
@@ -129,3 +134,54 @@ def test_all_kernel_variants_compile_for_sm80_and_sm90(tmp_path):
     assert len(results) == 2 * len(variants())
     labels = {r["variant"] for r in results}
     assert any("fewbit_backward_kernel" in label and "bf16" in label for label in labels)
+
+
+GATE_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+import triton.language as tl
+from aot import _variant, compile_kernel
+
+@triton.jit
+def aq_quantize_kernel(src_ptr, out_ptr, n_elements, width, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # A runtime divisor, as the kernels before the redesign indexed their blocks.
+    row = offsets // width
+    tl.store(out_ptr + offsets, tl.load(src_ptr + row, mask=offsets < n_elements))
+
+signature = {"src_ptr": "*bf16", "out_ptr": "*bf16", "n_elements": "i32", "width": "i32"}
+variant = _variant("probe", "aq_quantize_kernel", signature, {"BLOCK": 1024})
+print(json.dumps(compile_kernel(aq_quantize_kernel, variant, 90)))
+"""
+
+
+def test_the_bandwidth_gate_fails_a_kernel_that_divides_and_gathers(tmp_path):
+    """What the gate looks for is there to find: a kernel that gathers its float input by a
+    runtime division (the old kernels' indexing) compiled as a bandwidth kernel is flagged
+    twice."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    probe = tmp_path / "probe.py"
+    probe.write_text(GATE_PROBE)
+    proc = subprocess.run(
+        [sys.executable, str(probe), str(TOOLS)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["integer_divisions"] > 0
+    assert any("integer divisions" in problem for problem in result["problems"])
+    assert any("scalar accesses" in problem for problem in result["problems"])
+
+
+def test_the_codec_kernels_stream(tmp_path):
+    """AQ's bf16 pack and unpack kernels at every width (other types and kernels: the slow
+    tests' full compiles): no software
+    division, 128-bit accesses to the float tensor, no stack (aot.py fails them otherwise)."""
+    from aot import BANDWIDTH_KERNELS
+
+    results = _compile(tmp_path, "--match", "GROUP=1 BLOCK=128", "n_means:i32", "bf16")
+    kernels = {r["kernel"] for r in results}
+    assert kernels == {"aq_quantize_kernel", "aq_dequantize_kernel"}
+    assert all(not r["problems"] for r in results)
+    assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)

@@ -1,0 +1,130 @@
+"""What each pack, unpack, compressed op and training step asks of the host, counted on the CPU
+with the Triton kernels stubbed (``hf_actq.testing.host_budget``): deterministic counts, not
+timings. On a GPU each launch costs the host several microseconds and each read of a device value
+(``.item()``, ``bool(tensor)``) waits for the device; the first H200 run found a MiniLM-sized
+step bound by exactly these (gpu-speed-review.md, section 3)."""
+
+import pytest
+import torch
+from torch import nn
+
+import hf_actq
+from hf_actq import ActQConfig
+from hf_actq.codecs import AverageQuantCodec, MaskCodec, SignPreservingCodec
+from hf_actq.ops import FewBitActivation
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.linear import CompressedLinear
+from hf_actq.testing import host_budget, stock_checkpointing, tiny_batch, tiny_model
+
+pytest.importorskip("triton")
+
+CODECS = {
+    "uniform 4-bit": AverageQuantCodec(4, 1),
+    "uniform 3-bit": AverageQuantCodec(3, 1, block_size=64),
+    "AQ 0.5-bit": AverageQuantCodec(2, 4),
+    "BLPA 4-bit": SignPreservingCodec(4),
+    "mask": MaskCodec(),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(CODECS))
+def test_a_pack_and_an_unpack_are_one_launch_and_one_allocation_each(name, dtype):
+    codec = CODECS[name]
+    x = torch.randn(96, 512).to(dtype)
+    with host_budget() as pack:
+        packed = codec.pack(x)
+    with host_budget() as unpack:
+        codec.unpack(packed)
+    for budget in (pack, unpack):
+        assert sum(budget.triton_launches.values()) == 1, budget
+        assert budget.device_ops == 0 and budget.allocations == 1, budget
+        assert budget.host_reads == 0, budget
+    # Stochastic rounding still draws its seed on the host (not a device read).
+    assert pack.seeds == int(codec.uses_rng)
+
+
+def _fwd_bwd(module, x):
+    module(x).sum().backward()  # the first call compiles nothing but warms the caches
+    with host_budget() as budget:
+        module(x).sum().backward()
+    return budget
+
+
+def test_a_compressed_linear_launches_its_pack_and_unpack_beside_the_stock_ops():
+    x = torch.randn(64, 256, requires_grad=True)
+    linear = nn.Linear(256, 128)
+    stock = _fwd_bwd(linear, x)
+    ours = _fwd_bwd(CompressedLinear(linear, codec=AverageQuantCodec(4, 1), cache=PackCache()), x)
+    assert ours.triton_launches == {"aq_quantize_kernel": 1, "aq_dequantize_kernel": 1}
+    assert ours.device_ops <= stock.device_ops
+    assert ours.allocations <= stock.allocations + 2  # the packed buffer, the unpacked input
+    assert ours.host_reads == stock.host_reads == 0
+
+
+def test_a_few_bit_activation_is_one_launch_each_way():
+    x = torch.randn(64, 256, requires_grad=True)
+    stock = _fwd_bwd(nn.GELU(), x)
+    ours = _fwd_bwd(FewBitActivation("gelu", bits=3), x)
+    assert ours.triton_launches == {"fewbit_forward_kernel": 1, "fewbit_backward_kernel": 1}
+    # Beside the kernels: torch's GELU itself (the forward stays bit-identical to it) and the
+    # NaN flag's memset; the fused forward that writes y and the codes in one pass is to come.
+    assert ours.device_ops <= stock.device_ops + 1
+    assert ours.host_reads == 0
+
+
+def _step_budget(model, batch, config=None, checkpointing=False):
+    if config is not None:
+        hf_actq.apply(model, config)
+    if checkpointing:
+        stock_checkpointing(model)
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+
+    def step():
+        model(**batch).loss.backward()
+        optimizer.step()  # a new weight version: what made every trained exact norm sync
+        optimizer.zero_grad()
+
+    step()
+    with host_budget() as budget:
+        step()
+    return budget
+
+
+# A training step's launches beyond the unpatched step's: Triton kernels, and other device ops
+# (bounds from the counts of 2026-12-05; a change that adds launches must raise them knowingly).
+STEP_BUDGETS = {
+    # model, recipe: (Triton launches, extra device ops)
+    ("bert", "fewbit"): (14, 50),
+    ("bert", "uniform"): (56, 50),
+    ("bert", "checkpoint"): (12, 30),
+    ("llama-lora", "fewbit"): (12, 10),
+    ("llama-lora", "uniform"): (96, 30),
+    ("llama-lora", "checkpoint"): (8, 180),
+}
+
+
+def _model(name):
+    if name == "bert":
+        return tiny_model("bert"), tiny_batch("bert")
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = tiny_model("llama").to(torch.bfloat16)
+    return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")), tiny_batch("llama")
+
+
+@pytest.mark.parametrize("model_name,recipe", list(STEP_BUDGETS))
+def test_a_patched_training_step_reads_nothing_from_the_device(model_name, recipe):
+    """No ``.item()`` or ``bool(tensor)`` of ours in a step: the host never waits for the GPU
+    (the unpatched step's reads are the optimizer's CPU step counters and transformers' own), and
+    the launches stay within their budget."""
+    checkpointing = recipe == "checkpoint"  # against stock checkpointing, which it replaces
+    stock = _step_budget(*_model(model_name), checkpointing=checkpointing)
+    model, batch = _model(model_name)
+    ours = _step_budget(model, batch, ActQConfig.from_recipe(recipe))
+    assert ours.host_reads == stock.host_reads, (ours, stock)
+    triton_budget, extra_ops = STEP_BUDGETS[model_name, recipe]
+    assert sum(ours.triton_launches.values()) <= triton_budget, ours.triton_launches
+    assert ours.device_ops <= stock.device_ops + extra_ops, (ours.device_ops, stock.device_ops)
