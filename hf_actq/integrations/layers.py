@@ -17,12 +17,17 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from hf_actq.codecs.packed import Codec, ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.integrations.patching import bind_forward, gather_with_module
+from hf_actq.integrations.patching import (
+    bind_forward,
+    gather_with_module,
+    set_instance_attribute,
+)
 from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.dropout import CompressedDropout
@@ -43,7 +48,7 @@ from hf_actq.ops.norm import (
     rms_norm_offset,
     shares_output,
 )
-from hf_actq.ops.state import OpState
+from hf_actq.ops.state import STATE, OpState, state_of
 
 # torch's ReLU, tanh and sigmoid keep their *output*. ReLU's 1-bit code is exact, so it replaces
 # that output wherever nothing else keeps it: where the next linear keeps a compressed copy, but
@@ -64,6 +69,40 @@ def _never_called(model: nn.Module) -> dict[nn.Module, str]:
             for child in (*module.lora_A.values(), *module.lora_B.values()):
                 found[child] = "PEFT's ParamWrapper reads this weight directly (never called)"
     return found
+
+
+def _lora_layers(model: nn.Module):
+    """PEFT's LoRA layers that call their adapters as modules on a cast of their input."""
+    for module in model.modules():
+        lora_a = getattr(module, "lora_A", None)
+        if (
+            isinstance(lora_a, nn.ModuleDict)
+            and hasattr(type(module), "_cast_input_dtype")
+            and type(module).__name__ != "ParamWrapper"
+        ):
+            yield module
+
+
+def _share_lora_inputs(model: nn.Module, cache: PackCache, handle) -> None:
+    """Under PEFT's fp32 adapters on a half-precision model, each LoRA layer casts its input for
+    each adapter, and ``lora_dropout`` makes a new tensor of it: every ``lora_A`` would pack its
+    own fp32 copy (q, k and v three of one input), none of them the norm's offered output. Both
+    steps are told to the pack cache instead (:meth:`PackCache.alias`), so ``lora_A`` keeps
+    the input in its own dtype, shared, and rebuilds the cast and the dropout from it."""
+    for layer in _lora_layers(model):
+        cast = functools.partial(cast_input_sharing_pack, layer, cache)
+        set_instance_attribute(layer, "_cast_input_dtype", cast, handle)
+        for dropout in getattr(layer, "lora_dropout", {}).values():
+            if STATE in dropout.__dict__:
+                state_of(dropout).offer_output = True
+
+
+def cast_input_sharing_pack(layer: nn.Module, cache: PackCache, x, dtype):
+    """PEFT's ``_cast_input_dtype``, telling ``cache`` that the cast is ``x``'s."""
+    cast = type(layer)._cast_input_dtype(layer, x, dtype)
+    if cast is not x and isinstance(x, torch.Tensor) and torch.is_grad_enabled():
+        cache.alias(cast, x)
+    return cast
 
 
 @dataclass
@@ -274,6 +313,8 @@ def patch_layers(
                 claimed.update(id(m) for m in found.claims)
             claimed.update(id(m) for m in found.leaves_alone)
             break
+    if config.linear:
+        _share_lora_inputs(model, cache, handle)
 
 
 def _bind(module, path: str, patch: Patch, walk: Walk, cache: PackCache, handle) -> bool:

@@ -112,6 +112,13 @@ def gather_with_module(module: nn.Module, handle) -> None:
     module.__dict__[ZERO3_LEAF] = True
 
 
+def set_instance_attribute(module: nn.Module, name: str, value, handle) -> None:
+    """``module.__dict__[name] = value``, undone with the handle."""
+    previous = module.__dict__.get(name, MISSING)
+    handle.record(undo=functools.partial(_restore_attribute, module, name, previous))
+    module.__dict__[name] = value
+
+
 def _restore_attribute(module: nn.Module, name: str, previous) -> None:
     if previous is MISSING:
         module.__dict__.pop(name, None)

@@ -235,9 +235,11 @@ def aq_dequantize_kernel(
     if GROUP == 1:
         tl.store(out + local, value, mask=valid)
     else:
-        element = local[:, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
+        # Written as rows of BLOCK * GROUP contiguous elements: vector stores.
         repeated = tl.broadcast_to(value[:, :, None], [ROWS, BLOCK, GROUP])
-        tl.store(out + element, repeated, mask=valid[:, :, None])
+        repeated = tl.reshape(repeated, [ROWS, BLOCK * GROUP])
+        element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
+        tl.store(out + element, repeated, mask=element < count * GROUP)
 
 
 def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):

@@ -79,10 +79,86 @@ def _anchor(x: torch.Tensor, key: tuple) -> weakref.ref:
     return weakref.ref(x) if len(key) == 1 else weakref.ref(x.untyped_storage())
 
 
+@dataclass(frozen=True)
+class _Alias:
+    """A tensor made from another one by a step whose result need not be packed on its own: a
+    dtype cast, or a seeded dropout (``seed`` is the dropout's saved seed tensor)."""
+
+    storage: weakref.ref  # of the derived tensor's storage (see _anchor)
+    version: int
+    source: weakref.ref  # the tensor it was made from
+    source_version: int
+    p: float = 0.0  # dropout probability; 0: a cast
+    seed: torch.Tensor | None = None
+
+    def resolve(self, x: torch.Tensor) -> torch.Tensor | None:
+        source = self.source()
+        if self.storage() is None or self.version != x._version or source is None:
+            return None
+        return source if source._version == self.source_version else None
+
+
+@dataclass(frozen=True)
+class DerivedPacked(Packed):
+    """A tensor rebuilt from its source's packed form: cast to its dtype, and with a seeded
+    dropout the very mask it was made with. ``tensors`` are the source's buffers, then the
+    dropout's seed tensor (the one the dropout itself keeps: no bytes of its own)."""
+
+    source: Packed | None = None  # without its tensors
+    p: float = 0.0
+
+    @property
+    def _split(self) -> int:
+        return len(self.tensors) - (self.p > 0)
+
+    def unpack(self) -> torch.Tensor:
+        from hf_actq.kernels import seeded_dropout
+
+        value = self.source.with_tensors(self.tensors[: self._split]).unpack().to(self.dtype)
+        if self.p > 0:
+            value = seeded_dropout(value, self.p, int(self.tensors[-1].item()))
+        return value
+
+
 class PackCache:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}
+        self._aliases: dict[tuple, _Alias] = {}
         self._purge_at = 64
+
+    def alias(
+        self,
+        derived: torch.Tensor,
+        source: torch.Tensor,
+        p: float = 0.0,
+        seed: torch.Tensor | None = None,
+    ) -> None:
+        """Let ``pack(derived)`` pack ``source`` instead, while both are alive and unchanged:
+        ``derived`` is ``source`` cast to another dtype (PEFT's fp32 adapters on a bf16 model
+        cast the input once per adapter), or with ``p`` the seeded dropout of it whose seed is
+        ``seed``. The consumers of one input (q/k/v's, gate/up's LoRA A) then share one pack of
+        it in its own dtype, or the norm's offered output, instead of each packing its copy."""
+        if derived.is_inference() or source.is_inference():
+            return
+        key = _where(derived)
+        self._aliases[key] = _Alias(
+            _anchor(derived, key), derived._version, weakref.ref(source), source._version, p, seed
+        )
+        if len(self._aliases) >= self._purge_at:
+            self._purge()
+
+    def _resolved(self, x: torch.Tensor) -> tuple[torch.Tensor, _Alias | None]:
+        """The tensor ``x`` was derived from, through casts and at most one dropout (PEFT: a
+        cast, then the adapter's dropout), and that dropout."""
+        dropout = None
+        for _ in range(4):
+            found = self._aliases.get(_where(x))
+            source = found.resolve(x) if found is not None else None
+            if source is None or (found.p > 0 and dropout is not None):
+                break
+            dropout = found if found.p > 0 else dropout
+            x = source
+        return x, dropout
 
     def pack(
         self, x: torch.Tensor, codec: Codec, slot: str | None = None, linear_input: bool = False
@@ -97,6 +173,11 @@ class PackCache:
             if slot is not None and linear_input:
                 slot = sharing_group(slot)
             return traced_pack(x, codec, slot)
+        if self._aliases and not x.is_inference():
+            source, dropout = self._resolved(x)
+            if source is not x:
+                packed = self.pack(source, codec, slot, linear_input)
+                return self._derived(packed, x, dropout)
         seed = None
         if codec.uses_rng:
             seed = seed_override(slot)
@@ -144,6 +225,14 @@ class PackCache:
         )
 
     @staticmethod
+    def _derived(packed: Packed, x: torch.Tensor, dropout: _Alias | None) -> Packed:
+        """``x`` rebuilt from ``packed`` (its source's form), through ``dropout`` if any."""
+        p, extra = (dropout.p, (dropout.seed,)) if dropout is not None else (0.0, ())
+        return DerivedPacked(
+            packed.codec, x.shape, x.dtype, (*packed.tensors, *extra), packed.with_tensors(()), p
+        )
+
+    @staticmethod
     def _packed(watcher, slot, x, codec, seed) -> Packed:
         packed = codec.pack(x, seed)
         if watcher is not None:
@@ -154,7 +243,12 @@ class PackCache:
         for key, entry in list(self._entries.items()):
             if not entry.alive and self._entries.get(key) is entry:
                 del self._entries[key]
-        self._purge_at = max(64, 2 * len(self._entries))
+        for key, alias in list(self._aliases.items()):
+            if (alias.storage() is None or alias.source() is None) and (
+                self._aliases.get(key) is alias
+            ):
+                del self._aliases[key]
+        self._purge_at = max(64, 2 * max(len(self._entries), len(self._aliases)))
 
     def __len__(self) -> int:
         """Entries that could still be reused."""

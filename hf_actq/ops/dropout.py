@@ -31,12 +31,12 @@ def _dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
 
 class CompressedDropoutFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, p, mode):
-        seed = draw_seed()
+    def forward(ctx, x, p, mode, seed_tensor):
+        seed = int(seed_tensor.item())  # a CPU tensor: no device read
         ctx.p, ctx.mode, ctx.shape = p, mode, x.shape
         if mode == "seed":
             # On a GPU the kernel draws each element's decision from the seed: no mask exists.
-            ctx.save_for_backward(torch.tensor([seed], dtype=torch.int64, device="cpu"))
+            ctx.save_for_backward(seed_tensor)
             return seeded_dropout(x, p, seed)
         keep = keep_mask(x.shape, p, seed, x.device)
         ctx.save_for_backward(mask_pack(keep))
@@ -47,9 +47,9 @@ class CompressedDropoutFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         (saved,) = ctx.saved_tensors
         if ctx.mode == "seed":
-            return seeded_dropout(grad_y, ctx.p, int(saved.item())), None, None
+            return seeded_dropout(grad_y, ctx.p, int(saved.item())), None, None, None
         keep = mask_unpack(saved, ctx.shape, torch.bool)
-        return _dropped(grad_y, keep, ctx.p), None, None
+        return _dropped(grad_y, keep, ctx.p), None, None, None
 
 
 class CompressedDropout(nn.Dropout):
@@ -74,12 +74,24 @@ class CompressedDropout(nn.Dropout):
             # Under torch.compile the seed cannot be read in the trace: stock dropout, whose
             # mask the compiler keeps (or regenerates, on CUDA) as it chooses.
             return state_of(self).plain(x)
+        state = state_of(self)
         if not wants_backward(self, x):
             # What the Function would compute, from the same single seed draw.
-            if state_of(self).dropout_mode == "seed":
-                return seeded_dropout(x, self.p, draw_seed())
-            return _dropped(x, keep_mask(x.shape, self.p, draw_seed(), x.device), self.p)
-        return CompressedDropoutFunction.apply(x, float(self.p), state_of(self).dropout_mode)
+            if state.dropout_mode != "seed":
+                return _dropped(x, keep_mask(x.shape, self.p, draw_seed(), x.device), self.p)
+            seed = draw_seed()
+            y = seeded_dropout(x, self.p, seed)
+            if state.offer_output and torch.is_grad_enabled():  # the input of a trained lora_A
+                seed_tensor = torch.tensor([seed], dtype=torch.int64, device="cpu")
+                state.cache.alias(y, x, float(self.p), seed_tensor)
+            return y
+        seed = torch.tensor([draw_seed()], dtype=torch.int64, device="cpu")
+        y = CompressedDropoutFunction.apply(x, float(self.p), state.dropout_mode, seed)
+        if state.offer_output and state.dropout_mode == "seed":
+            # PEFT's LoRA dropout: its consumer (lora_A) packs the input instead, shared with
+            # the other adapters of that input, and rebuilds the output with this seed.
+            state.cache.alias(y, x, float(self.p), seed)
+        return y
 
     def extra_repr(self) -> str:
         return f"p={self.p}, mode={self.mode!r}"

@@ -134,3 +134,34 @@ def test_a_rerun_selects_what_did_not_pass_before(tmp_path):
         "".join(json.dumps({"test": t, "outcome": o}) + "\n" for t, o in zip(listed, outcomes))
     )
     assert check._not_passed(selection, {}, earlier) == listed[2:]
+
+
+def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path):
+    """benchmarks/gpu/speed.sh on the CPU (--dry-run, kernels only): each tree's hf_actq is the
+    one timed, and speed.md sets them side by side."""
+    import shutil
+
+    pytest.importorskip("triton")
+    baseline = tmp_path / "baseline"
+    shutil.copytree(ROOT / "hf_actq", baseline / "hf_actq")
+    (baseline / "COMMIT").write_text("base000\n")
+    env = dict(os.environ, OUT=str(tmp_path / "out"), BASELINE=str(baseline), ROUNDS="1")
+    env["PYTHON"] = sys.executable
+    done = subprocess.run(
+        ["bash", "benchmarks/gpu/speed.sh", "--dry-run", "--no-steps"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = {
+        label: json.loads((tmp_path / "out" / f"speed-{label}-1.json").read_text())
+        for label in ("new", "base")
+    }
+    assert runs["new"]["hf_actq"] == str(ROOT / "hf_actq")
+    assert runs["base"]["hf_actq"] == str(baseline / "hf_actq")
+    assert runs["base"]["commit"] == "base000"
+    for data in runs.values():
+        cases = {row["case"] for row in data["kernels"]}
+        assert {"few-bit gelu 3-bit fwd+bwd", "uniform 4-bit pack+unpack"} <= cases
+        assert all(row["device us"] > 0 and row["host us"] > 0 for row in data["kernels"])
+    table = (tmp_path / "out" / "speed.md").read_text()
+    assert "| uniform 4-bit pack+unpack | fp32 |" in table and "nan" not in table

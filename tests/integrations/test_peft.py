@@ -1,8 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 import hf_actq
-from hf_actq import SavedTensorMeter
+from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.testing import tiny_llama
 
 peft = pytest.importorskip("peft")
@@ -129,3 +131,86 @@ def test_callback_patches_a_peft_model_and_trains_as_well_as_unpatched(tmp_path)
     assert patched[0] == pytest.approx(unpatched[0], rel=1e-6)
     drop = unpatched[0] - unpatched[-1]
     assert drop > 0.15 and abs(patched[-1] - unpatched[-1]) < 0.1 * drop
+
+
+def _bf16_lora(dropout: float):
+    """A bf16 model whose LoRA adapters PEFT keeps in fp32: each adapter casts its input."""
+    torch.manual_seed(0)
+    model = _llama().to(torch.bfloat16)
+    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout)
+    return peft.get_peft_model(model, config)
+
+
+# Every slot exact but the LoRA inputs' own: what changes is only where they come from.
+_EXACT = ActQConfig(
+    bits=8, activations=False, norm=False, gated_mlp=False, attention=False, fused_loss=False
+)
+_EXACT_LORA = {"re:lora_[AB]": {"codec": "exact"}}
+
+
+def _exact_step(model, ids):
+    model.train()
+    torch.manual_seed(3)  # the dropouts' seeds
+    return _step(model, ids)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_lora_adapters_of_one_input_keep_it_once_in_the_models_dtype(dropout, monkeypatch):
+    """PEFT casts a bf16 input to each fp32 adapter's dtype, and drops out the cast: q, k and v's
+    lora_A would each keep their own fp32 copy. The cast and the dropout are rebuilt from one
+    kept bf16 input instead: the same gradients (exact slots), fewer bytes."""
+    import hf_actq.integrations.layers as layers
+
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    config = dataclasses.replace(_EXACT, slots=_EXACT_LORA)
+    model = _bf16_lora(dropout)
+    handle = hf_actq.apply(model, config)
+    grads, nbytes = _exact_step(model, ids)
+    handle.revert()
+    with monkeypatch.context() as patch:
+        patch.setattr(layers, "_share_lora_inputs", lambda *args: None)
+        handle = hf_actq.apply(model, config)
+        unshared_grads, unshared_bytes = _exact_step(model, ids)
+        handle.revert()
+    for got, want in zip(grads, unshared_grads):
+        assert torch.equal(got, want)
+    # q, k, v: one bf16 input kept, not three fp32 ones.
+    assert nbytes < 0.7 * unshared_bytes, (nbytes, unshared_bytes)
+    if dropout == 0.0:  # against the stock model, whose dropout draws other masks
+        stock_grads, stock_bytes = _exact_step(model, ids)
+        assert nbytes < stock_bytes
+        # bf16 backward through the frozen base layers: rounding apart, the same gradients.
+        for got, want in zip(grads, stock_grads):
+            assert (got - want).norm() <= 2e-2 * want.norm()
+
+
+def test_lora_adapters_take_the_norms_packed_output():
+    """With compressed norms, q/k/v's and gate/up's lora_A take the norm's packed output
+    (offered) through PEFT's cast: the step packs no input of theirs."""
+    from hf_actq.ops import dedup
+
+    packed_slots = []
+    original = dedup.PackCache._packed
+
+    def logged(watcher, slot, x, codec, seed):
+        packed_slots.append(slot)
+        return original(watcher, slot, x, codec, seed)
+
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _bf16_lora(0.05)
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+    model.train()
+    dedup.PackCache._packed = staticmethod(logged)
+    try:
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        dedup.PackCache._packed = staticmethod(original)
+    lora_a = [slot for slot in packed_slots if ".lora_A." in slot]
+    # Layer 0's norm reads the frozen embeddings (nothing to offer): q_proj packs, k and v share.
+    assert lora_a == [
+        "model.layers.0.self_attn.q_proj.lora_A.default:input",
+        "model.layers.0.self_attn.o_proj.lora_A.default:input",
+        "model.layers.0.mlp.down_proj.lora_A.default:input",
+        "model.layers.1.self_attn.o_proj.lora_A.default:input",
+        "model.layers.1.mlp.down_proj.lora_A.default:input",
+    ], lora_a
