@@ -16,9 +16,9 @@ import from ``tests/``.
   few logged steps on the CPU, as the multi-process ``Trainer`` tests run them.
 - ``stock_checkpointing`` and ``checkpointing_argument``: transformers' own activation
   checkpointing, under its name in the installed version.
-- ``host_budget``: what a piece of code asks of the host, counted on the CPU with the Triton
-  kernels stubbed: kernel launches, other device ops, allocations, seeds and host reads (the
-  budget tests and ``benchmarks/bench_host.py``).
+- ``host_budget`` and ``stubbed_kernels``: what a piece of code asks of the host, on the CPU
+  with the Triton kernels stubbed: kernel launches, other device ops, allocations, seeds and
+  host reads (the budget tests), and host time (``benchmarks/bench_host.py``).
 """
 
 import collections
@@ -559,17 +559,13 @@ class HostBudget:
 
 
 @contextlib.contextmanager
-def host_budget():
-    """Count what the code in the block asks of the host, on the CPU, with every hf_actq Triton
-    kernel replaced by a stub that only counts its launches (CPU tensors take the path CUDA
-    tensors take, so launchers, allocations and dispatch run as on a GPU; the outputs are
-    garbage). Yields a :class:`HostBudget`, filled when the block ends. Seeds are drawn as a
-    counter (``draw_seed``'s own ``.item()`` is a CPU read, not a sync), so ``host_reads``
-    counts the reads that would wait for a GPU.
-    """
+def stubbed_kernels():
+    """CPU tensors take the path CUDA tensors take, with every hf_actq Triton kernel replaced by
+    a stub that only counts its launches (the outputs are garbage), and seeds drawn as a
+    counter: launchers, allocations and dispatch run as on a GPU, in no time on the device's
+    side. Yields ``(launches, seeds)``: a Counter of kernel name -> launches and a one-item list
+    holding the seeds drawn."""
     import pkgutil
-
-    from torch.profiler import ProfilerActivity, profile
 
     import hf_actq.kernels
     from hf_actq.kernels.registry import kernels_on_cpu
@@ -600,13 +596,26 @@ def host_budget():
     for name, module in list(sys.modules.items()):
         if name.startswith("hf_actq") and getattr(module, "draw_seed", None) is not None:
             patches.append(mock.patch.object(module, "draw_seed", draw_seed))
-    budget = HostBudget(launches, 0, 0, 0, 0)
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
         stack.enter_context(kernels_on_cpu())
-        prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU]))
-        yield budget
+        yield launches, seeds
+
+
+@contextlib.contextmanager
+def host_budget():
+    """Count what the code in the block asks of the host, on the CPU, under
+    :func:`stubbed_kernels`. Yields a :class:`HostBudget`, filled when the block ends. Seeds are
+    drawn as a counter (``draw_seed``'s own ``.item()`` is a CPU read, not a sync), so
+    ``host_reads`` counts the reads that would wait for a GPU.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with stubbed_kernels() as (launches, seeds):
+        budget = HostBudget(launches, 0, 0, 0, 0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            yield budget
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     budget.allocations = sum(e.name in ("aten::empty", "aten::empty_strided") for e in events)
     budget.host_reads = sum(e.name == "aten::_local_scalar_dense" for e in events)

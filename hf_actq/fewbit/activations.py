@@ -246,46 +246,115 @@ def resolve_params(spec: ActivationSpec, params: dict[str, float]) -> dict[str, 
 
 def activation_of(module) -> tuple[str, dict[str, float]] | None:
     """``(name, params)`` of an activation module (transformers' ACT2CLS classes and torch.nn
-    activations), or None when it is not a supported pointwise activation."""
+    activations), or None when it is not a supported pointwise activation. A subclass counts as
+    its base only where it keeps the base's forward and what that forward calls (a scaled or
+    clipped GELU is another function: None)."""
     import functools
 
     from torch import nn
     from transformers import activations as hf
 
-    if isinstance(module, nn.GELU):
+    base = _base_activation_class(module)
+    if base is None:
+        return None
+    if base is nn.GELU:
         return ("gelu" if module.approximate == "none" else "gelu_tanh"), {}
-    if isinstance(module, hf.GELUActivation):
-        return ("gelu" if module.act is F.gelu else "gelu_python"), {}
-    if isinstance(module, hf.GELUTanh):
-        return (
-            "gelu_tanh" if isinstance(module.act, functools.partial) else "gelu_python_tanh"
-        ), {}
-    with_params = {
-        nn.LeakyReLU: ("leaky_relu", ("negative_slope",)),
-        nn.ELU: ("elu", ("alpha",)),
-        nn.CELU: ("celu", ("alpha",)),
-        nn.Softplus: ("softplus", ("beta", "threshold")),
-        nn.Hardtanh: ("hardtanh", ("min_val", "max_val")),
-    }
-    if type(module) in with_params:
-        name, keys = with_params[type(module)]
+    if base is hf.GELUActivation:
+        act = module.act
+        if act is F.gelu:
+            return "gelu", {}
+        if getattr(act, "__func__", None) is hf.GELUActivation._gelu_python:
+            return "gelu_python", {}
+        return None
+    if base is hf.GELUTanh:
+        act = module.act
+        if (
+            isinstance(act, functools.partial)
+            and act.func is F.gelu
+            and not act.args
+            and act.keywords == {"approximate": "tanh"}
+        ):
+            return "gelu_tanh", {}
+        if getattr(act, "__func__", None) is hf.GELUTanh._gelu_tanh_python:
+            return "gelu_python_tanh", {}
+        return None
+    if base in _WITH_PARAMS:
+        name, keys = _WITH_PARAMS[base]
         return name, {key: float(getattr(module, key)) for key in keys}
-    by_class = {
-        hf.NewGELUActivation: "gelu_new",
-        hf.FastGELUActivation: "gelu_fast",
-        hf.AccurateGELUActivation: "gelu_accurate",
-        hf.QuickGELUActivation: "quick_gelu",
-        hf.SiLUActivation: "silu",
-        hf.MishActivation: "mish",
-        nn.SiLU: "silu",
-        nn.ReLU: "relu",
-        nn.ReLU6: "relu6",
-        nn.Sigmoid: "sigmoid",
-        nn.Tanh: "tanh",
-        nn.SELU: "selu",
-        nn.Mish: "mish",
-        nn.Hardswish: "hardswish",
-        nn.Hardsigmoid: "hardsigmoid",
-    }
-    name = by_class.get(type(module))
-    return (name, {}) if name else None
+    return _BY_CLASS[base], {}
+
+
+def _base_activation_class(module) -> type | None:
+    """The supported activation class ``module`` is, or derives from without its own forward
+    (or any other method of its own but ``__init__`` and ``extra_repr``); None otherwise."""
+    _fill_class_tables()
+    cls = type(module)
+    for base in cls.__mro__:
+        if base in _KNOWN_CLASSES:
+            break
+    else:
+        return None
+    for klass in cls.__mro__:
+        if klass is base:
+            return base
+        own = {
+            name
+            for name, value in vars(klass).items()
+            if callable(value) and name not in ("__init__", "extra_repr")
+        }
+        if own:
+            return None
+    return base
+
+
+def activation_subclass(module) -> str | None:
+    """The supported activation class ``module`` subclasses with a forward of its own (which
+    hf_actq leaves stock), or None."""
+    _fill_class_tables()
+    for base in type(module).__mro__[1:]:
+        if base in _KNOWN_CLASSES:
+            return None if activation_of(module) is not None else base.__name__
+    return None
+
+
+_WITH_PARAMS: dict = {}
+_BY_CLASS: dict = {}
+_KNOWN_CLASSES: set = set()
+
+
+def _fill_class_tables() -> None:
+    # Filled on first use: transformers is imported lazily.
+    if _KNOWN_CLASSES:
+        return
+    from torch import nn
+    from transformers import activations as hf
+
+    _WITH_PARAMS.update(
+        {
+            nn.LeakyReLU: ("leaky_relu", ("negative_slope",)),
+            nn.ELU: ("elu", ("alpha",)),
+            nn.CELU: ("celu", ("alpha",)),
+            nn.Softplus: ("softplus", ("beta", "threshold")),
+            nn.Hardtanh: ("hardtanh", ("min_val", "max_val")),
+        }
+    )
+    _BY_CLASS.update(
+        {
+            hf.NewGELUActivation: "gelu_new",
+            hf.FastGELUActivation: "gelu_fast",
+            hf.AccurateGELUActivation: "gelu_accurate",
+            hf.QuickGELUActivation: "quick_gelu",
+            hf.SiLUActivation: "silu",
+            hf.MishActivation: "mish",
+            nn.SiLU: "silu",
+            nn.ReLU: "relu",
+            nn.ReLU6: "relu6",
+            nn.Sigmoid: "sigmoid",
+            nn.Tanh: "tanh",
+            nn.SELU: "selu",
+            nn.Mish: "mish",
+            nn.Hardswish: "hardswish",
+            nn.Hardsigmoid: "hardsigmoid",
+        }
+    )
+    _KNOWN_CLASSES.update({nn.GELU, hf.GELUActivation, hf.GELUTanh, *_WITH_PARAMS, *_BY_CLASS})

@@ -12,6 +12,9 @@ labels) and for heads it cannot read exactly (a head that is not a plain ``nn.Li
 LoRA-adapted or 4-bit head; a head with an accelerate hook, which may move or load its weight;
 a loss other than transformers' ``ForCausalLMLoss``: a custom ``loss_type`` or
 ``loss_function``; a head with torch hooks, which must run), the stock forward runs unchanged.
+A mixture of experts' load-balancing loss (``output_router_logits``) is added as the stock
+forward adds it, by the model's own ``load_balancing_loss_func``, and returned as ``aux_loss``;
+a model with an auxiliary loss in another form runs the stock forward.
 Set ``ActQConfig(fused_loss=False)``, or pass ``return_logits=True`` to a call, where a training
 loop needs the logits.
 """
@@ -66,6 +69,12 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         and logits_to_keep == 0
     ):
         return state.plain(*args, **kwargs)  # training computes every position's loss
+    output_class = _output_class(type(self))
+    router_loss = None
+    if "aux_loss" in {field.name for field in dataclasses.fields(output_class)}:
+        router_loss = _router_loss(self, arguments)
+        if router_loss is False:  # an auxiliary loss the fused path does not know: stock
+            return state.plain(*args, **kwargs)
     return_dict = extra.pop("return_dict", arguments.pop("return_dict", None))
     if return_dict is None:  # the stock forward's default
         return_dict = getattr(self.config, "return_dict", True)
@@ -86,16 +95,49 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         # The stock forward hands its extra keywords to the loss too (and to the base model).
         ignore_index=extra.get("ignore_index", IGNORE_INDEX),
     )
-    output_class = _output_class(type(self))
-    # Every other field (cache, hidden states, a vision-language model's image outputs) is the
-    # base model's, as in the stock forward.
+    extra_fields = {}
+    if router_loss is not None:
+        # A mixture of experts' load-balancing loss, added as the stock forward adds it.
+        aux_loss = router_loss(outputs.router_logits)
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+        extra_fields["aux_loss"] = aux_loss
+    # Every other field (cache, hidden states, router logits, a vision-language model's image
+    # outputs) is the base model's, as in the stock forward.
     passed = {
         field.name: getattr(outputs, field.name, None)
         for field in dataclasses.fields(output_class)
-        if field.name not in ("loss", "logits")
+        if field.name not in ("loss", "logits", *extra_fields)
     }
-    output = output_class(loss=loss, logits=None, **passed)
+    output = output_class(loss=loss, logits=None, **extra_fields, **passed)
     return output.to_tuple() if return_dict is False else output
+
+
+def _router_loss(model, arguments: dict):
+    """Where the stock forward adds a mixture of experts' load-balancing loss (the output has an
+    ``aux_loss`` and the call asks for router logits): that loss, as a function of the router
+    logits, computed by the model's own module-level ``load_balancing_loss_func`` as the stock
+    forward calls it; None where the call adds nothing; False where the model has an auxiliary
+    loss in a form this does not know (the fused loss then stands aside)."""
+    wants = arguments.get("output_router_logits")
+    if wants is None:
+        wants = getattr(model.config, "output_router_logits", False)
+    if not wants:
+        return None
+    function = getattr(inspect.getmodule(type(model)), "load_balancing_loss_func", None)
+    needed = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+    if function is None or not all(hasattr(model, name) for name in needed):
+        return False
+    return functools.partial(
+        _call_load_balancing,
+        function,
+        model.num_experts,
+        model.num_experts_per_tok,
+        arguments.get("attention_mask"),
+    )
+
+
+def _call_load_balancing(function, num_experts, top_k, attention_mask, router_logits):
+    return function(router_logits, num_experts, top_k, attention_mask)
 
 
 @functools.cache

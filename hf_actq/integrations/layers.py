@@ -22,7 +22,7 @@ from torch import nn
 
 from hf_actq.codecs.packed import Codec, ExactCodec
 from hf_actq.config import ActQConfig
-from hf_actq.fewbit.activations import activation_of
+from hf_actq.fewbit.activations import activation_of, activation_subclass
 from hf_actq.integrations.patching import (
     bind_forward,
     gather_with_module,
@@ -208,6 +208,9 @@ def _activation(module, walk: Walk) -> Patch | Skip | None:
     config = walk.config
     found = activation_of(module) if config.activations else None
     if found is None:
+        subclassed = activation_subclass(module) if config.activations else None
+        if subclassed is not None:
+            return Skip(f"a subclass of {subclassed} with a forward of its own (kept stock)")
         return None
     shared = not config.linear or id(module) in walk.stock_products or found[0] != "relu"
     if found[0] in _OUTPUT_SAVING and shared:
@@ -257,8 +260,15 @@ def _norm(module, walk: Walk) -> Patch | Skip | None:
         if offset is None:
             return Skip("RMSNorm with a different formula (kept exact)")
         eps = rms_norm_eps(module)
+        offsets = {(module.weight.dtype, module.weight.dtype): offset}
         return _norm_patch(
-            CompressedRMSNorm.forward, config, module, offset, eps=eps, norm_offset=offset
+            CompressedRMSNorm.forward,
+            config,
+            module,
+            offset,
+            eps=eps,
+            norm_offset=offset,
+            norm_offsets=offsets,
         )
     return None
 

@@ -187,6 +187,13 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     base = unwrap(model)
+    if config.checkpoint_bits is not None and _prefix_tuned(model):
+        raise ValueError(
+            "the 'checkpoint' recipe (checkpoint_bits) turns on gradient checkpointing, which "
+            "transformers cannot run under PEFT prefix tuning (the prefix enters as a cache, "
+            "and checkpointed layers drop the cache: the attention mask no longer fits); use "
+            "recipe='uniform' or 'alam' for a prefix-tuned model"
+        )
     if getattr(base, _HANDLE, None) is not None:
         raise ValueError(
             "hf_actq is already applied to this model; call handle.revert() before applying again"
@@ -207,6 +214,12 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
             handle.summary() or "nothing",
         )
     return handle
+
+
+def _prefix_tuned(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model whose active adapter is prefix tuning."""
+    active = getattr(model, "active_peft_config", None)
+    return str(getattr(active, "peft_type", "")).endswith("PREFIX_TUNING")
 
 
 def _patch(base: nn.Module, config: ActQConfig, handle: ActQHandle, model_type) -> None:

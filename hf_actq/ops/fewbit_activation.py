@@ -196,15 +196,21 @@ class FewBitActivation(nn.Module):
             keep_rng_stream(self, state.codecs.get("act"))
             return state.plain(x)
         if state.codecs.get("act") is not None:
-            return PackedInputActivationFunction.apply(x, state)
-        act = state.activation
-        watcher = observer()
-        if watcher is not None:
-            watcher.on_fewbit(state.slot_id("act"), x, act)
-        borders, levels = act.tensors(x.device)
-        return FewBitActivationFunction.apply(
-            x, act.spec.name, act.param_values, borders, levels, act.bits
-        )
+            y = PackedInputActivationFunction.apply(x, state)
+        else:
+            act = state.activation
+            watcher = observer()
+            if watcher is not None:
+                watcher.on_fewbit(state.slot_id("act"), x, act)
+            borders, levels = act.tensors(x.device)
+            y = FewBitActivationFunction.apply(
+                x, act.spec.name, act.param_values, borders, levels, act.bits
+            )
+        if getattr(self, "inplace", False):
+            # The stock module (``inplace=True``) writes its input and returns it: so does this,
+            # with the same autograd history (an in-place op on x whose gradient is y's).
+            return x.copy_(y)
+        return y
 
     def extra_repr(self) -> str:
         state = state_of(self)

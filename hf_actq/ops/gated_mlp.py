@@ -25,7 +25,7 @@ from hf_actq.fewbit.activations import activation_of
 from hf_actq.kernels import fewbit_backward, fewbit_codes
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.fewbit_activation import ActivationTable
-from hf_actq.ops.linear import CompressedLinearFunction
+from hf_actq.ops.linear import linear_keeping_input
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import (
     OpState,
@@ -57,6 +57,8 @@ class GatedDownFunction(torch.autograd.Function):
         y = activated * up
         if weight is not None:
             y = F.linear(y, weight, bias)
+            y = y if y._base is None else y._base  # a 2-d product, viewed back outside (linear.py)
+        ctx.gate_shape = gate.shape
         packed_a = state.pack(activated, "gate")
         packed_up = state.pack(up, "up")
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
@@ -76,6 +78,7 @@ class GatedDownFunction(torch.autograd.Function):
         up_hat = header_up.with_tensors(buffers[ctx.split :]).unpack()
         dtype = grad_y.dtype
         grad_h = grad_y if weight is None else grad_y.matmul(weight.to(dtype))
+        grad_h = grad_h.reshape(ctx.gate_shape)
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = grad_b = None
         if ctx.needs_input_grad[2]:
@@ -101,7 +104,8 @@ def gated_down(state: OpState, gate, up, down: nn.Module | None) -> torch.Tensor
     if watcher is not None:
         watcher.on_fewbit(state.slot_id("act"), gate, state.activation)
     weight, bias = (None, None) if down is None else (down.weight, down.bias)
-    return GatedDownFunction.apply(gate, up, weight, bias, state)
+    y = GatedDownFunction.apply(gate, up, weight, bias, state)
+    return y if y.dim() == gate.dim() else y.view(*gate.shape[:-1], y.shape[-1])
 
 
 def runs_as_linear(module) -> bool:
@@ -217,8 +221,8 @@ class CompressedGatedMLP(nn.Module):
             keep_rng_stream(self, *packs_x, state.codecs["gate"], state.codecs["up"])
             return state.plain(x)
         # gate and up share one packed x through the cache; a frozen weight keeps nothing.
-        gate = CompressedLinearFunction.apply(x, gate_proj.weight, gate_proj.bias, state, "input")
-        up = CompressedLinearFunction.apply(x, up_proj.weight, up_proj.bias, state, "input")
+        gate = linear_keeping_input(x, gate_proj.weight, gate_proj.bias, state, "input")
+        up = linear_keeping_input(x, up_proj.weight, up_proj.bias, state, "input")
         return gated_down(state, gate, up, down)
 
     def extra_repr(self) -> str:
@@ -273,7 +277,7 @@ class CompressedFusedGatedMLP(nn.Module):
             keep_rng_stream(self, packs_x, state.codecs["gate"], state.codecs["up"])
             return state.plain(x)
         if input_codec is not None:
-            gate_up = CompressedLinearFunction.apply(x, fused.weight, fused.bias, state, "input")
+            gate_up = linear_keeping_input(x, fused.weight, fused.bias, state, "input")
         else:
             gate_up = F.linear(x, fused.weight, fused.bias)
         gate, up = gate_up.chunk(2, dim=-1)

@@ -29,6 +29,13 @@ class CompressedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, state, slot):
         y = F.linear(x, weight, bias)
+        if y._base is not None:
+            # With a bias, linear flattens a contiguous input, and its output is a view of the
+            # 2-d product: returned from here, autograd would refuse in-place edits of it and
+            # of its views, which the stock output allows. The 2-d product is returned instead
+            # and viewed back outside (compressed_linear).
+            y = y._base
+        ctx.input_shape = x.shape
         ctx.has_bias = bias is not None
         ctx.weight_grad = weight.requires_grad
         if ctx.weight_grad:
@@ -45,7 +52,7 @@ class CompressedLinearFunction(torch.autograd.Function):
         weight, *buffers = ctx.saved_tensors
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_y.matmul(weight.to(grad_y.dtype))
+            grad_x = grad_y.matmul(weight.to(grad_y.dtype)).reshape(ctx.input_shape)
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         if ctx.weight_grad and ctx.needs_input_grad[1]:
             x_hat = ctx.header.with_tensors(buffers).unpack()
@@ -66,7 +73,14 @@ def compressed_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) 
         if weight.requires_grad:
             keep_rng_stream(module, state.codecs["input"])
         return state.plain(x)
-    return CompressedLinearFunction.apply(x, weight, module.bias, state, "input")
+    return linear_keeping_input(x, weight, module.bias, state, "input")
+
+
+def linear_keeping_input(x, weight, bias, state, slot: str) -> torch.Tensor:
+    """:class:`CompressedLinearFunction` with its output in ``x``'s shape (a view made here,
+    as the stock linear's output is one)."""
+    y = CompressedLinearFunction.apply(x, weight, bias, state, slot)
+    return y if y.dim() == x.dim() else y.view(*x.shape[:-1], y.shape[-1])
 
 
 class CompressedLinear(nn.Linear):

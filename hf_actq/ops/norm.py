@@ -317,11 +317,13 @@ def rms_norm_eps(module: nn.Module) -> float | None:
     return None if eps is None else float(eps)
 
 
-def rms_norm_offset(module: nn.Module) -> float | None:
+def rms_norm_offset(module: nn.Module, input_dtype: torch.dtype | None = None) -> float | None:
     """0 when ``module`` computes LLaMA's ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama,
     Mistral, Qwen), 1 when it computes Gemma's ``(x * rsqrt(mean(x^2) + eps) * (1 + w))`` in
-    fp32, cast at the end; None for anything else. Checked bit for bit on a random input with a
-    random weight.
+    fp32, cast at the end; None for anything else. Checked bit for bit on a random input of
+    ``input_dtype`` (default: the weight's) with a random weight of the weight's dtype: forms that
+    agree in one precision can differ in another (OLMo2's ``(w * x).to(dtype)`` is LLaMA's in
+    fp32 only), so a patched norm checks again for each dtype it meets.
 
     The module's own parameters are not used (under FSDP2 they are DTensor shards, and an
     all-ones weight would not tell ``w`` from ``1 + w`` apart), its hooks do not run, and the
@@ -334,8 +336,11 @@ def rms_norm_offset(module: nn.Module) -> float | None:
         return None
     generator = torch.Generator().manual_seed(0)
     sample, probe_weight = (
-        torch.randn(shape, generator=generator, device="cpu").to(weight.dtype).to(weight.device)
-        for shape in ((3, weight.shape[0]), (weight.shape[0],))
+        torch.randn(shape, generator=generator, device="cpu").to(dtype).to(weight.device)
+        for shape, dtype in (
+            ((3, weight.shape[0]), input_dtype or weight.dtype),
+            ((weight.shape[0],), weight.dtype),
+        )
     )
     probe = copy.copy(module)
     probe._parameters = {**module._parameters, "weight": probe_weight}
@@ -407,6 +412,7 @@ class CompressedRMSNorm(nn.Module):
         state = default_state(
             norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm), norm_offset=offset
         )
+        state.norm_offsets[(norm.weight.dtype, norm.weight.dtype)] = offset
         state.norm_from_output = share_output and shares_output(norm.weight, offset)
         set_state(self, state)
 
@@ -415,12 +421,26 @@ class CompressedRMSNorm(nn.Module):
         if not wants_backward(self, x, self.weight):
             keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
+        offset = _offset_for(self, state, x.dtype)
+        if offset is None:  # in these dtypes the module computes another form: stock
+            return state.plain(x)
+        if offset != state.norm_offset:
+            state = dataclasses.replace(state, norm_offset=offset)
         state = _without_sharing_under_hooks(self, state)
         return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state)
 
     def extra_repr(self) -> str:
         state = state_of(self)
         return f"eps={state.eps}, codec={state.codecs.get('input')!r}"
+
+
+def _offset_for(module: nn.Module, state, input_dtype: torch.dtype) -> float | None:
+    """:func:`rms_norm_offset` for this input's and weight's dtypes, checked once per pair (the
+    one it was patched in is known): a model cast after ``apply`` keeps its own form."""
+    key = (input_dtype, module.weight.dtype)
+    if key not in state.norm_offsets:
+        state.norm_offsets[key] = rms_norm_offset(module, input_dtype)
+    return state.norm_offsets[key]
 
 
 __all__ = [

@@ -63,6 +63,9 @@ class OpState:
     # its output is scaled by besides the weight: 1 for Gemma's ``(1 + w)``.
     eps: float | None = None
     norm_offset: float = 0.0
+    # RMSNorm: that offset per (input dtype, weight dtype), None where the module computes
+    # neither form (checked per pair as met: a model may be cast after apply).
+    norm_offsets: dict = field(default_factory=dict)
     # Dropout: "seed" or "mask".
     dropout_mode: str = "seed"
     # Gated MLPs patched with plain nn.Linear projections (the fused path), and whether the

@@ -775,3 +775,26 @@ def test_a_zero_initialised_norm_stays_stock_under_memory_sharing():
     for got, want in zip(shared_grads, grads):
         if want is not None:
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "llama", "gemma"])
+def test_a_model_cast_after_apply_keeps_its_stock_norms(model_type):
+    """OLMo2's norm computes (w * x).to(dtype), LLaMA's in fp32; patched in fp32 and then cast
+    to bf16, the patched norms follow the form each dtype computes: "fewbit" outputs stay the
+    stock model's bit for bit."""
+    model, batch = tiny_model(model_type), tiny_batch(model_type)
+    with torch.no_grad():  # trained norms: with all-ones weights every form agrees
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    model.to(torch.bfloat16)
+    model.train()
+    reference.train()
+    torch.manual_seed(0)
+    patched, _, _ = metered_step(model, batch)
+    torch.manual_seed(0)
+    stock, _, _ = metered_step(reference, batch)
+    assert torch.equal(patched, stock)
+    handle.revert()

@@ -228,3 +228,31 @@ def test_a_gradient_penalty_through_a_patched_model_raises_instead_of_dropping(r
     penalty = sum(g.square().sum() for g in grads if g is not None)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         (loss + penalty).backward()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("asked", ["config", "call"])
+def test_a_mixture_of_experts_keeps_its_router_loss_under_the_fused_loss(model_type, asked):
+    """With router logits asked for, the stock forward adds the load-balancing loss: so does
+    the fused one, and returns it as ``aux_loss``; the router's gradient is the stock one."""
+    from hf_actq.testing import more_model
+
+    model, batch = more_model(model_type)
+    model.train()
+    kwargs = {"output_router_logits": True} if asked == "call" else {}
+    model.config.output_router_logits = asked == "config"
+    stock, stock_grads, _ = _loss_and_grads(model, batch, **kwargs)
+    assert stock.aux_loss is not None
+    handle = hf_actq.apply(model, ActQConfig(**LOSS_ONLY))
+    fused, grads, _ = _loss_and_grads(model, batch, **kwargs)
+    handle.revert()
+    assert fused.logits is None
+    torch.testing.assert_close(fused.aux_loss, stock.aux_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused.loss, stock.loss, rtol=1e-6, atol=1e-6)
+    routers = [
+        i for i, (name, _) in enumerate(p for p in model.named_parameters() if p[1].requires_grad)
+        if name.endswith(("gate.weight", "router.weight"))
+    ]  # fmt: skip
+    assert routers
+    for got, want in zip(grads, stock_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)

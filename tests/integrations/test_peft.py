@@ -214,3 +214,18 @@ def test_lora_adapters_take_the_norms_packed_output():
         "model.layers.1.self_attn.o_proj.lora_A.default:input",
         "model.layers.1.mlp.down_proj.lora_A.default:input",
     ], lora_a
+
+
+def test_the_checkpoint_recipe_refuses_prefix_tuning_in_one_line():
+    """Stock checkpointing fails under prefix tuning with a raw attention-size error deep in
+    SDPA; "checkpoint" turns it on, so it says why at apply, and the other recipes train."""
+    model = peft.get_peft_model(
+        _llama(), peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    )
+    with pytest.raises(ValueError, match="prefix tuning"):
+        hf_actq.apply(model, ActQConfig.from_recipe("checkpoint"))
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    model.train()
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    model(input_ids=ids, labels=ids).loss.backward()
+    handle.revert()

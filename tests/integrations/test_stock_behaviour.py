@@ -164,3 +164,95 @@ def test_other_code_changing_an_exact_norm_output_in_place_fails_in_one_line():
     out = model(torch.randn(4, 8, requires_grad=True)).sum()
     with pytest.raises(RuntimeError, match="share_norm_outputs=False"):
         out.backward()
+
+
+class _ActThenLinear(nn.Module):
+    """A user's block that relies on an in-place activation writing its input."""
+
+    def __init__(self, act: nn.Module, in_place_use: bool):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), act, nn.Linear(32, 4)
+        self.in_place_use = in_place_use
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.in_place_use:
+            self.act(h)  # h now holds act(h)
+            return self.fc2(h)
+        return self.fc2(self.act(h))
+
+
+def _loss_and_grads(model, x):
+    model.zero_grad()
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+IN_PLACE = [nn.SiLU, nn.ReLU, nn.ELU, nn.LeakyReLU, nn.Hardtanh, nn.ReLU6, nn.SELU, nn.CELU,
+            nn.Hardswish, nn.Hardsigmoid, nn.Mish]  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["fewbit", "uniform"])
+@pytest.mark.parametrize("cls", IN_PLACE, ids=lambda c: c.__name__)
+def test_an_in_place_activation_writes_its_input_as_stock(cls, recipe):
+    torch.manual_seed(0)
+    model, x = _ActThenLinear(cls(inplace=True), in_place_use=True), torch.randn(8, 16)
+    stock_loss, stock_grads = _loss_and_grads(model, x)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe(recipe))
+    loss, grads = _loss_and_grads(model, x)
+    handle.revert()
+    assert torch.equal(loss, stock_loss)  # the forward, bit for bit: fc2 saw act(h)
+    flat = torch.cat([g.flatten() for g in grads])
+    stock_flat = torch.cat([g.flatten() for g in stock_grads])
+    assert torch.nn.functional.cosine_similarity(flat, stock_flat, dim=0) > 0.95
+
+
+def _subclasses():
+    from transformers import activations as hf
+
+    class ScaledGELU(nn.GELU):
+        def forward(self, x):
+            return 1.7 * super().forward(x)
+
+    class ClippedGELU(hf.GELUActivation):
+        def forward(self, x):
+            return super().forward(x).clamp(-0.1, 0.1)
+
+    class PythonGELU(hf.GELUActivation):  # the method its forward calls, replaced
+        def _gelu_python(self, x):
+            return x * torch.sigmoid(x)
+
+    class TanhLike(hf.GELUTanh):
+        def forward(self, x):
+            return torch.tanh(x)
+
+    return [ScaledGELU(), ClippedGELU(), PythonGELU(use_gelu_python=True), TanhLike()]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_a_subclassed_activation_keeps_its_own_forward(index):
+    """Matched by type, a scaled or clipped GELU would be bound to plain GELU's few-bit op: it
+    stays stock instead, and the handle says why."""
+    act = _subclasses()[index]
+    torch.manual_seed(0)
+    model, x = _ActThenLinear(act, in_place_use=False), torch.randn(8, 16) * 3
+    stock_loss, stock_grads = _loss_and_grads(model, x)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    assert "forward of its own" in handle.skipped["act"]
+    loss, grads = _loss_and_grads(model, x)
+    handle.revert()
+    assert torch.equal(loss, stock_loss)
+    for got, want in zip(grads, stock_grads):
+        assert torch.equal(got, want)
+
+
+def test_a_subclass_that_only_sets_up_differently_is_still_few_bit():
+    class Quiet(nn.GELU):
+        def __init__(self):
+            super().__init__(approximate="tanh")
+
+    model = _ActThenLinear(Quiet(), in_place_use=False)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit"))
+    assert handle.patched["act"].startswith("activation gelu_tanh")
+    handle.revert()

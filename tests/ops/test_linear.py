@@ -124,3 +124,28 @@ def test_no_grad_keeps_nothing_and_matches_linear():
 def test_wraps_only_linear():
     with pytest.raises(ValueError, match="wraps an nn.Linear, got Conv1d"):
         CompressedLinear(nn.Conv1d(2, 2, 1))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_views_of_a_compressed_linears_output_can_be_edited_in_place_as_stock(bias):
+    """DeBERTa's ``q = proj(x).view(...).permute(...); q /= scale``: the stock output allows it
+    (autograd refused it when the op's output was a view made inside the op)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 12, bias=bias)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+
+    def run(module):
+        q = module(x).view(2, 5, 3, 4).permute(0, 2, 1, 3)
+        q /= 2.0
+        q.pow(2).sum().backward()
+        grads = [t.grad.clone() for t in (x, *linear.parameters())]
+        for t in (x, *linear.parameters()):
+            t.grad = None
+        return q.detach(), grads
+
+    stock, stock_grads = run(linear)
+    ours, grads = run(
+        CompressedLinear(linear, codec=uniform(8, stochastic=False), cache=PackCache())
+    )
+    assert torch.equal(ours, stock)
+    torch.testing.assert_close(grads[0], stock_grads[0])  # the input's: exact
