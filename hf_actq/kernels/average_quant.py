@@ -10,6 +10,7 @@ kernel sums a group as a tree, the twin in order, which can differ in the last f
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,13 +28,13 @@ from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
     TILE_ELEMENTS,
+    cdiv,
     hashed_noise,
     jit,
     pack_tile,
     tile,
     tl,
     to_dtype,
-    triton,
     unpack_tile,
 )
 
@@ -148,6 +149,7 @@ def _as_int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
+@functools.cache
 def _rows_per_tile(block: int, group: int) -> int:
     """Blocks a program handles: :data:`TILE_ELEMENTS` source elements (one block at least)."""
     return max(1, TILE_ELEMENTS // (block * group))
@@ -247,15 +249,14 @@ def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
     minimums and scales lead the packed codes in one buffer; the three are views of it)."""
     source = source.contiguous()
     m = source.numel() // group
-    blocks = triton.cdiv(m, block)
+    blocks = cdiv(m, block)
     n_bytes = packed_nbytes(m, bits)
     buffer = torch.empty(8 * blocks + n_bytes, dtype=torch.uint8, device=source.device)
-    mins = buffer[: 4 * blocks].view(torch.float32)
-    scales = buffer[4 * blocks : 8 * blocks].view(torch.float32)
-    packed = buffer[8 * blocks :]
+    metadata, packed = buffer.split((8 * blocks, n_bytes))
+    mins, scales = metadata.view(torch.float32).split((blocks, blocks))
     if m:
         rows = _rows_per_tile(block, group)
-        aq_quantize_kernel[(triton.cdiv(m, rows * block),)](
+        aq_quantize_kernel[(cdiv(m, rows * block),)](
             source,
             packed,
             mins,
@@ -286,7 +287,7 @@ def aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block):
         out = torch.empty(n_means, dtype=dtype, device=mins.device)
     if n:
         rows = _rows_per_tile(block, kernel_group)
-        aq_dequantize_kernel[(triton.cdiv(n_means, rows * block),)](
+        aq_dequantize_kernel[(cdiv(n_means, rows * block),)](
             data,
             mins,
             scales,

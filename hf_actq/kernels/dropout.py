@@ -13,10 +13,10 @@ from hf_actq.kernels.packing import CHUNK_ELEMENTS
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    cdiv,
     jit,
     tl,
     to_dtype,
-    triton,
 )
 
 BLOCK = 1024
@@ -57,7 +57,7 @@ def seeded_dropout_triton(x: torch.Tensor, p: float, seed: int) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        grid = (triton.cdiv(n, BLOCK),)
+        grid = (cdiv(n, BLOCK),)
         seeded_dropout_kernel[grid](
             x, out, n, float(p), 1.0 / (1.0 - p), seed, BLOCK=BLOCK, **LAUNCH_OPTIONS
         )

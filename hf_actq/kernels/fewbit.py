@@ -35,12 +35,12 @@ from hf_actq.kernels.packing import (
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    cdiv,
     jit,
     load_codes,
     store_packed,
     tl,
     to_dtype,
-    triton,
 )
 
 # constexpr id of each activation's Triton forward.
@@ -431,7 +431,7 @@ def fewbit_forward_triton(
     nan_flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     p0, p1 = (tuple(float(p) for p in params) + (0.0, 0.0))[:2]
     if n:
-        grid = (triton.cdiv(n, 8 * FORWARD_GROUPS),)
+        grid = (cdiv(n, 8 * FORWARD_GROUPS),)
         fewbit_forward_kernel[grid](
             x,
             y,
@@ -466,7 +466,7 @@ def fewbit_backward_triton(
     n = grad_y.numel()
     out = torch.empty_like(grad_y)
     if n:
-        grid = (triton.cdiv(n, BACKWARD_BLOCK),)
+        grid = (cdiv(n, BACKWARD_BLOCK),)
         fewbit_backward_kernel[grid](
             grad_y,
             packed,

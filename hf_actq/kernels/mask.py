@@ -12,12 +12,12 @@ from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
     TILE_ELEMENTS,
+    cdiv,
     jit,
     pack_tile,
     tile,
     tl,
     to_dtype,
-    triton,
     unpack_tile,
 )
 
@@ -61,7 +61,7 @@ def mask_pack_triton(source: torch.Tensor) -> torch.Tensor:
     n = source.numel()
     packed = torch.empty(packed_nbytes(n, 1), dtype=torch.uint8, device=source.device)
     if n:
-        grid = (triton.cdiv(n, TILE_ELEMENTS),)
+        grid = (cdiv(n, TILE_ELEMENTS),)
         mask_pack_kernel[grid](source, packed, n, packed.numel(), ROWS=ROWS, **LAUNCH_OPTIONS)
     return packed
 
@@ -71,7 +71,7 @@ def mask_unpack_triton(data: torch.Tensor, shape: list[int], dtype: torch.dtype)
     n = math.prod(shape)
     out = torch.empty(n, dtype=torch.uint8 if dtype == torch.bool else dtype, device=data.device)
     if n:
-        grid = (triton.cdiv(n, TILE_ELEMENTS),)
+        grid = (cdiv(n, TILE_ELEMENTS),)
         mask_unpack_kernel[grid](data, out, n, data.numel(), ROWS=ROWS, **LAUNCH_OPTIONS)
     return (out.view(torch.bool) if dtype == torch.bool else out).view(shape)
 

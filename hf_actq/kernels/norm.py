@@ -18,10 +18,10 @@ from hf_actq.kernels.packing import row_chunks
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    cdiv,
     jit,
     tl,
     to_dtype,
-    triton,
 )
 
 BLOCK = 1024  # columns per tile
@@ -138,15 +138,15 @@ def norm_backward_triton(grad_y, x_hat, rstd, weight, centered):
     if rows == 0 or width == 0:
         zeros = torch.zeros(width, dtype=torch.float32, device=g.device)
         return grad_x.view(grad_y.shape), zeros, zeros.clone()
-    rows_per_program = triton.cdiv(rows, row_blocks)
-    row_blocks = triton.cdiv(rows, rows_per_program)
+    rows_per_program = cdiv(rows, row_blocks)
+    row_blocks = cdiv(rows, rows_per_program)
     means = torch.empty(rows, 2, dtype=torch.float32, device=g.device)
     partial_w = torch.empty(row_blocks, width, dtype=torch.float32, device=g.device)
     partial_b = torch.empty_like(partial_w)
     norm_row_means_kernel[(rows,)](
         g, x_hat, w, means, width, 1.0 / width, float(centered), BLOCK=BLOCK, **LAUNCH_OPTIONS
     )
-    norm_backward_kernel[(row_blocks, triton.cdiv(width, BLOCK))](
+    norm_backward_kernel[(row_blocks, cdiv(width, BLOCK))](
         g,
         x_hat,
         w,

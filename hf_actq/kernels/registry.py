@@ -50,7 +50,7 @@ def triton_enabled() -> bool:
     return os.environ.get("HF_ACTQ_DISABLE_TRITON", "0") in ("", "0") and triton_available()
 
 
-def register(name: str, twin, launcher, *, fake, takes) -> torch._ops.OpOverload:
+def register(name: str, twin, launcher, *, fake, takes) -> KernelOp:
     """``hf_actq::<name>``, its schema read from ``twin``'s annotations: ``twin`` by default,
     ``launcher`` (falling back to ``twin``) on CUDA tensors that ``takes`` accepts, ``fake``
     for torch.compile. Returns the op, to be called as the twin is."""
@@ -59,7 +59,42 @@ def register(name: str, twin, launcher, *, fake, takes) -> torch._ops.OpOverload
     kernel = KERNELS[name] = Kernel(name, twin, launcher, takes)
     LIBRARY.impl(name, functools.partial(kernel_or_twin, kernel), "CUDA")
     torch.library.register_fake(f"hf_actq::{name}", fake, lib=LIBRARY)
-    return getattr(torch.ops.hf_actq, name).default
+    return KernelOp(kernel, getattr(torch.ops.hf_actq, name).default)
+
+
+# Devices whose tensors go to the launchers: CUDA, and the CPU while kernels_on_cpu is active.
+_KERNEL_DEVICES = {"cuda"}
+_is_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda tensor: False)
+
+
+class KernelOp:
+    """A registered kernel op, called as its twin is. In eager mode on a kernel device the
+    launcher is called directly: the dispatcher's round trip into Python (about 5 µs a call on
+    the host, several per compressed op) buys nothing there. A torch.compile trace, and every
+    other device, take the registered op. Under the profiler the direct call is recorded under
+    the op's name, as the dispatcher would record it."""
+
+    def __init__(self, kernel: Kernel, op: torch._ops.OpOverload) -> None:
+        self.kernel, self.op = kernel, op
+        self._label = f"hf_actq::{kernel.name}"
+
+    def __call__(self, first, *args, **kwargs):
+        if kwargs:  # keywords: the op binds them to the schema
+            return self.op(first, *args, **kwargs)
+        if (
+            type(first) is not torch.Tensor  # fake, functional or distributed tensors
+            or first.device.type not in _KERNEL_DEVICES
+            or torch.compiler.is_compiling()
+            or _is_wrapped(first)  # functorch's transforms
+        ):
+            return self.op(first, *args)
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function(self._label):
+                return kernel_or_twin(self.kernel, first, *args)
+        return kernel_or_twin(self.kernel, first, *args)
+
+    def __repr__(self) -> str:
+        return f"KernelOp({self._label})"
 
 
 def kernel_or_twin(kernel: Kernel, *args):
@@ -87,6 +122,8 @@ def kernels_on_cpu() -> Iterator[None]:
     try:
         for kernel in KERNELS.values():
             library.impl(kernel.name, functools.partial(kernel_or_twin, kernel), "CPU")
+        _KERNEL_DEVICES.add("cpu")
         yield
     finally:
+        _KERNEL_DEVICES.discard("cpu")
         library._destroy()

@@ -20,12 +20,12 @@ from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
     TILE_ELEMENTS,
+    cdiv,
     jit,
     pack_tile,
     tile,
     tl,
     to_dtype,
-    triton,
     unpack_tile,
 )
 
@@ -133,14 +133,14 @@ def blpa_quantize_triton(source, bits, block):
     steps lead the packed codes in one buffer)."""
     source = source.contiguous()
     n = source.numel()
-    blocks = triton.cdiv(n, block)
+    blocks = cdiv(n, block)
     n_bytes = packed_nbytes(n, bits)
     buffer = torch.empty(4 * blocks + n_bytes, dtype=torch.uint8, device=source.device)
-    steps = buffer[: 4 * blocks].view(torch.float32)
-    packed = buffer[4 * blocks :]
+    steps, packed = buffer.split((4 * blocks, n_bytes))
+    steps = steps.view(torch.float32)
     if n:
         rows = _rows_per_tile(block)
-        blpa_quantize_kernel[(triton.cdiv(n, rows * block),)](
+        blpa_quantize_kernel[(cdiv(n, rows * block),)](
             source, packed, steps, n, n_bytes, BITS=bits, BLOCK=block, ROWS=rows, **LAUNCH_OPTIONS
         )
     return packed, steps
@@ -152,7 +152,7 @@ def blpa_dequantize_triton(data, steps, shape, dtype, bits, block):
     out = torch.empty(n, dtype=dtype, device=steps.device)
     if n:
         rows = _rows_per_tile(block)
-        blpa_dequantize_kernel[(triton.cdiv(n, rows * block),)](
+        blpa_dequantize_kernel[(cdiv(n, rows * block),)](
             data, steps, out, n, data.numel(), BITS=bits, BLOCK=block, ROWS=rows, **LAUNCH_OPTIONS
         )
     return out.view(shape)

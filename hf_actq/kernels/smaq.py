@@ -22,12 +22,12 @@ from hf_actq.kernels.packing import (
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    cdiv,
     jit,
     load_codes,
     store_packed,
     tl,
     to_dtype,
-    triton,
 )
 
 CHUNK_BLOCKS = 256
@@ -210,7 +210,7 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
     """The Triton side of :func:`smaq_quantize_reference`."""
     source = source.contiguous()
     n = source.numel()
-    blocks = triton.cdiv(n, block)
+    blocks = cdiv(n, block)
     main = torch.empty(packed_nbytes(n, 6), dtype=torch.uint8, device=source.device)
     extension = torch.empty(blocks * slots // 4, dtype=torch.uint8, device=source.device)
     if n:
@@ -236,7 +236,7 @@ def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
     n = math.prod(shape)
     out = torch.empty(n, dtype=dtype, device=stats.device)
     if n:
-        smaq_dequantize_kernel[(triton.cdiv(n, block),)](
+        smaq_dequantize_kernel[(cdiv(n, block),)](
             main,
             extension,
             stats,

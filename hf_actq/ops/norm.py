@@ -263,7 +263,7 @@ class CompressedLayerNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         rstd, weight, x_hat = _saved_x_hat(ctx)
-        grad_x, grad_w, grad_b = norm_backward(grad_y, x_hat, rstd, weight, centered=True)
+        grad_x, grad_w, grad_b = norm_backward(grad_y, x_hat, rstd, weight, True)  # centered
         grad_w = grad_w.to(weight.dtype) if ctx.has_weight else None
         grad_b = grad_b.to(grad_y.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
@@ -305,7 +305,7 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         rstd, weight, x_hat = _saved_x_hat(ctx)
         scale = weight.float() + ctx.offset if ctx.offset else weight
-        grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, scale, centered=False)
+        grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, scale, False)  # not centered
         return grad_x, grad_w.to(weight.dtype), None, None
 
 

@@ -82,6 +82,8 @@ def test_aq_quantize_keeps_codes_and_metadata_in_one_allocation():
     pointers = {t.untyped_storage().data_ptr() for t in mins_storage}
     assert len(pointers) == 1
     assert mins_storage[0].untyped_storage().nbytes() == 8 * 8 + 500  # 8 blocks, then codes
+    assert all(t.numel() == 0 for t in aq_quantize_triton(torch.empty(0), 1, 4, 128, True, 3))
+    assert all(t.numel() == 0 for t in blpa_quantize_triton(torch.empty(0), 4, 128))
 
 
 def test_aq_dequantize_partial_groups_and_shapes():
