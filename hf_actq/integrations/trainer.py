@@ -58,6 +58,19 @@ def _reads_training_logits(args) -> bool:
 
 
 class ActQCallback(TrainerCallback, ExportableState):
+    """Patch the ``Trainer``'s model with hf_actq before the optimizer exists (the module
+    docstring has the details).
+
+    ``ActQCallback(recipe="checkpoint")`` or ``ActQCallback(bits=4)`` take the fields of
+    :class:`~hf_actq.ActQConfig`: ``ActQCallback(bits=3)`` is ``ActQConfig(bits=3)``, uniform
+    stochastic rounding at 3 bits for every compressed slot and 3-bit activation derivatives;
+    an ``ActQConfig`` may be passed instead. An adaptive config is calibrated on examples of the
+    training set and its plan saved with each checkpoint, so a resumed run goes on with it. With
+    ``log_memory`` the logs get ``actq_activation_mib`` (the bytes autograd kept for backward)
+    and, on CUDA, ``actq_peak_mib``. ``callback.handle`` is the handle; the model stays patched
+    after training (``callback.handle.revert()`` undoes it).
+    """
+
     def __init__(
         self, config: ActQConfig | dict | None = None, *, log_memory: bool = True, **kwargs
     ) -> None:
