@@ -5,7 +5,8 @@
 #   bash tools/baseline.sh [REV]          # here, before the loan: REV's tree into .baseline/
 #   bash benchmarks/gpu/speed.sh          # there, with .baseline carried; results under $OUT
 #
-# Each run under a hard limit; ROUNDS=1 halves the time. Extra arguments go to every run.
+# Each run under a hard limit of 140 s (4 runs fit a lent device's 10-minute command); ROUNDS=1
+# halves the time. Extra arguments go to every run.
 set -u
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-benchmarks/results/gpu}"
@@ -23,7 +24,7 @@ for round in $(seq 1 "$ROUNDS"); do
         if [[ $label == base ]]; then
             tree="$(cd "$BASELINE" && pwd)" commit="$(cat "$BASELINE/COMMIT")"
         fi
-        HF_ACTQ_COMMIT="$commit" HF_ACTQ_TREE="$tree" PYTHONUNBUFFERED=1 timeout 240 \
+        HF_ACTQ_COMMIT="$commit" HF_ACTQ_TREE="$tree" PYTHONUNBUFFERED=1 timeout 140 \
             "$PYTHON" benchmarks/gpu/speed.py --label "$label-$round" --out "$OUT" "$@" \
             || echo "speed: $label-$round ended with status $?"
     done
