@@ -61,6 +61,11 @@ class SavedTensorMeter:
         self._storages[key] = (tensor.untyped_storage().nbytes(), path, kind)
         return tensor
 
+    def keep(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor`` as kept for backward where autograd's hooks do not see it (what a
+        checkpointed region keeps to recompute itself), attributed as a saved one would be."""
+        self._pack(tensor)
+
     def __enter__(self) -> SavedTensorMeter:
         if self._model is not None:
             for path, module in self._model.named_modules():

@@ -9,11 +9,12 @@ them, ``presets.py`` names model shapes, ``cli.py`` is the command.
 from hf_actq.report.measure import measure_model
 from hf_actq.report.models import build_model, default_task
 from hf_actq.report.presets import PRESETS, preset_config
-from hf_actq.report.recipes import CHUNKED_LOSS, parse_recipe
+from hf_actq.report.recipes import CHUNKED_LOSS, STOCK_CHECKPOINTING, parse_recipe
 from hf_actq.report.results import Measurement, MemoryReport, RecipeResult
 
 __all__ = [
     "CHUNKED_LOSS",
+    "STOCK_CHECKPOINTING",
     "PRESETS",
     "Measurement",
     "MemoryReport",

@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from hf_actq.config import ActQConfig
 from hf_actq.memory.meter import SavedTensorMeter, _storage_key, graph_saved_bytes
 from hf_actq.memory.peak import PeakMemory
 from hf_actq.report.models import (
@@ -48,7 +49,7 @@ from hf_actq.report.models import (
     max_positions,
     text_config,
 )
-from hf_actq.report.recipes import parse_recipe
+from hf_actq.report.recipes import STOCK_CHECKPOINTING, parse_recipe
 from hf_actq.report.results import Measurement, MemoryReport, RecipeResult
 
 PEFT_MODES = ("none", "lora", "qlora")
@@ -145,7 +146,7 @@ def measure_model(
         measurement = runs[0][0]
         if len(runs) == 2:
             measurement = _extrapolate(runs[0][0], runs[1][0], num_layers)
-        as_dict = actq_config.to_dict() if actq_config is not None else None
+        as_dict = actq_config.to_dict() if isinstance(actq_config, ActQConfig) else None
         _, patched, plan, kinds = runs[-1]
         if plan is not None:
             plan["info"]["scaled"] = len(runs) == 2
@@ -209,7 +210,10 @@ def _measure_step(
     model.train()
     inputs = make_inputs(model.config, task, batch_size, seq_len, device)
     patched, plan, kinds = 0, None, {}
-    if actq_config is not None:
+    stock_checkpointing = actq_config == STOCK_CHECKPOINTING
+    if stock_checkpointing:
+        _enable_stock_checkpointing(model)
+    elif actq_config is not None:
         from hf_actq.integrations.transformers import apply
 
         adaptive = actq_config.adaptive and actq_config.plan is None
@@ -239,9 +243,16 @@ def _measure_step(
     optimizer_bytes = _distinct_bytes(_optimizer_tensors(optimizer))
 
     with PeakMemory(device, phase="forward") as peak, _layer_phase_marks(model, peak):
-        with SavedTensorMeter(exclude=params, model=model) as meter:
+        with (
+            SavedTensorMeter(exclude=params, model=model) as meter,
+            _checkpointed_inputs_counted(model, meter, stock_checkpointing),
+        ):
             loss = model(**inputs).loss
-        graph_bytes = graph_saved_bytes(loss, exclude=params)
+        # Walking a checkpointed graph's saved tensors would recompute the layers: the walk
+        # checks hf_actq's own accounting, and stock checkpointing has none of it.
+        graph_bytes = (
+            meter.nbytes if stock_checkpointing else graph_saved_bytes(loss, exclude=params)
+        )
         peak.mark("head backward")
         loss.backward()
         grad_bytes = _distinct_bytes(p.grad for p in trainable if p.grad is not None)
@@ -264,6 +275,51 @@ def _measure_step(
     # the next recipe's model is built while this one is still in memory.
     gc.collect()
     return measurement, patched, plan, kinds
+
+
+def _enable_stock_checkpointing(model) -> None:
+    """transformers' own non-reentrant gradient checkpointing on ``model`` (the base model of a
+    PEFT model); ValueError where the model has none."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(base).__name__} does not support gradient checkpointing: leave out the "
+            f"{STOCK_CHECKPOINTING} recipe"
+        )
+    if getattr(base.config, "use_cache", False):  # what transformers would switch off, warning
+        base.config.use_cache = False
+    kwargs = {"use_reentrant": False}
+    turn_on = getattr(base, "activation_checkpointing_enable", None)
+    if turn_on is not None:
+        turn_on(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+@contextlib.contextmanager
+def _checkpointed_inputs_counted(model, meter: SavedTensorMeter, active: bool):
+    """Counts, under ``active`` (stock checkpointing), the inputs each checkpointed layer keeps
+    to recompute itself: autograd's saved-tensor hooks never see them (the checkpoint's
+    closure holds them), yet they stay until the layer's backward."""
+    if not active:
+        yield
+        return
+    from hf_actq.integrations.checkpointing import checkpointed_layers
+
+    def keep_inputs(module, args, kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                meter.keep(value)
+
+    handles = [
+        layer.register_forward_pre_hook(keep_inputs, with_kwargs=True)
+        for layer in checkpointed_layers(model).values()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager

@@ -5,12 +5,20 @@ from __future__ import annotations
 from hf_actq.config import ActQConfig
 
 CHUNKED_LOSS = "chunked-loss"  # the stock model but for the causal-LM loss
+# The stock model under transformers' own (non-reentrant) gradient checkpointing: what a user
+# gets with ``gradient_checkpointing=True``, the comparison a practitioner asks for first.
+STOCK_CHECKPOINTING = "stock-checkpointing"
 
 
 def parse_recipe(spec: str) -> tuple[str, ActQConfig | None]:
-    """ "baseline", "chunked-loss", "fewbit", "uniform:bits=4", "alam:bits=0.5,dropout_mode=mask"
-    -> config."""
+    """ "baseline", "chunked-loss", "stock-checkpointing", "fewbit", "uniform:bits=4",
+    "alam:bits=0.5,dropout_mode=mask" -> config (``STOCK_CHECKPOINTING`` itself for that one:
+    no hf_actq config)."""
     name, _, overrides = spec.partition(":")
+    if name == STOCK_CHECKPOINTING:
+        if overrides:
+            raise ValueError(f"the {name} recipe takes no overrides")
+        return spec, STOCK_CHECKPOINTING
     if name in ("baseline", CHUNKED_LOSS):
         if overrides:
             raise ValueError(f"the {name} recipe takes no overrides")

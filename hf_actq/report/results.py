@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from hf_actq.memory.meter import OP_KINDS
 from hf_actq.report.plots import plot, plot_plan
+from hf_actq.report.recipes import STOCK_CHECKPOINTING
 
 
 @dataclass
@@ -74,7 +75,9 @@ class MemoryReport:
         for result in self.results:
             m = result.measurement
             per_sample = m.activation_bytes / self.batch_size
-            if (result.config or {}).get("checkpoint_bits") is not None:
+            if (result.config or {}).get("checkpoint_bits") is not None or (
+                result.label == STOCK_CHECKPOINTING
+            ):
                 # Checkpointed layers are recomputed one at a time in backward, and each keeps
                 # its activations until its backward is done: about one stock layer's worth
                 # (the baseline's per layer; less when compress_checkpointed) on top.

@@ -159,6 +159,32 @@ def test_checkpoint_recipe_keeps_layer_inputs_only_and_its_max_batch_counts_one_
     assert report.rows()[1]["max_batch_size"] == expected
 
 
+def test_stock_checkpointing_is_measured_with_the_layer_inputs_it_keeps():
+    """The unpatched model under transformers' own checkpointing: what it keeps outside the
+    layers, plus each layer's inputs (held by the checkpoint, which saved-tensor hooks never
+    see): 4 layers x a [2, 32, 32] fp32 input, the layers' shared rotary tables and mask once.
+    Its peak and max batch carry a recomputed layer, as "checkpoint"'s do."""
+    report = measure_model(
+        _four_layer_llama(),
+        ["stock-checkpointing", "checkpoint"],
+        batch_size=2,
+        seq_len=32,
+        gpu_memory_bytes=2**30,
+    )
+    base, stock, packed = (result.measurement for result in report.results)
+    assert [result.label for result in report.results][1] == "stock-checkpointing"
+    assert report.results[1].config is None and report.results[1].patched_modules == 0
+    layer_inputs = 4 * 2 * 32 * 32 * 4
+    assert stock.by_kind["other"] >= layer_inputs  # the decoder layers' own kind
+    assert packed.activation_bytes < stock.activation_bytes < base.activation_bytes / 2
+    assert stock.peak_bytes <= base.peak_bytes  # here the optimizer step holds both peaks
+    per_sample = (stock.activation_bytes + base.activation_bytes / 4) / 2
+    expected = int((2**30 - stock.model_state_bytes) // per_sample)
+    assert report.rows()[1]["max_batch_size"] == expected
+    with pytest.raises(ValueError, match="takes no overrides"):
+        parse_recipe("stock-checkpointing:bits=4")
+
+
 def test_lora_keeps_frozen_weights_out_of_gradients_and_optimizer():
     pytest.importorskip("peft")
     full = measure_model(preset_config("tiny-llama"), [], batch_size=2, seq_len=16)
