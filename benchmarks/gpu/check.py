@@ -337,6 +337,27 @@ def _difference(a, b) -> float:
     return worst
 
 
+def timed_codecs(stochastic: bool) -> dict:
+    """The codecs the kernel parts time, by label (``speed.py`` times them as training packs,
+    stochastic)."""
+    from hf_actq.codecs import (
+        AverageQuantCodec,
+        MaskCodec,
+        RotatedSampleCodec,
+        SignPreservingCodec,
+        SmaQCodec,
+    )
+
+    return {
+        "uniform 4-bit": AverageQuantCodec(4, 1, stochastic=stochastic),
+        "AQ 0.5-bit (2-bit, groups of 4)": AverageQuantCodec(2, 4, stochastic=stochastic),
+        "BLPA 4-bit": SignPreservingCodec(4),
+        "SmaQ": SmaQCodec(stochastic=stochastic),
+        "rotated 4-bit": RotatedSampleCodec(bits=4, group_size=1, stochastic=stochastic),
+        "mask 1-bit": MaskCodec(),
+    }
+
+
 def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     """``(name, hf_actq function, the function it is timed against, goal ratio or None)``; the
     hf_actq function returns the tensors compared between kernel and twin. Goals (issue 38):
@@ -346,9 +367,6 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     from hf_actq.codecs import (
         AverageQuantCodec,
         MaskCodec,
-        RotatedSampleCodec,
-        SignPreservingCodec,
-        SmaQCodec,
     )
     from hf_actq.ops import FewBitActivation
     from hf_actq.ops.attention import compressed_sdpa_attention
@@ -385,15 +403,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
 
     # Deterministic rounding, so that kernel and twin can be compared bit for bit (stochastic
     # rounding draws other noise in each; the test suite checks its statistics).
-    codecs = {
-        "uniform 4-bit": AverageQuantCodec(4, 1, stochastic=False),
-        "AQ 0.5-bit (2-bit, groups of 4)": AverageQuantCodec(2, 4, stochastic=False),
-        "BLPA 4-bit": SignPreservingCodec(4),
-        "SmaQ": SmaQCodec(stochastic=False),
-        "rotated 4-bit": RotatedSampleCodec(bits=4, group_size=1, stochastic=False),
-        "mask 1-bit": MaskCodec(),
-    }
-    for label, codec in codecs.items():
+    for label, codec in timed_codecs(stochastic=False).items():
         source = (x > 0).to(dtype) if isinstance(codec, MaskCodec) else x
 
         def ours(codec=codec, source=source):

@@ -76,11 +76,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     from torch import nn
 
     from hf_actq.codecs import (
-        AverageQuantCodec,
         MaskCodec,
-        RotatedSampleCodec,
-        SignPreservingCodec,
-        SmaQCodec,
     )
     from hf_actq.ops import FewBitActivation
 
@@ -111,15 +107,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
         x.clone()
         x.clone()
 
-    codecs = {
-        "uniform 4-bit": AverageQuantCodec(4, 1),
-        "AQ 0.5-bit": AverageQuantCodec(2, 4),
-        "BLPA 4-bit": SignPreservingCodec(4),
-        "SmaQ": SmaQCodec(),
-        "rotated 4-bit": RotatedSampleCodec(bits=4, group_size=1),
-        "mask 1-bit": MaskCodec(),
-    }
-    for label, codec in codecs.items():
+    for label, codec in check.timed_codecs(stochastic=True).items():
         source = (x > 0).to(dtype) if isinstance(codec, MaskCodec) else x
 
         def ours(codec=codec, source=source):

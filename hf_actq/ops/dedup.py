@@ -35,6 +35,7 @@ from hf_actq.codecs.packed import (
     draw_seed_tensor,
     process_rank,
 )
+from hf_actq.kernels import seeded_dropout
 from hf_actq.ops.slots import observer, seed_override
 
 
@@ -112,8 +113,6 @@ class DerivedPacked(Packed):
         return len(self.tensors) - (self.p > 0)
 
     def unpack(self) -> torch.Tensor:
-        from hf_actq.kernels import seeded_dropout
-
         value = self.source.with_tensors(self.tensors[: self._split]).unpack().to(self.dtype)
         if self.p > 0:
             value = seeded_dropout(value, self.p, int(self.tensors[-1].item()))

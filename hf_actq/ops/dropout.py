@@ -31,8 +31,7 @@ def _dropped(x: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
 
 class CompressedDropoutFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, p, mode, seed_tensor):
-        seed = int(seed_tensor.item())  # a CPU tensor: no device read
+    def forward(ctx, x, p, mode, seed, seed_tensor):
         ctx.p, ctx.mode, ctx.shape = p, mode, x.shape
         if mode == "seed":
             # On a GPU the kernel draws each element's decision from the seed: no mask exists.
@@ -47,9 +46,9 @@ class CompressedDropoutFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         (saved,) = ctx.saved_tensors
         if ctx.mode == "seed":
-            return seeded_dropout(grad_y, ctx.p, int(saved.item())), None, None, None
+            return seeded_dropout(grad_y, ctx.p, int(saved.item())), None, None, None, None
         keep = mask_unpack(saved, ctx.shape, torch.bool)
-        return _dropped(grad_y, keep, ctx.p), None, None, None
+        return _dropped(grad_y, keep, ctx.p), None, None, None, None
 
 
 class CompressedDropout(nn.Dropout):
@@ -85,12 +84,13 @@ class CompressedDropout(nn.Dropout):
                 seed_tensor = torch.tensor([seed], dtype=torch.int64, device="cpu")
                 state.cache.alias(y, x, float(self.p), seed_tensor)
             return y
-        seed = torch.tensor([draw_seed()], dtype=torch.int64, device="cpu")
-        y = CompressedDropoutFunction.apply(x, float(self.p), state.dropout_mode, seed)
+        seed = draw_seed()
+        seed_tensor = torch.tensor([seed], dtype=torch.int64, device="cpu")
+        y = CompressedDropoutFunction.apply(x, float(self.p), state.dropout_mode, seed, seed_tensor)
         if state.offer_output and state.dropout_mode == "seed":
             # PEFT's LoRA dropout: its consumer (lora_A) packs the input instead, shared with
             # the other adapters of that input, and rebuilds the output with this seed.
-            state.cache.alias(y, x, float(self.p), seed)
+            state.cache.alias(y, x, float(self.p), seed_tensor)
         return y
 
     def extra_repr(self) -> str:
