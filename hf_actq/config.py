@@ -31,28 +31,48 @@ SWITCHES = (
 )
 
 
+# The codecs in words, for ``ActQConfig.describe``.
+CODEC_WORDS = {
+    "uniform": "stochastic rounding",
+    "aq": "average quantization (ALAM)",
+    "blpa": "sign-preserving rounding (BLPA)",
+    "smaq": "SmaQ",
+    "rotated": "rotated stochastic rounding",
+}
+
+
 def _help(text: str, **extra):
     return {"help": text, **extra}
 
 
 @dataclass
 class ActQConfig:
-    """``ActQConfig(bits=3)``: pointwise activations get a 3-bit few-bit derivative and every
-    other targeted slot (linear, norm, gated-MLP and attention inputs) is kept at 3 bits;
-    dropout masks are regenerated from a seed (or 1 bit per element with
-    ``dropout_mode="mask"``).
+    """What ``hf_actq.apply(model, config)`` compresses and how; every field is validated.
 
-    ``bits`` is the average precision of the non-activation slots: 1..8 for "uniform" and
-    "blpa"; with ``codec="aq"`` it may be below 1 (0.5 is ALAM's "AQ 0.5-bit": groups of 4 at
-    2 bits). ``activation_bits`` defaults to ``bits`` clamped to 1..4.
+    Start from a named recipe and override what you need::
 
-    Per-slot settings (``slots``) and bit plans (``plan``) give single slots their own
-    precision; ``adaptive`` makes ``bits`` a target average that the adaptive pass (ALAM's
-    GradNormVar and greedy allocation, :mod:`hf_actq.adaptive`) spreads over the slots.
+        ActQConfig.from_recipe("checkpoint")          # layers recomputed from 4-bit inputs
+        ActQConfig.from_recipe("uniform", bits=3)     # the same as ActQConfig(bits=3)
+        ActQConfig(recipe="fewbit")                   # 3-bit activation derivatives only
+
+    ``ActQConfig()`` is the "uniform" recipe at 4 bits: the inputs of linear, norm, gated-MLP
+    and attention ops are kept at 4-bit stochastic rounding, pointwise activations (GELU,
+    SiLU, ...) keep a 4-bit few-bit derivative, and dropout masks are regenerated from a seed
+    (``dropout_mode="mask"``: 1 bit an element). ``ActQConfig(bits=3)`` is the same at 3 bits.
+
+    ``bits`` is the precision of the compressed slots: 1..8 for "uniform" and "blpa"; with
+    ``codec="aq"`` it may be below 1 (0.5 is ALAM's "AQ 0.5-bit": groups of 4 at 2 bits).
+    ``activation_bits`` defaults to ``bits`` clamped to 1..4. Per-slot settings (``slots``) and
+    bit plans (``plan``) give single slots their own precision; ``adaptive`` makes ``bits`` a
+    target average that the adaptive pass (ALAM's GradNormVar and greedy allocation,
+    :mod:`hf_actq.adaptive`) spreads over the slots. ``config.describe()`` says in a few
+    words what a config keeps.
     """
 
+    # 4 bits: the width whose accuracy the GLUE recipe shows (3 seeds, every task within the
+    # unpatched model's spread); "fewbit" keeps 3, shown the same way for its derivatives.
     bits: float = field(
-        default=3, metadata=_help("Precision of the compressed slots (average, when adaptive).")
+        default=4, metadata=_help("Precision of the compressed slots (average, when adaptive).")
     )
     codec: Literal["uniform", "aq", "blpa", "smaq", "rotated"] = field(
         default="uniform",
@@ -356,9 +376,10 @@ class ActQConfig:
     # Recipes -----------------------------------------------------------------------------------
     @classmethod
     def from_recipe(cls, name: str, **overrides) -> ActQConfig:
-        """ "fewbit": few-bit activation derivatives only (the paper's setting; the outputs,
-        logits included, are the stock model's bit for bit).
-        "uniform": every slot at ``bits``-bit stochastic rounding, activations few-bit.
+        """ "fewbit": few-bit activation derivatives only, at ``bits`` (default 3; the paper's
+        setting; the outputs, logits included, are the stock model's bit for bit).
+        "uniform": every slot at ``bits``-bit stochastic rounding (default 4), activations
+        few-bit.
         "alam": ALAM as published: average quantization at ``bits`` on average (default 1),
         spread over the slots by sensitivity (``adaptive=False`` spreads it evenly), calibrated
         after the first step on one example, K packed along the sequence, norms keeping their
@@ -392,6 +413,29 @@ class ActQConfig:
         return replace(self, **changes)
 
     # Derived -----------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """What this config keeps for backward, in a few words ("4-bit stochastic rounding,
+        4-bit activation derivatives"): the memory report's rows and the callback's log say it."""
+        derivatives = f"{self.activation_bits}-bit activation derivatives"
+        if not self.activations:
+            derivatives = "stock activations"
+        if self.checkpoint_bits is not None:
+            rotated = "rotated " if self.checkpoint_codec == "rotated" else ""
+            return (
+                f"layers recomputed from {self.checkpoint_bits}-bit {rotated}inputs; "
+                f"the rest {self.bits:g}-bit"
+            )
+        if not any(getattr(self, kind) for kind in ("linear", "norm", "gated_mlp", "attention")):
+            return f"{derivatives} only"
+        codec = CODEC_WORDS.get(self.codec, self.codec)
+        if self.adaptive or self.plan is not None:
+            unit = "bit" if self.bits == 1 else "bits"
+            planned = f"{codec}, {self.bits:g} {unit} on average, planned per tensor"
+            if self.adaptive and self.allocate_activations:
+                return planned
+            return f"{planned}; {derivatives}"
+        return f"{self.bits:g}-bit {codec}; {derivatives}"
+
     def default_setting(self) -> dict:
         """The setting of a slot the config gives no setting of its own."""
         return dict(zip(SETTING_KEYS, (self.codec, self.bits, self.group_size, self.block_size)))
@@ -441,7 +485,7 @@ def _with_recipe(name, given: dict) -> dict:
     if name == "fewbit":
         # Nothing but the activation derivatives changes: no fused loss (it drops the logits).
         off = ("linear", "norm", "gated_mlp", "attention", "dropout", "fused_loss")
-        return {**dict.fromkeys(off, False), **given}
+        return {"bits": 3, **dict.fromkeys(off, False), **given}
     if name == "uniform":
         return dict(given)
     if name == "alam":

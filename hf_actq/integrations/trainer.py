@@ -61,10 +61,10 @@ class ActQCallback(TrainerCallback, ExportableState):
     """Patch the ``Trainer``'s model with hf_actq before the optimizer exists (the module
     docstring has the details).
 
-    ``ActQCallback(recipe="checkpoint")`` or ``ActQCallback(bits=4)`` take the fields of
-    :class:`~hf_actq.ActQConfig`: ``ActQCallback(bits=3)`` is ``ActQConfig(bits=3)``, uniform
-    stochastic rounding at 3 bits for every compressed slot and 3-bit activation derivatives;
-    an ``ActQConfig`` may be passed instead. An adaptive config is calibrated on examples of the
+    ``ActQCallback(recipe="checkpoint")`` or ``ActQCallback(bits=3)`` take the fields of
+    :class:`~hf_actq.ActQConfig`: ``ActQCallback()`` is the "uniform" recipe at 4 bits
+    (stochastic rounding of every compressed slot, 4-bit activation derivatives) and
+    ``ActQCallback(bits=3)`` the same at 3 bits; an ``ActQConfig`` may be passed instead. An adaptive config is calibrated on examples of the
     training set and its plan saved with each checkpoint, so a resumed run goes on with it. With
     ``log_memory`` the logs get ``actq_activation_mib`` (the bytes autograd kept for backward)
     and, on CUDA, ``actq_peak_mib``. ``callback.handle`` is the handle; the model stays patched
@@ -113,7 +113,7 @@ class ActQCallback(TrainerCallback, ExportableState):
             return
         self.handle = apply(base, self.config)
         if state is None or state.is_world_process_zero:
-            logger.info("hf_actq: patched %s (%s)", self.handle.summary() or "nothing", self.config)
+            logger.info("hf_actq: %s", self.handle.explain())
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure_patched(args, state, model)
@@ -171,10 +171,19 @@ class ActQCallback(TrainerCallback, ExportableState):
         self.memory_history.append(record)
         self._pending = record
         if state.is_world_process_zero and len(self.memory_history) == 1:
+            kept, originals = record["activation_bytes"], self._monitor.uncompressed_bytes
+            # Near the unpatched model's bytes, and mostly below (the unpatched model also keeps
+            # what hf_actq regenerates): said where it means something, not under
+            # checkpointing, whose recomputed layers it cannot see.
+            estimate = originals > kept and not (self.handle and self.handle.checkpointed)
             logger.info(
-                "hf_actq: step %d kept %.1f MiB of activations for backward",
-                record["step"],
-                record["activation_bytes"] / 2**20,
+                "hf_actq: the first step kept %s of activations for backward%s",
+                _mib(kept),
+                f"; with the tensors it compressed at full size, {_mib(originals)} "
+                f"({originals / max(kept, 1):.1f}x; `hf-actq memory` measures the unpatched "
+                "model)"
+                if estimate
+                else "",
             )
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -302,6 +311,10 @@ class ActQCallback(TrainerCallback, ExportableState):
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _differences(mine: ActQConfig, theirs: ActQConfig) -> str:

@@ -155,6 +155,27 @@ class ActQHandle:
             kinds[kind] = kinds.get(kind, 0) + 1
         return ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
 
+    def explain(self) -> str:
+        """One line on what ``apply`` did: the recipe and what it keeps, the modules patched by
+        kind, and those left stock, grouped by why (a path of each)."""
+        line = self.config.describe()
+        if self.config.recipe:
+            line = f'"{self.config.recipe}" ({line})'
+        line += f": patched {self.summary() or 'nothing'}"
+        if self.checkpointed:
+            line += f", {len(self.checkpointed)} layers checkpointed"
+        reasons: dict[str, list[str]] = {}
+        for path, why in self.skipped.items():
+            if path not in self.checkpointed:  # run stock inside the packed checkpoint
+                reasons.setdefault(why, []).append(path)
+        if reasons:
+            groups = [
+                f"{len(paths)} {why} ({paths[0]}{', ...' if len(paths) > 1 else ''})"
+                for why, paths in sorted(reasons.items(), key=lambda item: -len(item[1]))
+            ]
+            line += f"; left stock: {'; '.join(groups)}"
+        return line
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The HF model inside DDP/FSDP/accelerate, PEFT and ``torch.compile`` wrappers."""

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
+from hf_actq.ops.slots import _OBSERVER, SlotObserver
 from hf_actq.ops.state import observing
 
 OP_KINDS = (
@@ -233,10 +235,14 @@ class ActivationMonitor:
 
     def __init__(self, model: nn.Module):
         self._model = model
-        self._meters: dict[int, SavedTensorMeter] = {}  # by thread
+        self._meters: dict[int, tuple] = {}  # by thread: meter, originals, observer token
         self._lock = threading.Lock()
         self.armed = False
         self.max_bytes = 0
+        # The same forward's bytes with the tensors hf_actq compressed counted at their own
+        # size: about what the unpatched model keeps, mostly less (it also keeps what hf_actq
+        # regenerates or recomputes: dropout masks, logits, checkpointed layers' insides).
+        self.uncompressed_bytes = 0
         self.forwards = 0
         self._handles = [
             model.register_forward_pre_hook(self._start),
@@ -244,7 +250,7 @@ class ActivationMonitor:
         ]
 
     def arm(self) -> None:
-        self.armed, self.max_bytes, self.forwards = True, 0, 0
+        self.armed, self.max_bytes, self.uncompressed_bytes, self.forwards = True, 0, 0, 0
 
     def disarm(self) -> None:
         self.armed = False
@@ -263,20 +269,67 @@ class ActivationMonitor:
         ):
             meter = SavedTensorMeter(exclude=_parameters_read(module))
             meter.__enter__()
-            self._meters[thread] = meter
+            originals = _Originals()
+            self._meters[thread] = (meter, originals, _OBSERVER.set(originals))
 
     def _stop(self, module, args, output) -> None:
-        meter = self._meters.pop(threading.get_ident(), None)
-        if meter is not None:
+        entry = self._meters.pop(threading.get_ident(), None)
+        if entry is not None:
+            meter, originals, token = entry
+            _OBSERVER.reset(token)
             meter.__exit__(None, None, None)
             with self._lock:
-                self.max_bytes = max(self.max_bytes, meter.nbytes)
+                if meter.nbytes >= self.max_bytes:
+                    self.max_bytes = meter.nbytes
+                    self.uncompressed_bytes = originals.uncompressed(meter)
                 self.forwards += 1
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+class _Originals(SlotObserver):
+    """The tensors hf_actq's ops compress in a forward: each source storage once (stock
+    autograd keeps a tensor once however many ops save it), and the bytes of the packs made.
+    A source is freed once packed, and its address may come back for another: a storage is
+    the same only while a tensor of it is alive (weak references, which keep nothing)."""
+
+    passive = True
+
+    def __init__(self) -> None:
+        self.live: dict[tuple, tuple[weakref.ref, int]] = {}
+        self.freed_bytes = 0  # sources whose address another tensor took
+        self.packed_bytes = 0
+
+    def _source(self, x: torch.Tensor) -> None:
+        key = _storage_key(x)
+        seen = self.live.get(key)
+        if seen is not None and seen[0]() is not None:
+            return
+        if seen is not None:
+            self.freed_bytes += seen[1]
+        self.live[key] = (weakref.ref(x), x.untyped_storage().nbytes())
+
+    def on_pack(self, slot, x, codec, nbytes, shared_with):
+        self._source(x)
+        if shared_with is None:
+            self.packed_bytes += nbytes
+
+    def on_fewbit(self, slot, x, activation):
+        self._source(x)
+        self.packed_bytes += (x.numel() * activation.bits + 7) // 8
+
+    def uncompressed(self, meter: SavedTensorMeter) -> int:
+        """``meter``'s bytes with each compressed tensor at its own size instead of its pack
+        (a source the forward also kept as it is counts once)."""
+        added = self.freed_bytes + sum(
+            nbytes
+            for key, (ref, nbytes) in self.live.items()
+            if ref() is None or key not in meter._storages
+        )
+        return meter.nbytes + max(0, added - self.packed_bytes)
 
 
 def _parameters_read(module: nn.Module) -> list[torch.Tensor]:

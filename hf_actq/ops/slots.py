@@ -27,6 +27,10 @@ KINDS = ("linear", "norm", "activation", "mlp", "attention")
 class SlotObserver:
     """Told about each slot a forward fills; subclass and pass to :func:`observe`."""
 
+    # A passive observer (the training monitor's) must not change what the ops keep; the
+    # adaptive pass's is not passive: the ops then keep each slot's own pack, unshared.
+    passive = False
+
     def on_pack(self, slot: str, x: torch.Tensor, codec, nbytes: int, shared_with: str | None):
         """A codec slot: ``x`` packed with ``codec`` into ``nbytes`` bytes, or (``shared_with``
         set) found already packed by that slot."""

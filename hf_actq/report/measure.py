@@ -49,7 +49,7 @@ from hf_actq.report.models import (
     max_positions,
     text_config,
 )
-from hf_actq.report.recipes import STOCK_CHECKPOINTING, parse_recipe
+from hf_actq.report.recipes import STOCK_CHECKPOINTING, describe_recipe, parse_recipe
 from hf_actq.report.results import Measurement, MemoryReport, RecipeResult
 
 PEFT_MODES = ("none", "lora", "qlora")
@@ -150,7 +150,11 @@ def measure_model(
         _, patched, plan, kinds = runs[-1]
         if plan is not None:
             plan["info"]["scaled"] = len(runs) == 2
-        results.append(RecipeResult(label, as_dict, measurement, patched, plan, kinds))
+        results.append(
+            RecipeResult(
+                label, as_dict, measurement, patched, plan, kinds, describe_recipe(actq_config)
+            )
+        )
     return MemoryReport(
         model=name or config.model_type,
         model_type=config.model_type,
@@ -215,6 +219,9 @@ def _measure_step(
         _enable_stock_checkpointing(model)
     elif actq_config is not None:
         from hf_actq.integrations.transformers import apply
+
+        if actq_config.checkpoint_bits is not None:
+            _cache_off(model)
 
         adaptive = actq_config.adaptive and actq_config.plan is None
         with _quiet(adaptive):  # the plan is calibrated right here
@@ -286,14 +293,21 @@ def _enable_stock_checkpointing(model) -> None:
             f"{type(base).__name__} does not support gradient checkpointing: leave out the "
             f"{STOCK_CHECKPOINTING} recipe"
         )
-    if getattr(base.config, "use_cache", False):  # what transformers would switch off, warning
-        base.config.use_cache = False
+    _cache_off(base)
     kwargs = {"use_reentrant": False}
     turn_on = getattr(base, "activation_checkpointing_enable", None)
     if turn_on is not None:
         turn_on(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _cache_off(model) -> None:
+    """``use_cache=False`` on a model about to train with checkpointed layers: what transformers
+    would switch off itself, with a warning in the report's output."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "use_cache", False):
+        base.config.use_cache = False
 
 
 @contextlib.contextmanager

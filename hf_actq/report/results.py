@@ -44,6 +44,7 @@ class RecipeResult:
     patched_modules: int = 0
     plan: dict | None = None  # BitPlan.to_dict() of an adaptive recipe
     slot_kinds: dict[str, str] = field(default_factory=dict)
+    description: str = ""  # what the recipe keeps, in words (report.recipes.describe_recipe)
 
 
 @dataclass
@@ -86,6 +87,7 @@ class MemoryReport:
             rows.append(
                 {
                     "recipe": result.label,
+                    "keeps": result.description,
                     "activation_bytes": m.activation_bytes,
                     "independent_count_bytes": m.graph_bytes,
                     "compression": base.activation_bytes / max(m.activation_bytes, 1),
@@ -126,9 +128,9 @@ class MemoryReport:
         peak_label = "peak (estimated)" if self.scaled else "peak (measured)"
         gpu = self.gpu_memory_bytes / gib
         lines += [
-            f"| recipe | activation memory | compression | saved | model state | {peak_label} "
-            f"| max batch on {gpu:g} GiB |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            f"| recipe | what it keeps for backward | activation memory | compression | saved "
+            f"| model state | {peak_label} | max batch on {gpu:g} GiB |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
         ]
         base_batch = base_peak = None
         above = []
@@ -143,11 +145,12 @@ class MemoryReport:
                 above.append(row["recipe"])
             phase = f" ({row['peak_phase']})" if row["peak_phase"] else ""
             lines.append(
-                f"| {row['recipe']} | {format_bytes(row['activation_bytes'])} | "
+                f"| {row['recipe']} | {row['keeps']} | {format_bytes(row['activation_bytes'])} | "
                 f"{row['compression']:.2f}x | {100 * row['activation_saved']:.1f}% | "
                 f"{format_bytes(row['model_state_bytes'])} | {format_bytes(row['peak_bytes'])}{phase}{flag} | "
                 f"{batch}{gain} |"
             )
+        lines += ["", legend(gpu, self.scaled)]
         if above:
             lines += [
                 "",
@@ -196,6 +199,22 @@ class MemoryReport:
         return paths
 
 
+def legend(gpu_gib: float, scaled: bool) -> str:
+    """What the main table's columns count, said under it."""
+    peak = "estimated from the measured depths" if scaled else "measured"
+    return (
+        "Activation memory: the bytes autograd holds for backward when the forward pass ends "
+        "(codes, scales, masks and seeds included; weights not; each storage once); "
+        "compression and saved are against the baseline, the unpatched model. Model state: "
+        f"weights, gradients and AdamW's moments. Peak ({peak}): the most memory the step held "
+        "at any moment, model state included, and the phase it came in. Max batch: the "
+        f"largest batch whose activation memory fits beside the model state in {gpu_gib:g} "
+        "GiB; a recipe that recomputes layers also holds one layer's unpatched activations "
+        "while that layer's backward runs, so its max batch can be below that of a recipe "
+        "that keeps more. How each byte is counted: docs/memory.md."
+    )
+
+
 def plan_markdown(result: RecipeResult) -> list[str]:
     from hf_actq.adaptive.plan import BitPlan
 
@@ -208,20 +227,28 @@ def plan_markdown(result: RecipeResult) -> list[str]:
         f"{info['alam_bits']:.3f} bits, {info['bytes']:,} of {info['budget_bytes']:,} code "
         f"bytes; counted with scales and minima, {info['counted_bytes']:,} bytes"
     )
+    unit = "bit" if plan.target_bits == 1 else "bits"
     lines = [
-        f"Bit plan of {result.label}: {plan.target_bits} bits on average {amount} "
-        f"(the even spread keeps {info['even_bytes']:,}); {info['measured']} slots measured "
-        f"on {examples} example{'' if examples == 1 else 's'}, {info['estimated']} estimated, "
-        f"{info['seconds']:.1f} s"
+        f"Bit plan of {result.label}, {plan.target_bits:g} {unit} on average: by {amount} "
+        f"(an even spread of the same bits keeps {info['even_bytes']:,}). "
+        f"{info['measured']} tensors were measured on {examples} "
+        f"example{'' if examples == 1 else 's'} and {info['estimated']} took their kind's median "
+        f"sensitivity, in {info['seconds']:.1f} s"
         + (" (on the measured model, before extrapolation)." if info.get("scaled") else "."),
         "",
-        "| slot kind | settings (slots) |",
+        "| slot kind | settings (tensors) |",
         "|---|---|",
     ]
     for kind, counts in sorted(plan.summary(result.slot_kinds).items()):
         cells = ", ".join(f"{label} ({n})" for label, n in sorted(counts.items()))
         lines.append(f"| {kind} | {cells} |")
-    return lines
+    return lines + [
+        "",
+        "Settings: `aq B/G` is ALAM's average quantization, G values averaged into one code of "
+        "B x G bits (0.5/4: ALAM's 0.5 bit); `uniform B` and `rotated B` are B-bit "
+        "stochastic rounding (rotated: after random signs and a Hadamard rotation); `few-bit B` is a "
+        "B-bit activation derivative; `exact` is kept as is.",
+    ]
 
 
 def format_bytes(nbytes: float) -> str:

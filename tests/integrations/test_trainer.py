@@ -1,5 +1,6 @@
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -382,3 +383,32 @@ def test_alam_calibrates_after_the_first_step_as_its_code_does(tmp_path, caplog)
         trainer.train()
     assert callback.calibrated_at == [1, 2]
     assert "plan for 1 bits on average before step 1" in caplog.text
+
+
+def test_the_callback_says_in_one_line_what_it_patched_and_left_stock(tmp_path, caplog):
+    """The start-of-training line: the recipe and what it keeps, the modules patched by kind,
+    the ones left stock with why, then what the first step kept."""
+    with caplog.at_level(logging.INFO, logger="hf_actq"):
+        trainer = Trainer(
+            model=_bert(),
+            args=_args(tmp_path),
+            train_dataset=Toy(causal=False),
+            callbacks=[ActQCallback(recipe="uniform", skip_modules=["classifier"])],
+        )
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hf_actq: ")]
+    assert lines[0] == (
+        'hf_actq: "uniform" (4-bit stochastic rounding; 4-bit activation derivatives): patched '
+        "2 activation, 2 attention, 8 dropout, 13 linear, 5 norm; left stock: 1 tanh keeps its "
+        "output, which the next op keeps exactly too (a few-bit copy would add bytes) "
+        "(bert.pooler.activation); 1 skip_modules (classifier)"
+    )
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ActQCallback))
+    kept = callback.memory_history[0]["activation_bytes"]
+    first = [line for line in lines if "the first step kept" in line]
+    assert len(first) == 1 and re.fullmatch(
+        rf"hf_actq: the first step kept {kept / 1024:.1f} KiB of activations for backward; "
+        r"with the tensors it compressed at full size, [0-9.]+ KiB "
+        r"\([0-9.]+x; `hf-actq memory` measures the unpatched model\)",
+        first[0],
+    ), first

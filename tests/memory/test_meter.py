@@ -109,3 +109,26 @@ def test_the_monitor_meters_each_data_parallel_replica_in_its_own_thread(patched
         model(input_ids=halves[0], labels=halves[0])
     assert meter.nbytes == alone[0]  # nothing of the monitor's left on this thread
     monitor.remove()
+
+
+@pytest.mark.parametrize("recipe", ["fewbit", "uniform", "alam"])
+def test_the_monitor_estimates_the_unpatched_bytes_from_the_tensors_it_compressed(recipe):
+    """``uncompressed_bytes``: the forward's bytes with each compressed tensor at its own size:
+    about what the unpatched model keeps (within hf_actq's own small buffers above; it also
+    keeps what hf_actq regenerates), close to it on an encoder, where nearly every saved tensor
+    is a compressed one."""
+    from hf_actq.testing import tiny_batch, tiny_model
+
+    model, batch = tiny_model("bert").train(), tiny_batch("bert")
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        model(**batch)
+    unpatched = meter.nbytes
+    hf_actq.apply(model, hf_actq.ActQConfig.from_recipe(recipe, adaptive=False))
+    monitor = ActivationMonitor(model)
+    monitor.arm()
+    model(**batch)
+    assert monitor.max_bytes < monitor.uncompressed_bytes <= unpatched * 1.01
+    assert (
+        monitor.uncompressed_bytes
+        > {"fewbit": 0.8, "uniform": 0.9, "alam": 0.9}[recipe] * unpatched
+    )

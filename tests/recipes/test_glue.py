@@ -104,7 +104,7 @@ def test_run_writes_results_patched_and_unpatched(tiny_model, glue_dir, tmp_path
         )
     )  # fmt: skip
     assert baseline["recipe"] == "baseline" and baseline["actq"] is None
-    assert patched["recipe"] == "uniform-3" and patched["actq"]["bits"] == 3
+    assert patched["recipe"] == "uniform-4" and patched["actq"]["bits"] == 4  # the default
     for name, result in (("base", baseline), ("uniform", patched)):
         on_disk = json.loads((tmp_path / name / "actq_results.json").read_text())
         assert on_disk == json.loads(json.dumps(result))

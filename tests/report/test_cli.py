@@ -33,7 +33,11 @@ def test_command_prints_the_table_and_writes_outputs(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "| baseline |" in out and "| alam:bits=0.5 |" in out and "max batch on 24 GiB" in out
+    assert "| baseline | the unpatched model |" in out and "max batch on 24 GiB" in out
+    # Each row says its bits and codec, and a legend says what the columns count.
+    assert "| fewbit | 3-bit activation derivatives only |" in out
+    assert "| alam:bits=0.5 | average quantization (ALAM), 0.5 bits on average" in out
+    assert "fits beside the model state in 24 GiB" in out and "docs/memory.md" in out
     assert "independent count (autograd graph walk) agrees within 0.00%" in out
     assert (tmp_path / "memory.json").exists() and (tmp_path / "memory.md").exists()
     # The report names what made it: tools/results_age.py ages it by this commit.
