@@ -3,8 +3,10 @@
 metrics, the activation memory autograd kept, the step's peak memory, the step time and the
 config.
 
+    python recipes/glue/run.py --model_name_or_path sentence-transformers/all-MiniLM-L6-v2 \\
+        --task_name mrpc --recipe checkpoint --output_dir runs/mrpc-checkpoint
     python recipes/glue/run.py --model_name_or_path <model dir> --task_name mrpc \\
-        --glue_dir ../shared/glue_data --recipe fewbit --bits 3 --output_dir runs/mrpc-fewbit3
+        --glue_dir <dir of GLUE TSVs> --recipe fewbit --bits 3 --output_dir runs/mrpc-fewbit3
     accelerate launch recipes/glue/run.py <the same arguments>
     python recipes/glue/run.py my_run.json          # every argument in one JSON file
 
@@ -14,7 +16,7 @@ Arguments: this script's model and data arguments, every ``ActQConfig`` field (`
 the unpatched baseline (metered the same way), and all of ``TrainingArguments``.
 
 Data, first that applies: ``--glue_dir`` (the original GLUE TSV layout, e.g.
-``../shared/glue_data/MRPC/{train,dev}.tsv``), ``--train_file``/``--validation_file`` (csv or
+``<dir>/MRPC/{train,dev}.tsv``), ``--train_file``/``--validation_file`` (csv or
 json with a ``label`` column and one or two text columns), else the hub dataset
 ``nyu-mll/glue``. Metrics: ``evaluate.load("glue", task)`` when it loads, otherwise the same
 metrics from scikit-learn and scipy; the results record which.
@@ -45,6 +47,7 @@ from transformers import (
     set_seed,
 )
 
+from common.paths import looks_local, require_paths
 from common.records import (
     RecipeArguments,
     recipe_callbacks,
@@ -269,6 +272,32 @@ def sklearn_glue_metric(task, regression, predictions, references) -> dict:
     return result
 
 
+def check_paths(model_args: ModelArguments, data_args: DataArguments) -> None:
+    """Exit in one line on a local path that is not there (the flag named), before loading."""
+    model = model_args.model_name_or_path
+    spec = TASKS.get(data_args.task_name) if data_args.task_name else None
+    tsv = None
+    if data_args.glue_dir and spec is not None and Path(data_args.glue_dir).is_dir():
+        tsv = str(Path(data_args.glue_dir) / spec.directory / "train.tsv")
+    require_paths(
+        __file__,
+        model_name_or_path=(
+            model if looks_local(model) else None,
+            "a model directory; a hub id such as sentence-transformers/all-MiniLM-L6-v2 "
+            "downloads one",
+        ),
+        glue_dir=(
+            data_args.glue_dir,
+            "a directory of GLUE TSVs, <dir>/MRPC/train.tsv; leave it out to load "
+            "nyu-mll/glue from the hub",
+        ),
+        train_file=(data_args.train_file, "a csv or json file"),
+        validation_file=(data_args.validation_file, "a csv or json file"),
+    )
+    if tsv is not None:
+        require_paths(__file__, glue_dir=(tsv, f"{data_args.task_name}'s training TSV"))
+
+
 # Main ------------------------------------------------------------------------------------------
 def main(args: list[str] | None = None) -> dict | None:
     model_args, data_args, recipe_args, actq, training_args = parse_arguments(
@@ -276,6 +305,7 @@ def main(args: list[str] | None = None) -> dict | None:
     )
     setup_logging(training_args, "recipes.glue")
     config = actq if recipe_args.actq else None
+    check_paths(model_args, data_args)
 
     train, dev, num_labels = load_splits(data_args)
     set_seed(training_args.seed)  # the classifier head's initialisation

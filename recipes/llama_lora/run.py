@@ -3,8 +3,8 @@ hf_actq: Alpaca-format data and prompt, loss on the response tokens only, ``Trai
 ``ActQCallback``, a held-out split, and a results file per run with the held-out loss, the
 activation memory autograd kept, the step's peak memory, the step time and the config.
 
-    python recipes/llama_lora/run.py --model_name_or_path <model dir> \\
-        --data_path ../shared/alpaca/alpaca_5000.json --recipe alam --bits 1 \\
+    python recipes/llama_lora/run.py --model_name_or_path <model dir or hub id> \\
+        --data_path <alpaca.json or hub id> --recipe alam --bits 1 \\
         --output_dir runs/lora-alam1 --per_device_train_batch_size 8 --max_steps 200
     accelerate launch recipes/llama_lora/run.py <the same arguments>
     python recipes/llama_lora/run.py my_run.json          # every argument in one JSON file
@@ -54,6 +54,7 @@ from transformers import (
     set_seed,
 )
 
+from common.paths import looks_local, require_paths
 from common.records import (
     RecipeArguments,
     recipe_callbacks,
@@ -317,6 +318,19 @@ def main(args: list[str] | None = None) -> dict | None:
     )
     setup_logging(training_args, "recipes.llama_lora")
     config = actq if recipe_args.actq else None
+    model, data = model_args.model_name_or_path, data_args.data_path
+    require_paths(
+        __file__,
+        model_name_or_path=(
+            model if looks_local(model) else None,
+            "a causal LM directory; a hub id such as meta-llama/Llama-2-7b-hf downloads one",
+        ),
+        data_path=(
+            data if looks_local(data) else None,
+            "a JSON or JSONL file of Alpaca records; a hub id such as yahma/alpaca-cleaned "
+            "downloads one",
+        ),
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.tokenizer_name or model_args.model_name_or_path

@@ -95,6 +95,33 @@ def _arguments(model, glue_dir, out, task="rte", *extra):
     ]  # fmt: skip
 
 
+@pytest.mark.parametrize("case", ["glue_dir", "task", "model", "train_file"])
+def test_a_missing_local_path_stops_in_one_line_naming_its_flag(
+    case, tiny_model, glue_dir, tmp_path
+):
+    missing = tmp_path / "not-there"
+    arguments = {
+        "glue_dir": _arguments(tiny_model, missing, tmp_path / "out"),
+        "task": _arguments(tiny_model, tmp_path, tmp_path / "out"),  # a directory, no RTE/
+        "model": _arguments(missing, glue_dir, tmp_path / "out"),
+        "train_file": [
+            "--model_name_or_path", str(tiny_model), "--train_file", str(missing / "t.csv"),
+            "--validation_file", str(missing / "v.csv"), "--output_dir", str(tmp_path),
+        ],
+    }[case]  # fmt: skip
+    with pytest.raises(SystemExit) as stopped:
+        run.main(arguments)
+    message = str(stopped.value.code)
+    assert "\n" not in message and message.startswith("run.py: --") and "does not exist" in message
+    flag, shown = {
+        "glue_dir": ("glue_dir", missing),
+        "task": ("glue_dir", tmp_path / "RTE" / "train.tsv"),
+        "model": ("model_name_or_path", missing),
+        "train_file": ("train_file", missing / "t.csv"),
+    }[case]
+    assert f"--{flag} '{shown}'" in message, message
+
+
 def test_run_writes_results_patched_and_unpatched(tiny_model, glue_dir, tmp_path):
     baseline = run.main(_arguments(tiny_model, glue_dir, tmp_path / "base", "rte", "--no_actq"))
     patched = run.main(
@@ -195,9 +222,11 @@ def test_bad_data_arguments_say_what_to_do(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="--glue_dir needs --task_name"):
         run.main(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path)]
                  + ["--glue_dir", str(tmp_path)])  # fmt: skip
+    train = tmp_path / "x.csv"
+    train.write_text("label,text_a\n1,good\n")
     with pytest.raises(ValueError, match="needs --validation_file"):
         run.main(["--model_name_or_path", str(tiny_model), "--output_dir", str(tmp_path)]
-                 + ["--train_file", "x.csv"])  # fmt: skip
+                 + ["--train_file", str(train)])  # fmt: skip
 
 
 def test_sklearn_metrics_match_their_definitions():

@@ -201,6 +201,20 @@ def test_bad_data_is_reported_clearly(tiny_model, tmp_path):
         _run(tiny_model, path, tmp_path / "out")
 
 
+@pytest.mark.parametrize("flag", ["model", "data"])
+def test_a_missing_local_path_stops_in_one_line_naming_its_flag(
+    flag, tiny_model, alpaca_file, tmp_path
+):
+    missing = tmp_path / "not-there" / ("model" if flag == "model" else "alpaca.json")
+    model, data = (missing, alpaca_file) if flag == "model" else (tiny_model, missing)
+    with pytest.raises(SystemExit) as stopped:
+        _run(model, data, tmp_path / "out")
+    message = str(stopped.value.code)
+    assert "\n" not in message and message.startswith("run.py: --")
+    assert f"{'model_name_or_path' if flag == 'model' else 'data_path'} '{missing}'" in message
+    assert "does not exist" in message and "hub id" in message
+
+
 @pytest.mark.slow
 def test_qlora_on_cpu(alpaca_file, tmp_path):
     pytest.importorskip("bitsandbytes")
