@@ -28,6 +28,10 @@ class Packed:
     dtype: torch.dtype
     tensors: tuple[torch.Tensor, ...]
 
+    # The ops that keep these very buffers (an UnpackShare), when the pack cache (ops/dedup.py)
+    # gave them to several: set per pack (not a field), and ``with_tensors`` carries it.
+    _share = None
+
     @property
     def nbytes(self) -> int:
         """Bytes of every buffer this object holds (codes and metadata)."""
@@ -46,6 +50,14 @@ class Packed:
         return copy
 
     def unpack(self) -> torch.Tensor:
+        """The tensor rebuilt: once a backward for a pack several ops keep (the first to ask
+        unpacks, the others take its result), else each time."""
+        share = self._share
+        if share is not None and share.consumers > 1 and not torch.compiler.is_compiling():
+            return share.take(self)
+        return self._unpack()
+
+    def _unpack(self) -> torch.Tensor:
         if torch.compiler.is_compiling() and self.codec.name != "exact":
             # One opaque node in the trace: the operator codecs/library.py registers (the
             # package imports it), called through torch's registry so that this module, which
@@ -54,6 +66,27 @@ class Packed:
                 list(self.tensors), self.codec.op_key, list(self.shape), self.dtype
             )
         return self.codec.unpack(self)
+
+
+class UnpackShare:
+    """The consumers of one pack (q, k and v of one norm's output; the LoRA adapters of one
+    input) and, while some of them have not run their backward, the tensor the first one
+    unpacked. It lives as long as the consumers' saved headers (the autograd graph), so a
+    consumer whose backward never asks keeps the value no longer than the graph lives."""
+
+    __slots__ = ("consumers", "left", "value")
+
+    def __init__(self, consumers: int = 0) -> None:
+        self.consumers, self.left, self.value = consumers, 0, None
+
+    def take(self, packed: Packed) -> torch.Tensor:
+        if self.value is None:
+            self.value, self.left = packed._unpack(), self.consumers
+        value = self.value
+        self.left -= 1
+        if self.left <= 0:  # the last consumer: the graph holds it no longer
+            self.value = None
+        return value
 
 
 class Codec:

@@ -263,7 +263,8 @@ class CompressedSDPAFunction(torch.autograd.Function):
             _, vjp = torch.func.vjp(attend, *inputs)
             grads = vjp(grad_out)
         else:
-            inputs = tuple(t.requires_grad_() for t in inputs)
+            # Leaves of their own: a shared pack's consumers take one unpacked tensor.
+            inputs = tuple(t.detach().requires_grad_() for t in inputs)
             replay = ctx.rng_devices is not None
             with torch.random.fork_rng(devices=ctx.rng_devices or [], enabled=replay):
                 if replay:  # the forward's dropout mask, drawn again

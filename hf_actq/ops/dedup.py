@@ -31,6 +31,7 @@ from hf_actq.codecs.packed import (
     _SEED_MODULUS,
     Codec,
     Packed,
+    UnpackShare,
     draw_seed,
     draw_seed_tensor,
     process_rank,
@@ -112,7 +113,7 @@ class DerivedPacked(Packed):
     def _split(self) -> int:
         return len(self.tensors) - (self.p > 0)
 
-    def unpack(self) -> torch.Tensor:
+    def _unpack(self) -> torch.Tensor:
         value = self.source.with_tensors(self.tensors[: self._split]).unpack().to(self.dtype)
         if self.p > 0:
             value = seeded_dropout(value, self.p, int(self.tensors[-1].item()))
@@ -192,10 +193,18 @@ class PackCache:
             entry = None
         found = entry.reuse(x, codec) if entry is not None else None
         if found is not None:
+            found._share.consumers += 1  # one more op keeps it: it unpacks once for all
+            # A form rebuilt from its offerer's own pack (a norm's output from its x_hat) is one
+            # more consumer of that pack, once taken: it unpacks it once for all its takers.
+            source = getattr(found, "source", None)
+            offered_source = source._share if entry.offered and source is not None else None
+            if offered_source is not None and found._share.consumers == 1:
+                offered_source.consumers += 1
             if watcher is not None:
                 watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
             return found
         packed = self._packed(watcher, slot, x, codec, seed)
+        object.__setattr__(packed, "_share", UnpackShare(consumers=1))
         self._entries[key] = _Entry(
             _anchor(x, key),
             x._version,
@@ -214,10 +223,12 @@ class PackCache:
         if x.is_inference():
             return
         key = _where(x)
+        header = packed.with_tensors(())
+        object.__setattr__(header, "_share", UnpackShare())  # its consumers count themselves
         self._entries[key] = _Entry(
             _anchor(x, key),
             x._version,
-            packed.with_tensors(()),
+            header,
             tuple(weakref.ref(t) for t in packed.tensors),
             slot,
             offered=True,

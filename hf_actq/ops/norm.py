@@ -135,7 +135,7 @@ class NormOutputPacked(Packed):
     def _split(self) -> int:
         return len(self.tensors) - self.has_weight - self.has_bias
 
-    def unpack(self) -> torch.Tensor:
+    def _unpack(self) -> torch.Tensor:
         split = self._split
         x_hat = self.source.with_tensors(self.tensors[:split]).unpack()
         weight = self.tensors[split] if self.has_weight else None
