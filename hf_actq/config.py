@@ -117,7 +117,9 @@ class ActQConfig:
             "output, which the next linear keeps anyway, instead of their input, and rebuild "
             "the normalized input from it in backward (exact up to the output's rounding); "
             "compressed norms let the next linears with the same codec rebuild their input from "
-            "the norm's packed normalized input instead of packing it again."
+            "the norm's packed normalized input instead of packing it again; likewise a gated "
+            "MLP's product, rebuilt from its packed operands, for a down projection that runs "
+            "as its own module (PEFT LoRA's lora_A)."
         ),
     )
     fused_loss: bool = field(

@@ -156,7 +156,12 @@ def _gated_mlp(module, walk: Walk) -> Patch | None:
         CompressedGatedMLP.forward,
         {"input": "mlp", "act": "activation", "gate": "mlp", "up": "mlp"},
         f"gated_mlp {{act}}; {how} {{gate}}",
-        fields={"fused_projections": fused, "act_module": module.act_fn},
+        # Offered to a down projection run as its own module (PEFT LoRA's lora_A).
+        fields={
+            "fused_projections": fused,
+            "act_module": module.act_fn,
+            "offer_output": walk.config.share_norm_outputs,
+        },
         activation=gated,
         claims=tuple(module.modules()) if fused else (module.act_fn,),
         reads_child_weights=fused,

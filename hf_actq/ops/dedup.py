@@ -37,7 +37,7 @@ from hf_actq.codecs.packed import (
     process_rank,
 )
 from hf_actq.kernels import seeded_dropout
-from hf_actq.ops.slots import observer, seed_override
+from hf_actq.ops.slots import observer, per_slot_seeds, seed_override
 
 
 @dataclass(frozen=True)
@@ -194,12 +194,13 @@ class PackCache:
         found = entry.reuse(x, codec) if entry is not None else None
         if found is not None:
             found._share.consumers += 1  # one more op keeps it: it unpacks once for all
-            # A form rebuilt from its offerer's own pack (a norm's output from its x_hat) is one
-            # more consumer of that pack, once taken: it unpacks it once for all its takers.
-            source = getattr(found, "source", None)
-            offered_source = source._share if entry.offered and source is not None else None
-            if offered_source is not None and found._share.consumers == 1:
-                offered_source.consumers += 1
+            # A form rebuilt from its offerer's own packs (a norm's output from its x_hat, a
+            # gated product from its operands) is one more consumer of each, once taken: it
+            # unpacks them once for all its takers.
+            if entry.offered and found._share.consumers == 1:
+                for source in found.sources:
+                    if source._share is not None:
+                        source._share.consumers += 1
             if watcher is not None:
                 watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
             return found
@@ -267,6 +268,23 @@ class PackCache:
 
 
 DEFAULT_CACHE = PackCache()
+
+
+def may_offer(state) -> bool:
+    """Whether an op offers a form of its output rebuilt from buffers it keeps anyway (a norm's
+    output from its packed x_hat, a gated product from its packed operands; ``state.
+    offer_output``). Not while the adaptive pass observes slots or draws per-slot seeds (it must
+    see each slot's own bytes and noise), in a torch.compile trace (no cache there), or under
+    non-reentrant checkpointing: its first pass keeps no buffer alive and its recomputation
+    does, so consumers would save a different set of tensors in the two passes, which
+    checkpointing rejects."""
+    return (
+        state.offer_output
+        and getattr(observer(), "passive", True)
+        and not per_slot_seeds()
+        and not torch.compiler.is_compiling()
+        and not under_checkpoint()
+    )
 
 
 def under_checkpoint() -> bool:

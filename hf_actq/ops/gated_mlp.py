@@ -15,15 +15,16 @@ The forward output equals the unpatched module's bit for bit (same ops in the sa
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_actq.codecs.packed import Codec
+from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.kernels import fewbit_backward, fewbit_codes
-from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.dedup import PackCache, may_offer
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.linear import linear_keeping_input
 from hf_actq.ops.slots import observer
@@ -67,6 +68,18 @@ class GatedDownFunction(torch.autograd.Function):
         ctx.save_for_backward(
             weight, codes, levels, nan_flag, *packed_a.tensors, *packed_up.tensors
         )
+        if weight is None and packed_a.codec == packed_up.codec and may_offer(state):
+            # The down projection runs as its own module (PEFT LoRA's): its lora_A may take the
+            # product rebuilt from the operands kept here instead of packing it again.
+            rebuilt = ProductPacked(
+                codec=packed_a.codec,
+                shape=y.shape,
+                dtype=y.dtype,
+                tensors=(*packed_a.tensors, *packed_up.tensors),
+                operands=ctx.headers,
+                split=ctx.split,
+            )
+            state.cache.offer(y, rebuilt, state.slot_id("product"))
         return y
 
     @staticmethod
@@ -89,6 +102,27 @@ class GatedDownFunction(torch.autograd.Function):
         grad_up = grad_h * a_hat.to(dtype)
         grad_gate = fewbit_backward(grad_h * up_hat.to(dtype), codes, levels, nan_flag, ctx.bits)
         return grad_gate, grad_up, grad_w, grad_b, None
+
+
+@dataclass(frozen=True)
+class ProductPacked(Packed):
+    """A gated MLP's product ``act(gate) * up`` rebuilt from the packed operands its op keeps
+    anyway, offered to a down projection that runs as its own module (PEFT LoRA's ``lora_A``,
+    whose input it is), which then packs nothing of its own: the same product of the unpacked
+    operands that the fused path's down projection takes for its weight gradient. ``tensors``:
+    act(gate)'s buffers, then up's."""
+
+    operands: tuple[Packed, ...] = ()  # act(gate)'s and up's packs, without their tensors
+    split: int = 0
+
+    @property
+    def sources(self) -> tuple[Packed, ...]:
+        return self.operands
+
+    def _unpack(self) -> torch.Tensor:
+        gate, up = self.operands
+        activated = gate.with_tensors(self.tensors[: self.split]).unpack()
+        return activated * up.with_tensors(self.tensors[self.split :]).unpack()
 
 
 # The slots of a gated MLP: x (shared by gate and up), the few-bit code of act'(gate) (kept by

@@ -26,8 +26,7 @@ from torch import nn
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.kernels import norm_backward
 from hf_actq.kernels.packing import row_chunks
-from hf_actq.ops.dedup import under_checkpoint
-from hf_actq.ops.slots import observer, per_slot_seeds
+from hf_actq.ops.dedup import may_offer
 from hf_actq.ops.state import (
     default_state,
     has_hooks,
@@ -132,6 +131,11 @@ class NormOutputPacked(Packed):
         return self.source.with_tensors(self.tensors[: self._split]).nbytes
 
     @property
+    def sources(self) -> tuple[Packed, ...]:
+        """The packs it is rebuilt from (headers)."""
+        return (self.source,)
+
+    @property
     def _split(self) -> int:
         return len(self.tensors) - self.has_weight - self.has_bias
 
@@ -150,21 +154,6 @@ class NormOutputPacked(Packed):
             y = y if weight is None else y * weight.float()
             y = y if bias is None else y + bias.float()
         return y.to(self.dtype)
-
-
-def _offers_output(state) -> bool:
-    """Whether the norm offers its output (see :class:`NormOutputPacked`). Not while the
-    adaptive pass observes slots or draws per-slot seeds (it must see each slot's own bytes and
-    noise), in a torch.compile trace (no cache there), or under non-reentrant checkpointing: its
-    first pass keeps no buffer alive and its recomputation does, so consumers would save a
-    different set of tensors in the two passes, which checkpointing rejects."""
-    return (
-        state.offer_output
-        and getattr(observer(), "passive", True)
-        and not per_slot_seeds()
-        and not torch.compiler.is_compiling()
-        and not under_checkpoint()
-    )
 
 
 def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False):
@@ -186,7 +175,7 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False)
         return
     packed = state.pack(x_hat_of(), "input")
     ctx.header = packed.with_tensors(())
-    if _offers_output(state):
+    if may_offer(state):
         # Copies, kept alive by this norm's own saved tensors: the consumers (in BERT the next
         # layer's q, k, v) run their backward before this norm's module, and FSDP2 frees a
         # module's unsharded parameters between its forward and its backward; its default

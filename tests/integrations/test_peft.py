@@ -133,11 +133,11 @@ def test_callback_patches_a_peft_model_and_trains_as_well_as_unpatched(tmp_path)
     assert drop > 0.15 and abs(patched[-1] - unpatched[-1]) < 0.1 * drop
 
 
-def _bf16_lora(dropout: float):
+def _bf16_lora(dropout: float, **options):
     """A bf16 model whose LoRA adapters PEFT keeps in fp32: each adapter casts its input."""
     torch.manual_seed(0)
     model = _llama().to(torch.bfloat16)
-    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout)
+    config = peft.LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout, **options)
     return peft.get_peft_model(model, config)
 
 
@@ -184,9 +184,10 @@ def test_lora_adapters_of_one_input_keep_it_once_in_the_models_dtype(dropout, mo
             assert (got - want).norm() <= 2e-2 * want.norm()
 
 
-def test_lora_adapters_take_the_norms_packed_output():
+def test_lora_adapters_take_the_norms_packed_output_and_the_gated_product():
     """With compressed norms, q/k/v's and gate/up's lora_A take the norm's packed output
-    (offered) through PEFT's cast: the step packs no input of theirs."""
+    (offered) through PEFT's cast, and down_proj's lora_A the gated product rebuilt from the
+    operands its op keeps: the step packs no input of theirs."""
     from hf_actq.ops import dedup
 
     packed_slots = []
@@ -210,10 +211,44 @@ def test_lora_adapters_take_the_norms_packed_output():
     assert lora_a == [
         "model.layers.0.self_attn.q_proj.lora_A.default:input",
         "model.layers.0.self_attn.o_proj.lora_A.default:input",
-        "model.layers.0.mlp.down_proj.lora_A.default:input",
         "model.layers.1.self_attn.o_proj.lora_A.default:input",
-        "model.layers.1.mlp.down_proj.lora_A.default:input",
     ], lora_a
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_down_projections_lora_a_keeps_no_copy_of_the_gated_product(dropout, monkeypatch):
+    """down_proj's lora_A takes the product act(gate) * up rebuilt from the packed operands (as
+    the fused path's down projection does for its weight gradient) instead of packing the
+    intermediate-size product again: fewer bytes, and gradients as close to the unpatched
+    model's as with its own pack."""
+    from hf_actq.ops import gated_mlp
+
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    # lora_B random, not zero: lora_A's gradient (its input's only reader) is then not zero.
+    model = _bf16_lora(dropout, init_lora_weights=False)
+    config = ActQConfig.from_recipe("uniform", bits=4)
+    stock, _ = _exact_step(model, ids)
+    handle = hf_actq.apply(model, config)
+    offered, offered_bytes = _exact_step(model, ids)
+    handle.revert()
+    with monkeypatch.context() as patch:
+        patch.setattr(gated_mlp, "may_offer", lambda state: False)
+        handle = hf_actq.apply(model, config)
+        packed, packed_bytes = _exact_step(model, ids)
+        handle.revert()
+    # Two layers' 2 x 16 x 128 products at 4 bits, codes and metadata: 2 x 2 KiB, 8 bytes apart
+    # (the one dropout seed tensor rebuilt from instead of a mask).
+    assert packed_bytes - offered_bytes >= 2 * 2 * 16 * 128 // 2, (packed_bytes, offered_bytes)
+
+    def cosine(grads, reference):
+        flat = torch.cat([g.float().flatten() for g in grads])
+        want = torch.cat([g.float().flatten() for g in reference])
+        return torch.nn.functional.cosine_similarity(flat, want, dim=0).item()
+
+    if dropout == 0.0:  # against the stock model, whose dropout would draw other masks
+        assert cosine(offered, stock) > 0.97, cosine(offered, stock)
+        assert cosine(offered, stock) > cosine(packed, stock) - 0.01
+    assert cosine(offered, packed) > 0.97, cosine(offered, packed)
 
 
 def test_the_checkpoint_recipe_refuses_prefix_tuning_in_one_line():
