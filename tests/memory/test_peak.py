@@ -60,3 +60,24 @@ def test_phases_split_the_peak_where_they_were_marked():
     assert peak.peak_bytes == max(peak.phase_peaks.values())
     peak.mark("outside")  # after the region: ignored
     assert "outside" not in peak.phase_peaks
+
+
+def test_freeing_an_older_tensor_under_it_prints_nothing():
+    """torch warns from C++, once a process, when a block allocated before a profiler started
+    is freed under it: the memory report's output showed that line. The region takes it,
+    silenced, when it starts. A fresh process: the warning is once a process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from hf_actq.memory import PeakMemory\n"
+        "old = [torch.randn(1000) for _ in range(3)]\n"
+        "for _ in range(3):\n"
+        "    with PeakMemory('cpu'):\n"
+        "        old.pop()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert result.stderr == "", result.stderr
