@@ -97,6 +97,23 @@ def _share_lora_inputs(model: nn.Module, cache: PackCache, handle) -> None:
                 state_of(dropout).offer_output = True
 
 
+def _share_t5_products(model: nn.Module) -> None:
+    """A T5 gated MLP feeds wo the dropout of its product: that dropout tells the pack cache
+    (as PEFT's lora_dropout does), so wo rebuilds its input from the product's packed operands
+    and the dropout's seed instead of packing the intermediate-size tensor again."""
+    for module in model.modules():
+        mlp = module.__dict__.get(STATE)
+        dropout = getattr(module, "dropout", None)
+        if (
+            mlp is not None
+            and mlp.offer_output
+            and t5_gated_activation(module) is not None
+            and isinstance(dropout, nn.Module)
+            and STATE in dropout.__dict__
+        ):
+            state_of(dropout).offer_output = True
+
+
 def cast_input_sharing_pack(layer: nn.Module, cache: PackCache, x, dtype):
     """PEFT's ``_cast_input_dtype``, telling ``cache`` that the cast is ``x``'s."""
     cast = type(layer)._cast_input_dtype(layer, x, dtype)
@@ -181,7 +198,8 @@ def _t5_gated_mlp(module, walk: Walk) -> Patch | None:
         CompressedT5GatedMLP.forward,
         {"act": "activation", "gate": "mlp", "up": "mlp"},
         "gated_mlp {act}; product {gate}",
-        fields={"act_module": module.act},
+        # The product is offered to wo through the MLP's dropout (_share_t5_products).
+        fields={"act_module": module.act, "offer_output": walk.config.share_norm_outputs},
         activation=gated,
         claims=(module.act,),
     )
@@ -330,6 +348,7 @@ def patch_layers(
             break
     if config.linear:
         _share_lora_inputs(model, cache, handle)
+        _share_t5_products(model)
 
 
 def _bind(module, path: str, patch: Patch, walk: Walk, cache: PackCache, handle) -> bool:

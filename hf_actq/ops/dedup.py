@@ -55,6 +55,12 @@ class _Entry:
         # counter (which detach() and views share) is where it was.
         if self.storage() is None or self.version != x._version or self.header.codec != codec:
             return None
+        return self.rebuild(codec)
+
+    def rebuild(self, codec: Codec) -> Packed | None:
+        """The packed form with its buffers, if ``codec`` is its codec and they are alive."""
+        if self.header.codec != codec:
+            return None
         tensors = tuple(ref() for ref in self.buffers)
         if any(t is None for t in tensors):
             return None
@@ -92,6 +98,10 @@ class _Alias:
     source_version: int
     p: float = 0.0  # dropout probability; 0: a cast
     seed: torch.Tensor | None = None
+    # The form its source's op offered, when it had one (a gated product's): found through the
+    # alias even after the source itself is freed (T5 drops its product out and keeps only the
+    # dropout's output), while the offerer's buffers live.
+    offered: _Entry | None = None
 
     def resolve(self, x: torch.Tensor) -> torch.Tensor | None:
         source = self.source()
@@ -141,8 +151,17 @@ class PackCache:
         if derived.is_inference() or source.is_inference():
             return
         key = _where(derived)
+        offered = self._entries.get(_where(source))
+        if offered is not None and not (offered.offered and offered.version == source._version):
+            offered = None
         self._aliases[key] = _Alias(
-            _anchor(derived, key), derived._version, weakref.ref(source), source._version, p, seed
+            _anchor(derived, key),
+            derived._version,
+            weakref.ref(source),
+            source._version,
+            p,
+            seed,
+            offered,
         )
         if len(self._aliases) >= self._purge_at:
             self._purge()
@@ -183,6 +202,15 @@ class PackCache:
             seed = seed_override(slot)
             seed = draw_seed() if seed is None else seed
         watcher = observer()
+        if self._aliases and not x.is_inference():
+            alias = self._aliases.get(_where(x))
+            if alias is not None and alias.offered is not None and alias.storage() is not None:
+                found = alias.offered.rebuild(codec) if alias.version == x._version else None
+                if found is not None and not under_checkpoint():
+                    self._count_consumer(found, alias.offered)
+                    if watcher is not None:
+                        watcher.on_pack(slot, x, codec, found.nbytes, alias.offered.slot)
+                    return self._derived(found, x, alias if alias.p > 0 else None)
         if x.is_inference():  # no version counter to key on
             return self._packed(watcher, slot, x, codec, seed)
         key = _where(x)
@@ -193,14 +221,7 @@ class PackCache:
             entry = None
         found = entry.reuse(x, codec) if entry is not None else None
         if found is not None:
-            found._share.consumers += 1  # one more op keeps it: it unpacks once for all
-            # A form rebuilt from its offerer's own packs (a norm's output from its x_hat, a
-            # gated product from its operands) is one more consumer of each, once taken: it
-            # unpacks them once for all its takers.
-            if entry.offered and found._share.consumers == 1:
-                for source in found.sources:
-                    if source._share is not None:
-                        source._share.consumers += 1
+            self._count_consumer(found, entry)
             if watcher is not None:
                 watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
             return found
@@ -234,6 +255,18 @@ class PackCache:
             slot,
             offered=True,
         )
+
+    @staticmethod
+    def _count_consumer(found: Packed, entry: _Entry) -> None:
+        """One more op keeps ``found``: it is unpacked once for all of them."""
+        found._share.consumers += 1
+        # A form rebuilt from its offerer's own packs (a norm's output from its x_hat, a gated
+        # product from its operands) is one more consumer of each, once taken: it unpacks them
+        # once for all its takers.
+        if entry.offered and found._share.consumers == 1:
+            for source in found.sources:
+                if source._share is not None:
+                    source._share.consumers += 1
 
     @staticmethod
     def _derived(packed: Packed, x: torch.Tensor, dropout: _Alias | None) -> Packed:

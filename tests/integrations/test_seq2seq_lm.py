@@ -100,3 +100,51 @@ def test_the_fewbit_recipe_returns_the_stock_outputs_with_labels(name):
         handle.revert()
         assert "" not in handle.patched
         assert torch.equal(patched.logits, stock.logits) and torch.equal(patched.loss, stock.loss)
+
+
+def test_t5_wo_rebuilds_its_input_from_the_gated_product_and_the_dropout_seed(monkeypatch):
+    """T5 feeds wo the dropout of its gated product: wo takes the product rebuilt from the
+    operands the product op keeps, through the dropout's seed, instead of packing the
+    intermediate-size tensor again. Fewer bytes, gradients as with its own pack."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    from hf_actq import SavedTensorMeter
+    from hf_actq.ops import dedup, gated_mlp
+
+    config = AutoConfig.for_model(
+        "t5", vocab_size=100, d_model=32, d_kv=8, d_ff=96, num_layers=2, num_heads=4,
+        feed_forward_proj="gated-gelu", dropout_rate=0.1, decoder_start_token_id=0,
+    )  # fmt: skip
+    source = torch.randint(3, 100, (2, 14), generator=torch.Generator().manual_seed(0))
+    batch = dict(input_ids=source, labels=source[:, :9])
+
+    def step(offer: bool):
+        torch.manual_seed(0)
+        model = AutoModelForSeq2SeqLM.from_config(config).train()
+        hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
+        packed = []
+        original = dedup.PackCache._packed
+
+        def logged(watcher, slot, x, codec, seed):
+            packed.append(slot)
+            return original(watcher, slot, x, codec, seed)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(dedup.PackCache, "_packed", staticmethod(logged))
+            if not offer:
+                patch.setattr(gated_mlp, "may_offer", lambda state: False)
+            torch.manual_seed(1)
+            with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+                loss = model(**batch).loss
+            loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return [s for s in packed if s and s.endswith(".wo:input")], meter.nbytes, grads
+
+    step(offer=False)  # a process's first patched step draws from torch's RNG in its setup
+    offered_wo, offered_bytes, offered = step(offer=True)
+    packed_wo, packed_bytes, packed = step(offer=False)
+    assert offered_wo == [] and len(packed_wo) == 4  # 2 encoder and 2 decoder layers
+    # Each wo's [tokens, 96] input at 4 bits, codes and metadata, is gone.
+    tokens = 2 * 14 * 2 + 2 * 9 * 2
+    assert packed_bytes - offered_bytes >= tokens * 96 // 2, (packed_bytes, offered_bytes)
+    assert torch.nn.functional.cosine_similarity(offered, packed, dim=0) > 0.97
