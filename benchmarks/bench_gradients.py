@@ -74,7 +74,7 @@ RECIPES = [
     ("fewbit", {}),
     ("uniform", {"bits": 8}),
     ("uniform", {"bits": 4}),
-    ("uniform", {}),
+    ("uniform", {"bits": 3}),
     ("alam", {"bits": 2, "adaptive": False}),
     ("alam", {"adaptive": False}),
 ]

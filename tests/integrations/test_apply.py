@@ -134,7 +134,7 @@ GRADIENT_BOUNDS = [
     ("uniform", {"bits": 4, "codec": "rotated"}, 0.94, 0.3, 0.93),  # every op, rotated
     # 3 bits. Electra's whole-model cosine varies from 0.87 to 0.94 over rounding draws, with
     # attention kept either as SDPA operands (recomputed in backward) or as eager probabilities.
-    ("uniform", {}, 0.86, None, 0.65),
+    ("uniform", {"bits": 3}, 0.86, None, 0.65),
     ("alam", {"bits": 2, "adaptive": False}, 0.45, None, 0.25),  # the even spread
 ]
 
