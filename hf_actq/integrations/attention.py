@@ -5,6 +5,7 @@ its slot codecs and the implementation to fall back on where nothing is kept for
 from __future__ import annotations
 
 import functools
+import weakref
 
 from torch import nn
 
@@ -13,7 +14,9 @@ from hf_actq.config import ActQConfig
 from hf_actq.integrations.patching import bind_forward
 from hf_actq.integrations.slots import slot_codec
 from hf_actq.ops.attention import (
+    ATTENTION_NAME,
     EAGER_SLOTS,
+    SDPA_NAME,
     SDPA_SLOTS,
     register_attention,
     register_sdpa_attention,
@@ -24,6 +27,45 @@ from hf_actq.ops.deberta_attention import (
     is_disentangled_attention,
 )
 from hf_actq.ops.state import OpState, remove_state, set_state
+
+# A config is shared by every model built from it (``from_config`` keeps the object): the
+# implementation it had before the first patched model pointed it at ours, and how many
+# patched models use it, by id(config). The last one's revert puts the original back.
+_POINTED: dict[int, list] = {}
+
+
+def _original_implementation(model_config) -> str | None:
+    """The implementation ``model_config`` names, or, where another patched model already
+    pointed it at ours, the one it named before."""
+    pointed = _POINTED.get(id(model_config))
+    return pointed[0] if pointed is not None else model_config._attn_implementation
+
+
+def _point(model_config, name: str, original: str | None, handle) -> None:
+    """Point ``model_config`` at ``name`` for this handle; ``original``: what the model ran
+    before, for a config that names ours already without our record of it (a per-stack copy
+    made from a config another patched model had pointed)."""
+    pointed = _POINTED.get(id(model_config))
+    if pointed is None:
+        current = model_config._attn_implementation
+        current = original if current in (ATTENTION_NAME, SDPA_NAME) else current
+        pointed = _POINTED[id(model_config)] = [current, 0]
+        weakref.finalize(model_config, _POINTED.pop, id(model_config), None)
+    pointed[1] += 1
+    handle.record(undo=functools.partial(_release, model_config, pointed[0]))
+    model_config._attn_implementation = name
+
+
+def _release(model_config, original: str | None) -> None:
+    pointed = _POINTED.get(id(model_config))
+    if pointed is None:  # a deep copy's own config (the copy reverts on its own)
+        model_config._attn_implementation = original
+        return
+    pointed[1] -= 1
+    if pointed[1] <= 0:
+        model_config._attn_implementation = pointed[0]
+        del _POINTED[id(model_config)]
+
 
 # Config attributes that hold the attention-probability dropout, by model family.
 _ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
@@ -54,7 +96,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     if layout.attention == "deberta":
         _patch_disentangled(model, config, handle, codec)
         return
-    previous = model_config._attn_implementation
+    previous = _original_implementation(model_config)
     if layout.attention == "sdpa" and previous != "sdpa":
         handle.skipped["attention"] = f"{previous!r} attention (kept exact; sdpa is patched)"
         return
@@ -92,12 +134,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     if not count:
         return
     for patched_config in configs.values():
-        handle.record(
-            undo=functools.partial(
-                setattr, patched_config, "_attn_implementation", patched_config._attn_implementation
-            )
-        )
-        patched_config._attn_implementation = name
+        _point(patched_config, name, previous, handle)
 
 
 def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> None:

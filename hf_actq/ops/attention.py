@@ -316,7 +316,10 @@ def compressed_sdpa_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if (
-        kwargs.get("cache") is not None
+        # A module of a model hf_actq did not patch, whose config another patched model built
+        # from the same config object pointed here: the stock function, as it was.
+        (codecs is None and cache is None and STATE not in getattr(module, "__dict__", {}))
+        or kwargs.get("cache") is not None
         # A trace cannot capture and restore the RNG state for the dropout replay.
         or (dropout > 0.0 and torch.compiler.is_compiling())
     ):

@@ -166,3 +166,39 @@ def test_fused_gated_mlps_are_zero3_leaf_modules_until_revert():
     assert leaves == ["model.layers.0.mlp", "model.layers.1.mlp"]
     handle.revert()
     assert not any("_z3_leaf" in module.__dict__ for module in model.modules())
+
+
+def test_models_built_from_one_config_are_patched_each_on_its_own():
+    """``from_config`` keeps the config object: every model built from it shares it, and
+    pointing it at the compressed attention reached them all. Each model is now patched (or
+    not) on its own: a second model is compressed too, an unpatched one runs stock attention,
+    and the config names the stock implementation again once the last patched model reverts."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_actq.testing import tiny_llama_config
+
+    config = tiny_llama_config()
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).train()
+
+    def kept(model):
+        with hf_actq.SavedTensorMeter(exclude=list(model.parameters())) as meter:
+            output = model(input_ids=ids, labels=ids)
+        return meter.nbytes, output.loss
+
+    stock_bytes, stock_loss = kept(build())
+    first, second, bystander = build(), build(), build()
+    first_handle = hf_actq.apply(first, hf_actq.ActQConfig.from_recipe("uniform"))
+    second_handle = hf_actq.apply(second, hf_actq.ActQConfig.from_recipe("uniform"))
+    assert "attention" not in second_handle.skipped
+    assert kept(second)[0] == kept(first)[0] < stock_bytes
+    assert kept(bystander) == (stock_bytes, stock_loss)  # built before, never patched
+    first_handle.revert()
+    assert config._attn_implementation != "sdpa"  # the second model still runs patched
+    assert kept(second)[0] < kept(first)[0] == stock_bytes
+    second_handle.revert()
+    assert config._attn_implementation == "sdpa"
+    assert kept(second)[0] == stock_bytes
