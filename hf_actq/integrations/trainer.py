@@ -113,6 +113,7 @@ class ActQCallback(TrainerCallback, ExportableState):
             return
         self.handle = apply(base, self.config)
         if state is None or state.is_world_process_zero:
+            _follow_log_level(args)
             logger.info("hf_actq: %s", self.handle.explain())
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
@@ -311,6 +312,21 @@ class ActQCallback(TrainerCallback, ExportableState):
         if self._monitor is not None:
             self._monitor.remove()
             self._monitor = None
+
+
+def _follow_log_level(args) -> None:
+    """``TrainingArguments(log_level="info")``, which shows the Trainer's own start-of-training
+    lines, shows the callback's too: where nothing has configured logging (no handler on the
+    root or on "hf_actq"), one stream handler on "hf_actq" at that level. The default
+    ("passive") leaves logging as it is: warnings only."""
+    get_level = getattr(args, "get_process_log_level", None)
+    level = get_level() if get_level is not None else logging.WARNING
+    if level > logging.INFO or logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
 
 
 def _mib(nbytes: int) -> str:

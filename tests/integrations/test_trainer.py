@@ -412,3 +412,36 @@ def test_the_callback_says_in_one_line_what_it_patched_and_left_stock(tmp_path, 
         r"\([0-9.]+x; `hf-actq memory` measures the unpatched model\)",
         first[0],
     ), first
+
+
+@pytest.mark.parametrize("log_level", ["info", "passive"])
+def test_the_callbacks_lines_show_when_the_trainer_is_asked_for_info(tmp_path, capsys, log_level):
+    """With ``log_level="info"`` (the Trainer's own start lines shown) and no logging set up,
+    the callback's lines reach stderr; by default only warnings would."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logger = logging.getLogger("hf_actq")
+    root = logging.getLogger()
+    saved = root.handlers[:], hf_logger.handlers[:], hf_logger.level
+    # "passive" keeps transformers' verbosity, which a Trainer asked for "info" set globally.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    root.handlers.clear()  # as in a plain script (pytest's capture handlers aside)
+    try:
+        trainer = Trainer(
+            model=_bert(),
+            args=_args(tmp_path, log_level=log_level, disable_tqdm=True),
+            train_dataset=Toy(causal=False),
+            callbacks=[ActQCallback()],
+        )
+        trainer.train()
+    finally:
+        for handler in hf_logger.handlers[:]:
+            if handler not in saved[1]:
+                hf_logger.removeHandler(handler)
+        root.handlers[:] = saved[0]
+        hf_logger.setLevel(saved[2])
+        hf_logging.set_verbosity(verbosity)
+    err = capsys.readouterr().err
+    shown = "hf_actq: 4-bit stochastic rounding" in err and "the first step kept" in err
+    assert shown == (log_level == "info"), err[-2000:]
