@@ -312,10 +312,13 @@ def parameter_counts(model) -> dict:
 
 
 # Main ------------------------------------------------------------------------------------------
+# What the command line fills, in order (tests/recipes/test_readme_commands.py parses the
+# README's commands with it).
+ARGUMENTS = (ModelArguments, DataArguments, RecipeArguments, ActQConfig, TrainingArguments)
+
+
 def main(args: list[str] | None = None) -> dict | None:
-    model_args, data_args, recipe_args, actq, training_args = parse_arguments(
-        (ModelArguments, DataArguments, RecipeArguments, ActQConfig, TrainingArguments), args
-    )
+    model_args, data_args, recipe_args, actq, training_args = parse_arguments(ARGUMENTS, args)
     setup_logging(training_args, "recipes.llama_lora")
     config = actq if recipe_args.actq else None
     model, data = model_args.model_name_or_path, data_args.data_path
