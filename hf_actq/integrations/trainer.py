@@ -64,8 +64,9 @@ class ActQCallback(TrainerCallback, ExportableState):
     ``ActQCallback(recipe="checkpoint")`` or ``ActQCallback(bits=3)`` take the fields of
     :class:`~hf_actq.ActQConfig`: ``ActQCallback()`` is the "uniform" recipe at 4 bits
     (stochastic rounding of every compressed slot, 4-bit activation derivatives) and
-    ``ActQCallback(bits=3)`` the same at 3 bits; an ``ActQConfig`` may be passed instead. An adaptive config is calibrated on examples of the
-    training set and its plan saved with each checkpoint, so a resumed run goes on with it. With
+    ``ActQCallback(bits=3)`` the same at 3 bits; an ``ActQConfig`` may be passed instead. An
+    adaptive config is calibrated on examples of the training set and its plan saved with each
+    checkpoint, so a resumed run goes on with it. With
     ``log_memory`` the logs get ``actq_activation_mib`` (the bytes autograd kept for backward)
     and, on CUDA, ``actq_peak_mib``. ``callback.handle`` is the handle; the model stays patched
     after training (``callback.handle.revert()`` undoes it).

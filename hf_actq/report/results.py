@@ -246,8 +246,8 @@ def plan_markdown(result: RecipeResult) -> list[str]:
         "",
         "Settings: `aq B/G` is ALAM's average quantization, G values averaged into one code of "
         "B x G bits (0.5/4: ALAM's 0.5 bit); `uniform B` and `rotated B` are B-bit "
-        "stochastic rounding (rotated: after random signs and a Hadamard rotation); `few-bit B` is a "
-        "B-bit activation derivative; `exact` is kept as is.",
+        "stochastic rounding (rotated: after random signs and a Hadamard rotation); "
+        "`few-bit B` is a B-bit activation derivative; `exact` is kept as is.",
     ]
 
 
