@@ -563,11 +563,13 @@ def stubbed_kernels():
     """CPU tensors take the path CUDA tensors take, with every hf_actq Triton kernel replaced by
     a stub that only counts its launches (the outputs are garbage), and seeds drawn as a
     counter: launchers, allocations and dispatch run as on a GPU, in no time on the device's
-    side. Yields ``(launches, seeds)``: a Counter of kernel name -> launches and a one-item list
-    holding the seeds drawn."""
+    side. The fused few-bit forward runs as on a GPU where its probe (one read of the device per
+    activation and dtype in a process) found it exact. Yields ``(launches, seeds)``: a Counter of
+    kernel name -> launches and a one-item list holding the seeds drawn."""
     import pkgutil
 
     import hf_actq.kernels
+    from hf_actq.kernels import fewbit
     from hf_actq.kernels.registry import kernels_on_cpu
 
     launches = collections.Counter()
@@ -596,6 +598,12 @@ def stubbed_kernels():
     for name, module in list(sys.modules.items()):
         if name.startswith("hf_actq") and getattr(module, "draw_seed", None) is not None:
             patches.append(mock.patch.object(module, "draw_seed", draw_seed))
+
+    def probe_passes(activation, *args):
+        return fewbit.EXACT_OPTION_CANDIDATES[0] if activation in fewbit.FUSED_ACTIVATIONS else None
+
+    patches.append(mock.patch.dict(fewbit.EXACT_FORWARD, clear=True))
+    patches.append(mock.patch.object(fewbit, "_probe_exact_forward", probe_passes))
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)

@@ -29,6 +29,7 @@ class Variant:
     kernel: str
     signature: dict
     constexprs: dict
+    options: dict | None = None  # compile options other than the launchers' LAUNCH_OPTIONS
 
     @property
     def label(self) -> str:
@@ -37,9 +38,24 @@ class Variant:
         return " ".join(parts)
 
 
-def _variant(module, kernel, signature, constexprs):
+def _variant(module, kernel, signature, constexprs, options=None):
     signature = dict(signature, **{name: "constexpr" for name in constexprs})
-    return Variant(module, kernel, signature, constexprs)
+    return Variant(module, kernel, signature, constexprs, options)
+
+
+def _fewbit_forward(signature, activation, code_mode, num_borders, bits, options):
+    from hf_actq.kernels import fewbit
+
+    constexprs = {
+        "ACTIVATION": fewbit.ACTIVATION_IDS[activation] if activation else 0,
+        "CODE_MODE": fewbit.CODE_MODES[code_mode],
+        "NUM_BORDERS": num_borders,
+        "BITS": bits,
+        "STORE_OUTPUT": bool(activation),
+        "LIBDEVICE": bool(activation),
+        "ROWS": fewbit.ROWS,
+    }
+    return _variant("fewbit", "fewbit_forward_kernel", signature, constexprs, options)
 
 
 def codec_shapes(block_sizes) -> list[tuple[int, int, int]]:
@@ -62,7 +78,7 @@ def variants() -> list[Variant]:
     """
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
-    from hf_actq.fewbit.activations import ACTIVATIONS
+    from hf_actq.fewbit.dp import MAX_BITS
     from hf_actq.kernels import average_quant, dropout, fewbit, mask, norm, sign_preserving
     from hf_actq.kernels.smaq import extension_bytes_pad
 
@@ -77,48 +93,40 @@ def variants() -> list[Variant]:
                 "nan_flag_ptr": "*i32",
                 "n_elements": index,
                 "n_bytes": index,
-                "num_borders": "i32",
-                "bits": "i32",
                 "p0": "fp32",
                 "p1": "fp32",
             }
-            # With the output (one variant per activation), and codes only (one per code mode,
-            # as the ops launch it).
-            forward_constexprs = [
-                (act_id, fewbit.CODE_MODES[ACTIVATIONS[name].code_mode], True)
-                for name, act_id in fewbit.ACTIVATION_IDS.items()
-            ] + [(0, code_mode, False) for code_mode in fewbit.CODE_MODES.values()]
-            for act_id, code_mode, store_output in forward_constexprs:
+            # As the ops launch it on a GPU: codes only (one variant per code mode and width),
+            # and the fused forward of each activation it reproduces, with its compile options.
+            for bits in range(1, MAX_BITS + 1):
+                for mode in ("table", "symmetric") if bits > 1 else tuple(fewbit.CODE_MODES):
+                    borders = {"interval": 2, "threshold": 1}.get(mode, 2**bits - 1)
+                    out.append(_fewbit_forward(forward_signature, 0, mode, borders, bits, None))
+            for name in sorted(fewbit.FUSED_ACTIVATIONS):
+                for bits in (1, 3):
+                    options = fewbit.EXACT_OPTION_CANDIDATES[0]
+                    out.append(
+                        _fewbit_forward(
+                            forward_signature, name, "table", 2**bits - 1, bits, options
+                        )
+                    )
+            for bits in range(1, MAX_BITS + 1):
                 out.append(
                     _variant(
                         "fewbit",
-                        "fewbit_forward_kernel",
-                        forward_signature,
+                        "fewbit_backward_kernel",
                         {
-                            "ACTIVATION": act_id,
-                            "CODE_MODE": code_mode,
-                            "GROUPS": fewbit.FORWARD_GROUPS,
-                            "STORE_OUTPUT": store_output,
+                            "grad_ptr": f"*{dtype}",
+                            "packed_ptr": "*u8",
+                            "levels_ptr": "*fp32",
+                            "nan_flag_ptr": "*i32",
+                            "out_ptr": f"*{dtype}",
+                            "n_elements": index,
+                            "n_bytes": index,
                         },
+                        {"BITS": bits, "ROWS": fewbit.ROWS},
                     )
                 )
-            out.append(
-                _variant(
-                    "fewbit",
-                    "fewbit_backward_kernel",
-                    {
-                        "grad_ptr": f"*{dtype}",
-                        "packed_ptr": "*u8",
-                        "levels_ptr": "*fp32",
-                        "nan_flag_ptr": "*i32",
-                        "out_ptr": f"*{dtype}",
-                        "n_elements": index,
-                        "n_bytes": index,
-                        "bits": "i32",
-                    },
-                    {"BLOCK": fewbit.BACKWARD_BLOCK},
-                )
-            )
             out.append(
                 _variant(
                     "dropout",
@@ -321,6 +329,8 @@ def variants() -> list[Variant]:
 # runtime value is a subroutine of about 80 instructions), moves its float tensor without
 # 128-bit accesses, or spills. The first GPU run found all three in the kernels before these.
 BANDWIDTH_KERNELS = {
+    "fewbit_forward_kernel": "LDG.E.128",
+    "fewbit_backward_kernel": "STG.E.128",
     "aq_quantize_kernel": "LDG.E.128",
     "aq_dequantize_kernel": "STG.E.128",
     "blpa_quantize_kernel": "LDG.E.128",
@@ -366,7 +376,8 @@ def compile_kernel(fn, variant: Variant, cc: int) -> dict:
         constexprs=variant.constexprs,
         attrs=aligned_arguments(variant),
     )
-    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=LAUNCH_OPTIONS)
+    options = variant.options or LAUNCH_OPTIONS
+    compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=options)
     result = {
         "variant": variant.label,
         "kernel": variant.kernel,

@@ -182,6 +182,19 @@ def run_steps(device, dry: bool, rounds: int = 5) -> list:
     return rows
 
 
+def fused_forward_verdicts() -> dict:
+    """Per activation and dtype this run used, whether the fused few-bit forward's output was
+    found equal to PyTorch's (its compile options) or PyTorch computed it; {} for a tree
+    without the probe."""
+    from hf_actq.kernels import fewbit
+
+    verdicts = getattr(fewbit, "EXACT_FORWARD", {})
+    return {
+        f"{activation} {str(dtype).removeprefix('torch.')}": options or "PyTorch's output"
+        for (activation, _, dtype, _), options in verdicts.items()
+    }
+
+
 def compare(out: Path) -> str:
     """``speed.md``: per case, the median over rounds of each label's figures, and new / base."""
     runs = {}
@@ -216,6 +229,13 @@ def compare(out: Path) -> str:
             f"| {case} | {dtype} | {new_t:.1f}{unit} | {base_t:.1f}{unit} | {new_t / base_t:.2f}x "
             f"| {new_ratio:.2f}x | {host:.1f}{unit} | {bandwidth} |"
         )
+    verdicts = {}
+    for path in sorted(out.glob("speed-new-*.json")):
+        verdicts.update(json.loads(path.read_text()).get("fused few-bit forward", {}))
+    if verdicts:
+        lines += ["", "Fused few-bit forward (new tree): output from the kernel where the probe "
+                  "found it equal to PyTorch's, with these compile options:", ""]  # fmt: skip
+        lines += [f"- {case}: {verdict}" for case, verdict in sorted(verdicts.items())]
     text = "\n".join(lines) + "\n"
     (out / "speed.md").write_text(text)
     return text
@@ -259,6 +279,7 @@ def main(argv=None) -> int:
         "seconds": round(time.monotonic() - began, 1),
         "kernels": kernels,
         "steps": steps,
+        "fused few-bit forward": fused_forward_verdicts(),
     }
     (out / f"speed-{args.label}.json").write_text(json.dumps(data, indent=1) + "\n")
     print(f"speed {args.label}: {data['seconds']} s", flush=True)

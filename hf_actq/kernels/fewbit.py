@@ -1,21 +1,25 @@
-"""Few-bit activations: ``hf_actq::fewbit_codes`` (bucket search + bit packing) and
-``hf_actq::fewbit_backward`` (unpack + table lookup + multiply), each a PyTorch twin and a Triton
-kernel. The kernels' packed codes are bit-identical to the twins' (same fp32 comparisons, same
-layout).
+"""Few-bit activations: ``hf_actq::fewbit_forward`` (the activation's output, its bucket codes
+packed, a NaN flag) and ``hf_actq::fewbit_backward`` (unpack + table lookup + multiply), each a
+PyTorch twin and a Triton kernel. The kernels' packed codes are bit-identical to the twins' (same
+fp32 comparisons, same layout).
 
-The ops ask for the codes alone and take the activation's value from PyTorch: on a GPU, Triton's
-transcendentals differ from PyTorch's in the last bits (seen on an H100), and the forward is
-promised exact. With ``output=True`` (the kernel tests) the fused forward also computes the
-activation, in fp32 with Triton math. Transcendentals are written with ``tl.math`` primitives only
-(``libdevice`` does not run under the Triton interpreter, where the tests run), using Kahan's forms
-of expm1/log1p so that tanh, ELU and softplus stay accurate near 0. HF's formula activations
-(gelu_new, gelu_fast, quick_gelu, ...) round to the input dtype after every op, as the eager
-PyTorch expression does, so half-precision outputs follow the same rounding path.
+The forward is promised exact: its output is PyTorch's, bit for bit. On a GPU one kernel reads x
+once and writes both the output and the codes, computing the output as PyTorch's CUDA kernel does
+(the same formula and CUDA math library functions, through Triton's libdevice). Whether that
+matches is checked, not assumed: the first call per activation, dtype and device compares the
+kernel with PyTorch on every 16-bit value (and 0.6 Mi fp32 values); where any differ, PyTorch
+computes the output and the kernel only the codes (:func:`exact_forward_options`).
+
+Under the Triton interpreter (the tests, on CPU), where libdevice does not run, the kernel's own
+output is computed with ``tl.math`` primitives (:func:`_activation`), Kahan's forms of expm1/log1p
+keeping tanh, ELU and softplus accurate near 0. HF's formula activations (gelu_new, gelu_fast,
+quick_gelu, ...) round to the input dtype after every op, as the eager PyTorch expression does.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import numpy as np
@@ -35,13 +39,18 @@ from hf_actq.kernels.packing import (
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    TILE_ELEMENTS,
     cdiv,
     jit,
-    load_codes,
-    store_packed,
+    libdevice,
+    pack_tile,
+    tile,
     tl,
     to_dtype,
+    unpack_tile,
 )
+
+logger = logging.getLogger("hf_actq")
 
 # constexpr id of each activation's Triton forward.
 ACTIVATION_IDS = {
@@ -70,8 +79,7 @@ ACTIVATION_IDS = {
 }
 CODE_MODES = {"table": 0, "symmetric": 1, "threshold": 2, "interval": 3}
 
-FORWARD_GROUPS = 256  # 8 elements per group: 2048 elements per program
-BACKWARD_BLOCK = 2048
+ROWS = TILE_ELEMENTS // 256  # rows of 256 elements a program handles
 
 
 def fewbit_forward_reference(
@@ -344,7 +352,29 @@ def _activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
     return y
 
 
-@jit(do_not_specialize=["num_borders", "bits"])
+@jit
+def _pytorch_cuda_activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr):
+    """The activation as PyTorch's CUDA kernel computes it (same fp32 formula, same CUDA math
+    library functions, IEEE division): what the fused forward computes on a GPU, where its
+    output must equal PyTorch's bit for bit (``exact_forward_options`` checks that it does
+    before any op uses it). Activations without transcendentals as :func:`_activation`."""
+    if ACTIVATION == 0:  # F.gelu: ActivationGeluKernel.cu
+        y = x * 0.5 * (1.0 + libdevice.erf(x * 0.7071067811865476))
+    elif ACTIVATION == 2:  # F.gelu(approximate="tanh")
+        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+        y = 0.5 * x * (1.0 + libdevice.tanh(inner))
+    elif ACTIVATION == 8:  # F.silu: ActivationSiluKernel.cu
+        y = libdevice.div_rn(x, 1.0 + libdevice.exp(-x))
+    elif ACTIVATION == 9:  # torch.sigmoid: 1 / d rounded once is the reciprocal rounded once
+        y = libdevice.rcp_rn(1.0 + libdevice.exp(-x))
+    elif ACTIVATION == 10:  # torch.tanh
+        y = libdevice.tanh(x)
+    else:
+        y = _activation(x, p0, p1, ACTIVATION, DTYPE)
+    return y
+
+
+@jit
 def fewbit_forward_kernel(
     x_ptr,
     y_ptr,
@@ -353,46 +383,52 @@ def fewbit_forward_kernel(
     nan_flag_ptr,
     n_elements,
     n_bytes,
-    num_borders,
-    bits,
     p0,
     p1,
     ACTIVATION: tl.constexpr,
     CODE_MODE: tl.constexpr,
-    GROUPS: tl.constexpr,
+    NUM_BORDERS: tl.constexpr,
+    BITS: tl.constexpr,
     STORE_OUTPUT: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    # Each program owns GROUPS groups of 8 elements; a group's 8 codes fill exactly `bits` bytes.
-    group = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    lane = tl.arange(0, 8)
-    offsets = group[:, None] * 8 + lane[None, :]
-    mask = offsets < n_elements
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    # ROWS x 256 consecutive elements a program (32 a thread, 128-bit loads); the width a
+    # constant, so the codes pack inside each thread with shifts (as the codecs' kernels).
+    first, count, local = tile(n_elements, ROWS, 256)
+    valid = local < count
+    x = tl.load(x_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
 
     if STORE_OUTPUT:
-        y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
-        tl.store(y_ptr + offsets, to_dtype(y, y_ptr.dtype.element_ty), mask=mask)
+        if LIBDEVICE:
+            y = _pytorch_cuda_activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
+        else:
+            y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
+        tl.store(y_ptr + first + local, to_dtype(y, y_ptr.dtype.element_ty), mask=valid)
 
     if CODE_MODE == 3:
-        code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.uint32)
+        code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.int32)
     elif CODE_MODE == 2:
-        code = (x > tl.load(borders_ptr)).to(tl.uint32)
+        code = (x > tl.load(borders_ptr)).to(tl.int32)
     else:
         # DP tables compare x truncated to bf16 precision (see hf_actq.fewbit.activations).
         v = (x.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
         if CODE_MODE == 1:
             v = tl.abs(v)
-        code = tl.zeros([GROUPS, 8], dtype=tl.uint32)
-        for i in range(num_borders):
-            code += (v > tl.load(borders_ptr + i)).to(tl.uint32)
-    code = tl.where(mask, code, 0)
-    store_packed(packed_ptr, group, code, bits, n_bytes)
+        code = tl.zeros([ROWS, 256], dtype=tl.int32)
+        for i in tl.static_range(NUM_BORDERS):  # at most 15 (4 bits): held in registers
+            code += (v > tl.load(borders_ptr + i)).to(tl.int32)
+    byte_start = (first >> 3) * BITS  # a tile's first element starts a whole byte
+    pack_tile(
+        packed_ptr + byte_start, tl.where(valid, code, 0), n_bytes - byte_start, ROWS, 256, BITS
+    )
 
-    has_nan = tl.max(((x != x) & mask).to(tl.int32))
-    tl.atomic_max(nan_flag_ptr, has_nan, mask=has_nan > 0)
+    # An atomic per NaN, none otherwise: no reduction across the program (no barriers).
+    nan = valid & (x != x)
+    tl.atomic_max(nan_flag_ptr + local * 0, nan.to(tl.int32), mask=nan)
 
 
-@jit(do_not_specialize=["bits"])
+@jit
 def fewbit_backward_kernel(
     grad_ptr,
     packed_ptr,
@@ -401,16 +437,24 @@ def fewbit_backward_kernel(
     out_ptr,
     n_elements,
     n_bytes,
-    bits,
-    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    code = load_codes(packed_ptr, offsets, mask, bits, n_bytes)
-    level = tl.load(levels_ptr + code, mask=mask, other=0.0)
+    first, count, local = tile(n_elements, ROWS, 256)
+    valid = local < count
+    byte_start = (first >> 3) * BITS
+    code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, 256, BITS)
+    if BITS <= 3:
+        # Up to eight levels: a chain of selects on values held in registers.
+        level = tl.zeros([ROWS, 256], dtype=tl.float32) + tl.load(levels_ptr)
+        for i in tl.static_range(1, 1 << BITS):
+            level = tl.where(code == i, tl.load(levels_ptr + i), level)
+    else:
+        level = tl.load(levels_ptr + code)  # 16 levels: a gather from L1, cheaper than 15 selects
     level = tl.where(tl.load(nan_flag_ptr) != 0, float("nan"), level)
-    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, to_dtype(grad * level, out_ptr.dtype.element_ty), mask=mask)
+    grad = tl.load(grad_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
+    out = to_dtype(grad * level, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + first + local, out, mask=valid)
 
 
 def fewbit_forward_triton(
@@ -420,8 +464,12 @@ def fewbit_forward_triton(
     bits: int,
     params: tuple[float, ...] = (),
     output: bool = True,
+    exact_options: dict | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The Triton side of :func:`fewbit_forward_reference`."""
+    """The Triton side of :func:`fewbit_forward_reference`. With ``exact_options`` (compile
+    options from :func:`exact_forward_options`) a GPU computes the output as PyTorch's CUDA
+    kernel does; otherwise, and always under the interpreter (where libdevice does not run),
+    with Triton math (:func:`_activation`)."""
     spec = get_activation(activation)
     x = x.contiguous()
     n = x.numel()
@@ -431,8 +479,7 @@ def fewbit_forward_triton(
     nan_flag = torch.zeros(1, dtype=torch.int32, device=x.device)
     p0, p1 = (tuple(float(p) for p in params) + (0.0, 0.0))[:2]
     if n:
-        grid = (cdiv(n, 8 * FORWARD_GROUPS),)
-        fewbit_forward_kernel[grid](
+        fewbit_forward_kernel[(cdiv(n, TILE_ELEMENTS),)](
             x,
             y,
             packed,
@@ -440,16 +487,17 @@ def fewbit_forward_triton(
             nan_flag,
             n,
             n_bytes,
-            borders.numel(),
-            bits,
             p0,
             p1,
-            # Codes only: one compiled variant per code mode, whatever the activation.
+            # Codes only: one compiled variant per code mode and width, whatever the activation.
             ACTIVATION=ACTIVATION_IDS[spec.name] if output else 0,
             CODE_MODE=CODE_MODES[spec.code_mode],
-            GROUPS=FORWARD_GROUPS,
+            NUM_BORDERS=borders.numel(),
+            BITS=bits,
             STORE_OUTPUT=output,
-            **LAUNCH_OPTIONS,
+            LIBDEVICE=exact_options is not None and x.device.type == "cuda",
+            ROWS=ROWS,
+            **(exact_options or LAUNCH_OPTIONS),
         )
     return (y if output else None), packed, nan_flag
 
@@ -466,8 +514,7 @@ def fewbit_backward_triton(
     n = grad_y.numel()
     out = torch.empty_like(grad_y)
     if n:
-        grid = (cdiv(n, BACKWARD_BLOCK),)
-        fewbit_backward_kernel[grid](
+        fewbit_backward_kernel[(cdiv(n, TILE_ELEMENTS),)](
             grad_y,
             packed,
             levels,
@@ -475,32 +522,117 @@ def fewbit_backward_triton(
             out,
             n,
             packed.numel(),
-            bits,
-            BLOCK=BACKWARD_BLOCK,
+            BITS=bits,
+            ROWS=ROWS,
             **LAUNCH_OPTIONS,
         )
     return out
 
 
-def fewbit_codes_reference(
+# Activations whose PyTorch CUDA formula the fused forward reproduces (_pytorch_cuda_activation).
+FUSED_ACTIVATIONS = frozenset({"gelu", "gelu_tanh", "silu", "sigmoid", "tanh"})
+# Compile options tried for the fused forward, in order: nvcc's defaults, with which PyTorch's
+# CUDA kernels are built (products and sums contracted to FMAs, IEEE subnormals in the math
+# library, where Triton flushes them by default), then without contraction. 8 warps: 16 values
+# a thread, whose math library temporaries fit sm_80's registers (32 spilled).
+EXACT_OPTION_CANDIDATES = (
+    {"enable_fp_fusion": True, "enable_reflect_ftz": False, "num_warps": 8},
+    {"enable_fp_fusion": False, "enable_reflect_ftz": False, "num_warps": 8},
+)
+# (activation, params, dtype, device) -> the options with which the fused forward's output equals
+# PyTorch's on every probed input, or None (PyTorch computes the output, the kernel the codes).
+EXACT_FORWARD: dict[tuple, dict | None] = {}
+PROBE_SAMPLES = 1 << 18  # random fp32 values per kind (bit patterns, normal values): 2 MiB each
+# Devices whose fused forward is probed. Under the interpreter (CPU) the kernel's output is
+# Triton math, which nothing needs: CPU training runs the twins. The tests add "cpu".
+PROBED_DEVICES = {"cuda"}
+
+
+def probe_inputs(dtype: torch.dtype, device) -> torch.Tensor:
+    """Inputs on which the fused forward must match PyTorch: every value of a 16-bit dtype; for
+    fp32 every bf16 value (each exponent, subnormals, infinities, NaN), random bit patterns and
+    random normal values (the range activations live in)."""
+    patterns = torch.arange(65536, dtype=torch.int32, device="cpu")
+    if dtype != torch.float32:
+        return patterns.to(torch.int16).view(dtype).to(device)
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.randint(
+        -(2**31), 2**31, (PROBE_SAMPLES,), generator=generator, dtype=torch.int64, device="cpu"
+    )
+    normal = torch.randn(PROBE_SAMPLES, generator=generator, device="cpu") * 4
+    values = (
+        (patterns << 16).view(torch.float32),
+        bits.to(torch.int32).view(torch.float32),
+        normal,
+    )
+    return torch.cat(values).to(device)
+
+
+def exact_forward_options(
+    activation: str, params: tuple[float, ...], x: torch.Tensor, borders, bits: int
+) -> dict | None:
+    """Compile options with which the fused forward's output equals PyTorch's for ``x``'s dtype
+    on ``x``'s device, or None. Decided once per activation, dtype and device, on
+    :func:`probe_inputs` (a read of the device, once): a GPU whose CUDA math differs from the
+    library PyTorch was built with, or a Triton that compiles the formula differently, keeps the
+    forward exact by computing the output with PyTorch, at the cost of a second read of x."""
+    key = (activation, params, x.dtype, x.device)
+    if key not in EXACT_FORWARD:
+        EXACT_FORWARD[key] = _probe_exact_forward(activation, params, x, borders, bits)
+    return EXACT_FORWARD[key]
+
+
+def _probe_exact_forward(activation, params, x, borders, bits) -> dict | None:
+    if activation not in FUSED_ACTIVATIONS or x.device.type not in PROBED_DEVICES:
+        return None
+    probe = probe_inputs(x.dtype, x.device)
+    spec = get_activation(activation)
+    expected = spec.forward(probe, **dict(zip(spec.params, params)))
+    integer = torch.int32 if x.dtype == torch.float32 else torch.int16
+    for options in EXACT_OPTION_CANDIDATES:
+        y, _, _ = fewbit_forward_triton(probe, activation, borders, bits, params, True, options)
+        same = (y.view(integer) == expected.view(integer)) | (y.isnan() & expected.isnan())
+        if bool(same.all()):
+            return options
+    where = (~same).nonzero()[:3, 0]
+    logger.info(
+        "hf_actq: the fused few-bit %s forward (%s, %s) differs from PyTorch's at x = %s "
+        "(%s against %s); PyTorch computes the output and a kernel the codes.",
+        activation,
+        x.dtype,
+        x.device,
+        probe[where].tolist(),
+        y[where].tolist(),
+        expected[where].tolist(),
+    )
+    return None
+
+
+def fewbit_forward_exact_reference(
     x: torch.Tensor, activation: str, borders: torch.Tensor, bits: int, params: list[float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The packed codes and NaN flag of :func:`fewbit_forward_reference`, without the output:
-    what the ops save (the activation's value comes from PyTorch, exact)."""
-    _, packed, nan_flag = fewbit_forward_reference(x, activation, borders, bits, params, False)
-    return packed, nan_flag
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the ops keep and return: the activation's output exactly as PyTorch computes it,
+    the packed codes and the NaN flag of :func:`fewbit_forward_reference`."""
+    return fewbit_forward_reference(x, activation, borders, bits, params)
 
 
-def _fewbit_codes_triton(x, activation, borders, bits, params):
+def _fewbit_forward_exact_triton(x, activation, borders, bits, params):
+    options = None
+    if x.is_contiguous():
+        options = exact_forward_options(activation, tuple(params), x, borders, bits)
+    if options is not None:  # one pass: x read once, y and the codes written
+        return fewbit_forward_triton(x, activation, borders, bits, params, True, options)
     _, packed, nan_flag = fewbit_forward_triton(x, activation, borders, bits, params, False)
-    return packed, nan_flag
+    spec = get_activation(activation)
+    return spec.forward(x, **dict(zip(spec.params, params))), packed, nan_flag
 
 
-fewbit_codes = register(
-    "fewbit_codes",
-    fewbit_codes_reference,
-    _fewbit_codes_triton,
+fewbit_forward = register(
+    "fewbit_forward",
+    fewbit_forward_exact_reference,
+    _fewbit_forward_exact_triton,
     fake=lambda x, activation, borders, bits, params: (
+        torch.empty_like(x),
         x.new_empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8),
         x.new_empty(1, dtype=torch.int32),
     ),

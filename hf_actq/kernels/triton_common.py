@@ -12,8 +12,9 @@ from __future__ import annotations
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice  # CUDA's math library, as PyTorch's kernels call
 except ImportError:
-    triton = tl = None
+    triton = tl = libdevice = None
 
 
 def cdiv(a: int, b: int) -> int:

@@ -13,7 +13,7 @@ from torch import nn
 from hf_actq.fewbit.activations import get_activation, resolve_params
 from hf_actq.fewbit.dp import FewBitTable
 from hf_actq.fewbit.tables import table_for, validate_bits
-from hf_actq.kernels import fewbit_backward, fewbit_codes
+from hf_actq.kernels import fewbit_backward, fewbit_forward
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import (
     OpState,
@@ -31,10 +31,8 @@ SLOTS = ("act",)
 class FewBitActivationFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation, params, borders, levels, bits):
-        # The value from PyTorch's own function (exact on every device), the codes from the kernel.
-        packed, nan_flag = fewbit_codes(x, activation, borders, bits, params)
-        spec = get_activation(activation)
-        y = spec.forward(x, **dict(zip(spec.params, params)))
+        # The output exactly PyTorch's on every device (see kernels/fewbit.py), with the codes.
+        y, packed, nan_flag = fewbit_forward(x, activation, borders, bits, params)
         ctx.save_for_backward(packed, levels, nan_flag)
         ctx.bits = bits
         return y
@@ -113,6 +111,11 @@ class ActivationTable:
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         return self.spec.forward(x, **self.params)
+
+    def forward_and_codes(self, x: torch.Tensor):
+        """``(plain(x), packed codes, NaN flag)``: on a GPU one kernel reads x once for both."""
+        borders = self.tensors(x.device)[0]
+        return fewbit_forward(x, self.spec.name, borders, self.bits, self.param_values)
 
     @property
     def kind(self) -> str:

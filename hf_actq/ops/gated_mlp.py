@@ -23,7 +23,7 @@ from torch import nn
 
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.kernels import fewbit_backward, fewbit_codes
+from hf_actq.kernels import fewbit_backward
 from hf_actq.ops.dedup import PackCache, may_offer
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.linear import linear_keeping_input
@@ -50,11 +50,8 @@ class GatedDownFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias, state):
         act = state.activation
-        borders, levels = act.tensors(gate.device)
-        # The value from PyTorch's own function (as every other path computes it), codes from
-        # the kernel.
-        codes, nan_flag = fewbit_codes(gate, act.spec.name, borders, act.bits, act.param_values)
-        activated = act.plain(gate)
+        levels = act.tensors(gate.device)[1]
+        activated, codes, nan_flag = act.forward_and_codes(gate)
         y = activated * up
         if weight is not None:
             y = F.linear(y, weight, bias)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_actq.kernels import fewbit_backward, fewbit_codes
+from hf_actq.kernels import fewbit_backward
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
 
@@ -47,9 +47,8 @@ class CompressedExpertsFunction(torch.autograd.Function):
         watcher = observer()
         if watcher is not None:
             watcher.on_fewbit(state.slot_id("act"), gate, act)
-        borders, levels = act.tensors(gate.device)
-        codes, nan_flag = fewbit_codes(gate, act.spec.name, borders, act.bits, act.param_values)
-        activated = act.plain(gate)
+        levels = act.tensors(gate.device)[1]
+        activated, codes, nan_flag = act.forward_and_codes(gate)
         out = _grouped_linear(activated * up, down_proj, offsets) * weight_of_row.unsqueeze(-1)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)

@@ -49,7 +49,7 @@ def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
     profiles = sorted(p.name for p in tmp_path.glob("profile-*.txt"))
     assert len(profiles) == 10 + 6, profiles
     gelu = (tmp_path / "profile-kernel-few-bit-gelu-3-bit-fwd-bwd-vs-torch.txt").read_text()
-    assert "hf_actq::fewbit_codes" in gelu and "hf_actq::fewbit_backward" in gelu
+    assert "hf_actq::fewbit_forward" in gelu and "hf_actq::fewbit_backward" in gelu
     summary = (tmp_path / "summary.md").read_text()
     assert "kernels bit-identical with their twins: 9 of 10" in summary
     assert "# GPU check: steps" in summary and "Dry run" in summary
@@ -165,3 +165,7 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
         assert all(row["device us"] > 0 and row["host us"] > 0 for row in data["kernels"])
     table = (tmp_path / "out" / "speed.md").read_text()
     assert "| uniform 4-bit pack+unpack | fp32 |" in table and "nan" not in table
+    # Where the fused few-bit forward's output came from (on the CPU: never probed, PyTorch's).
+    verdicts = runs["new"]["fused few-bit forward"]
+    assert verdicts == {"gelu float32": "PyTorch's output", "silu float32": "PyTorch's output"}
+    assert "- gelu float32: PyTorch's output" in table

@@ -58,8 +58,9 @@ def test_fewbit_ops_pass_torch_library_opcheck():
     table = ActivationTable("gelu", 3)
     borders, levels = table.tensors(torch.get_default_device())
     x = torch.randn(5, 24)
-    codes_op = torch.ops.hf_actq.fewbit_codes.default
-    torch.library.opcheck(codes_op, (x, "gelu", borders, 3, []))
-    packed, nan_flag = codes_op(x, "gelu", borders, 3, [])
+    forward_op = torch.ops.hf_actq.fewbit_forward.default
+    torch.library.opcheck(forward_op, (x, "gelu", borders, 3, []))
+    torch.library.opcheck(forward_op, (x.t(), "gelu", borders, 3, []))  # non-contiguous
+    _, packed, nan_flag = forward_op(x, "gelu", borders, 3, [])
     backward_op = torch.ops.hf_actq.fewbit_backward.default
     torch.library.opcheck(backward_op, (torch.randn(5, 24), packed, levels, nan_flag, 3))

@@ -94,7 +94,7 @@ CASES = {
         {"smaq_quantize", "smaq_dequantize"} | {"seeded_dropout"},
     ),
 }
-ALWAYS = {"fewbit_codes", "fewbit_backward"}
+ALWAYS = {"fewbit_forward", "fewbit_backward"}
 ALWAYS |= {"norm_backward"}
 
 

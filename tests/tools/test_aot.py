@@ -85,16 +85,18 @@ def test_the_variants_are_every_launchable_kernel_configuration():
 
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
-    from hf_actq.fewbit import ACTIVATIONS
-    from hf_actq.kernels.fewbit import CODE_MODES
+    from hf_actq.fewbit.dp import MAX_BITS
+    from hf_actq.kernels.fewbit import CODE_MODES, FUSED_ACTIVATIONS
 
     shapes = codec_shapes(BLOCK_SIZES)
     assert {bits for bits, group, _ in shapes if group == 1} == set(range(1, 9))
     assert {group for _, group, _ in shapes} == {1, 2, 4, 8, 16}
-    # fewbit forward with its output (per activation) and codes only (per code mode), fewbit
-    # backward, seeded dropout; aq quantize (deterministic and stochastic) and dequantize per
+    # fewbit forward: codes only (every code mode at 1 bit, table and symmetric at 2..4 bits)
+    # and with the output of each activation it reproduces (at 1 and 3 bits); fewbit backward
+    # per width; seeded dropout; aq quantize (deterministic and stochastic) and dequantize per
     # codec shape, blpa's two per shape of group 1; smaq
-    per_float_type = len(ACTIVATIONS) + len(CODE_MODES) + 2
+    per_float_type = len(CODE_MODES) + 2 * (MAX_BITS - 1) + 2 * len(FUSED_ACTIVATIONS)
+    per_float_type += MAX_BITS + 1
     per_float_type += 3 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
     # from 1 to block // 4 bytes)
@@ -186,3 +188,19 @@ def test_the_codec_kernels_stream(tmp_path):
     assert {int(r["variant"].split("GROUP=")[1].split()[0]) for r in results} == {1, 2, 4, 8, 16}
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
+
+
+def test_the_few_bit_kernels_stream(tmp_path):
+    """The few-bit forward (codes only and fused with PyTorch's formula through libdevice) and
+    backward at 3 bits in bf16: 128-bit accesses to the float tensors, no software division,
+    no stack."""
+    from aot import BANDWIDTH_KERNELS
+
+    from hf_actq.kernels.fewbit import FUSED_ACTIVATIONS
+
+    results = _compile(tmp_path, "--match", "fewbit", "BITS=3", "bf16", "n_elements:i32", ccs=(90,))
+    fused = [r for r in results if "LIBDEVICE=True" in r["variant"]]
+    assert len(fused) == len(FUSED_ACTIVATIONS) and len(results) == len(fused) + 3
+    assert all(not r["problems"] for r in results)
+    assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
+    assert all(r["sass"].get("STG.E.128", 0) > 0 for r in fused)  # the output, vectorised
