@@ -43,6 +43,35 @@ def _variant(module, kernel, signature, constexprs, options=None):
     return Variant(module, kernel, signature, constexprs, options)
 
 
+# (bits, group, block) of act(gate)'s and up's packs in the gated backward variants.
+GATED_LAYOUTS = (
+    ((4, 1, 128), (4, 1, 128)),
+    ((2, 4, 128), (2, 4, 128)),
+    ((1, 16, 256), (8, 1, 32)),
+)
+
+
+def _gated_backward(dtype, index, a, up, bits, with_product):
+    from hf_actq.kernels import average_quant, gated_product
+
+    signature = {"grad_ptr": f"*{dtype}"}
+    for operand in ("a", "up"):
+        signature |= {f"{operand}_data_ptr": "*u8", f"{operand}_mins_ptr": "*fp32"}
+        signature[f"{operand}_scales_ptr"] = "*fp32"
+    signature |= {"codes_ptr": "*u8", "levels_ptr": "*fp32", "nan_flag_ptr": "*i32"}
+    signature |= {name: f"*{dtype}" for name in ("grad_gate_ptr", "grad_up_ptr", "product_ptr")}
+    signature |= dict.fromkeys(("n_elements", "a_bytes", "up_bytes", "code_bytes"), index)
+    constexprs = {}
+    for operand, (codec_bits, group, block) in (("A", a), ("UP", up)):
+        constexprs |= {f"{operand}_BITS": codec_bits, f"{operand}_GROUP": group}
+        constexprs[f"{operand}_BLOCK"] = block
+        constexprs[f"{operand}_ROWS"] = average_quant._rows_per_tile(block, group)
+    constexprs |= {"BITS": bits, "WITH_PRODUCT": with_product, "ROWS": gated_product.ROWS}
+    return _variant(
+        "gated_product", "gated_backward_kernel", signature, constexprs, gated_product.OPTIONS
+    )
+
+
 def _fewbit_forward(signature, activation, code_mode, num_borders, bits, options):
     from hf_actq.kernels import fewbit
 
@@ -127,6 +156,13 @@ def variants() -> list[Variant]:
                         {"BITS": bits, "ROWS": fewbit.ROWS},
                     )
                 )
+            # The gated product's backward: uniform 4-bit (the recipes' width), ALAM's 0.5-bit
+            # AQ, and the widest layouts apart; a 1- and a 3-bit few-bit code; with and without
+            # down's input.
+            for a, up in GATED_LAYOUTS:
+                for bits in (1, 3):
+                    for with_product in (False, True):
+                        out.append(_gated_backward(dtype, index, a, up, bits, with_product))
             out.append(
                 _variant(
                     "dropout",
@@ -331,6 +367,7 @@ def variants() -> list[Variant]:
 BANDWIDTH_KERNELS = {
     "fewbit_forward_kernel": "LDG.E.128",
     "fewbit_backward_kernel": "STG.E.128",
+    "gated_backward_kernel": "STG.E.128",
     "aq_quantize_kernel": "LDG.E.128",
     "aq_dequantize_kernel": "STG.E.128",
     "blpa_quantize_kernel": "LDG.E.128",

@@ -88,6 +88,16 @@ class UnpackShare:
             self.value = None
         return value
 
+    def leave(self) -> None:
+        """A consumer that rebuilds what it needs without the unpacked tensor (a fused kernel
+        reading the packed buffers): the others no longer keep the tensor for it."""
+        if self.value is None:
+            self.consumers -= 1
+            return
+        self.left -= 1
+        if self.left <= 0:
+            self.value = None
+
 
 class Codec:
     """Base of every codec: a frozen, validated dataclass with ``pack`` and ``unpack``."""

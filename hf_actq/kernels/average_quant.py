@@ -209,6 +209,38 @@ def aq_quantize_kernel(
 
 
 @jit
+def aq_values_tile(
+    packed_ptr,
+    mins_ptr,
+    scales_ptr,
+    n_means,
+    n_bytes,
+    DTYPE: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """This program's ROWS blocks of BLOCK means, dequantized and rounded to DTYPE, each
+    repeated over its GROUP elements: ``[ROWS, BLOCK * GROUP]`` consecutive elements of the
+    tensor (past its end: garbage for the caller to mask)."""
+    first, count, local = tile(n_means, ROWS, BLOCK)
+    byte_start = first * BITS // 8
+    code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    code = code.to(tl.float32)
+    row = tl.arange(0, ROWS)
+    row_valid = row * BLOCK < count
+    lo = tl.load(mins_ptr + first // BLOCK + row, mask=row_valid, other=0.0)
+    scale = tl.load(scales_ptr + first // BLOCK + row, mask=row_valid, other=0.0)
+    value = to_dtype(code * scale[:, None] + lo[:, None], DTYPE)
+    if GROUP == 1:
+        return value
+    else:
+        repeated = tl.broadcast_to(value[:, :, None], [ROWS, BLOCK, GROUP])
+        return tl.reshape(repeated, [ROWS, BLOCK * GROUP])
+
+
+@jit
 def aq_dequantize_kernel(
     packed_ptr,
     mins_ptr,
@@ -222,26 +254,23 @@ def aq_dequantize_kernel(
     ROWS: tl.constexpr,
 ):
     # Each mean written over its GROUP elements: the tensor's flat runs (a last dim that is a
-    # multiple of the group, or group 1).
-    first, count, local = tile(n_means, ROWS, BLOCK)
-    byte_start = first * BITS // 8
-    code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, BLOCK, BITS)
-    code = code.to(tl.float32)
-    row = tl.arange(0, ROWS)
-    row_valid = row * BLOCK < count
-    lo = tl.load(mins_ptr + first // BLOCK + row, mask=row_valid, other=0.0)
-    scale = tl.load(scales_ptr + first // BLOCK + row, mask=row_valid, other=0.0)
-    value = to_dtype(code * scale[:, None] + lo[:, None], out_ptr.dtype.element_ty)
-    valid = local < count
-    out = out_ptr + first * GROUP
-    if GROUP == 1:
-        tl.store(out + local, value, mask=valid)
-    else:
-        # Written as rows of BLOCK * GROUP contiguous elements: vector stores.
-        repeated = tl.broadcast_to(value[:, :, None], [ROWS, BLOCK, GROUP])
-        repeated = tl.reshape(repeated, [ROWS, BLOCK * GROUP])
-        element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
-        tl.store(out + element, repeated, mask=element < count * GROUP)
+    # multiple of the group, or group 1), as rows of BLOCK * GROUP contiguous elements (vector
+    # stores).
+    value = aq_values_tile(
+        packed_ptr,
+        mins_ptr,
+        scales_ptr,
+        n_means,
+        n_bytes,
+        out_ptr.dtype.element_ty,
+        BITS,
+        GROUP,
+        BLOCK,
+        ROWS,
+    )
+    first, count, _ = tile(n_means, ROWS, BLOCK)
+    element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
+    tl.store(out_ptr + first * GROUP + element, value, mask=element < count * GROUP)
 
 
 def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):

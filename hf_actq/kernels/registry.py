@@ -97,6 +97,11 @@ class KernelOp:
         return f"KernelOp({self._label})"
 
 
+def runs_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the kernel ops launch Triton kernels for ``tensor`` (not their twins)."""
+    return tensor.device.type in _KERNEL_DEVICES and triton_enabled()
+
+
 def kernel_or_twin(kernel: Kernel, *args):
     if kernel.name not in FAILED and triton_enabled() and kernel.takes(*args):
         try:

@@ -9,7 +9,10 @@ and the product (for down): four intermediate-size tensors. Here:
   compressed act(gate) and compressed up, and rebuilds down's input as their product in
   backward instead of storing a third copy.
 
-The forward output equals the unpatched module's bit for bit (same ops in the same order).
+The forward output equals the unpatched module's bit for bit (same ops in the same order). With
+uniform/AQ operands the product's backward is one kernel (``kernels/gated_product.py``) that
+reads the gradient, the packed operands and the codes once and writes the gradients of gate and
+up (and down's input where down's weight is trained), with the bits of the op-by-op composition.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_actq.codecs.average import AverageQuantCodec
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.kernels import fewbit_backward
+from hf_actq.kernels import fewbit_backward, gated_backward
+from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import PackCache, may_offer
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.linear import linear_keeping_input
@@ -83,22 +88,65 @@ class GatedDownFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         weight, codes, levels, nan_flag, *buffers = ctx.saved_tensors
-        header_a, header_up = ctx.headers
-        a_hat = header_a.with_tensors(buffers[: ctx.split]).unpack()
-        up_hat = header_up.with_tensors(buffers[ctx.split :]).unpack()
+        packed_a = ctx.headers[0].with_tensors(buffers[: ctx.split])
+        packed_up = ctx.headers[1].with_tensors(buffers[ctx.split :])
         dtype = grad_y.dtype
         grad_h = grad_y if weight is None else grad_y.matmul(weight.to(dtype))
         grad_h = grad_h.reshape(ctx.gate_shape)
+        with_product = ctx.needs_input_grad[2]  # the weight's gradient needs down's input
+        if _one_kernel_takes(packed_a, packed_up, grad_h):
+            for packed in (packed_a, packed_up):
+                if packed._share is not None and packed._share.consumers > 1:
+                    packed._share.leave()  # another op's unpack of it is not waited for here
+            grad_gate, grad_up, h_hat = gated_backward(
+                grad_h,
+                *packed_a.tensors,
+                *packed_up.tensors,
+                codes,
+                levels,
+                nan_flag,
+                _aq_layout(packed_a.codec),
+                _aq_layout(packed_up.codec),
+                ctx.bits,
+                with_product,
+            )
+        else:
+            a_hat, up_hat = packed_a.unpack(), packed_up.unpack()
+            h_hat = (a_hat * up_hat).to(dtype) if with_product else None
+            grad_up = grad_h * a_hat.to(dtype)
+            grad_gate = fewbit_backward(
+                grad_h * up_hat.to(dtype), codes, levels, nan_flag, ctx.bits
+            )
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = grad_b = None
-        if ctx.needs_input_grad[2]:
-            h_hat = (a_hat * up_hat).reshape(-1, a_hat.shape[-1]).to(dtype)
-            grad_w = flat_grad.t().matmul(h_hat).to(weight.dtype)
+        if with_product:
+            grad_w = flat_grad.t().matmul(h_hat.reshape(-1, h_hat.shape[-1])).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = flat_grad.sum(0)
-        grad_up = grad_h * a_hat.to(dtype)
-        grad_gate = fewbit_backward(grad_h * up_hat.to(dtype), codes, levels, nan_flag, ctx.bits)
         return grad_gate, grad_up, grad_w, grad_b, None
+
+
+def _one_kernel_takes(packed_a: Packed, packed_up: Packed, grad_h: torch.Tensor) -> bool:
+    """Whether ``hf_actq::gated_backward`` can take the backward from these packs: uniform/AQ
+    packs of tensors in the gradient's dtype whose groups divide the last dim. A pack that other
+    ops keep too (PEFT's down_proj lora_A takes the product rebuilt from them) is unpacked once
+    for all (``UnpackShare``): its tensor is taken instead where the twin would run, which would
+    unpack it again."""
+    for packed in (packed_a, packed_up):
+        share = packed._share
+        if (
+            type(packed) is not Packed
+            or not isinstance(packed.codec, AverageQuantCodec)
+            or packed.dtype != grad_h.dtype
+            or packed.shape[-1] % packed.codec.group_size
+            or (share is not None and share.consumers > 1 and not runs_kernels(grad_h))
+        ):
+            return False
+    return True
+
+
+def _aq_layout(codec: AverageQuantCodec) -> list[int]:
+    return [codec.bits, codec.group_size, codec.block_size]
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,27 @@ def test_where_the_fused_forward_is_not_exact_pytorch_adds_one_op(monkeypatch):
     assert ours.host_reads == 0
 
 
+def test_a_gated_mlp_takes_its_product_backward_in_one_launch():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from hf_actq.ops.gated_mlp import CompressedGatedMLP
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=176, hidden_act="silu")
+    mlp = LlamaMLP(config).to(torch.bfloat16)
+    x = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    ours = _fwd_bwd(CompressedGatedMLP(mlp, AverageQuantCodec(4, 1), cache=PackCache()), x)
+    # x packed once for gate and up, act(gate) and its codes in one pass, act(gate) and up
+    # packed; backward: one kernel for the product, x unpacked once for both weight gradients.
+    assert ours.triton_launches == {
+        "aq_quantize_kernel": 3,
+        "fewbit_forward_kernel": 1,
+        "gated_backward_kernel": 1,
+        "aq_dequantize_kernel": 1,
+    }
+    assert ours.host_reads == 0
+
+
 def _step_budget(model, batch, config=None, checkpointing=False):
     if config is not None:
         hf_actq.apply(model, config)

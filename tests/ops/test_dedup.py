@@ -138,3 +138,23 @@ def test_traced_packs_key_their_seeds_by_sharing_group_for_linear_inputs_only(mo
     assert keys == [f"{layer}.self_attn:input"] * len(linears) + others
     # Another layer's linears: another key.
     assert sharing_group(linears[0]) != sharing_group(linears[0].replace(".3.", ".4."))
+
+
+def test_a_consumer_that_leaves_a_share_is_not_waited_for():
+    from hf_actq.codecs.packed import UnpackShare
+
+    packed = AverageQuantCodec(4, 1).pack(torch.randn(8, 128), seed=0)
+    # Before anyone unpacked: the other consumer unpacks alone, nothing is kept.
+    share = UnpackShare(consumers=2)
+    object.__setattr__(packed, "_share", share)
+    share.leave()
+    assert share.consumers == 1
+    packed.unpack()
+    assert share.value is None
+    # After one unpacked (kept for the second): leaving releases it.
+    share = UnpackShare(consumers=2)
+    object.__setattr__(packed, "_share", share)
+    packed.unpack()
+    assert share.value is not None
+    share.leave()
+    assert share.value is None

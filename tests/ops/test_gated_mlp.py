@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -6,6 +8,9 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import AverageQuantCodec, uniform
 from hf_actq.fewbit import table_for
+from hf_actq.kernels import kernels_on_cpu
+from hf_actq.kernels.registry import KERNELS
+from hf_actq.ops import gated_mlp
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.gated_mlp import CompressedGatedMLP
 
@@ -97,3 +102,88 @@ def test_t5_gated_mlp_keeps_the_product_compressed_and_its_forward_exact():
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.99
     with pytest.raises(ValueError, match="needs wi_0, wi_1, wo, dropout"):
         CompressedT5GatedMLP(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
+    reason="needs the Triton interpreter or a GPU",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("train_down", [True, False])
+def test_one_kernel_takes_the_backward_with_the_gradients_of_the_composition(
+    dtype, train_down, monkeypatch
+):
+    """As a GPU runs it (under the interpreter on CPU): the product's backward is one launch of
+    ``gated_backward_kernel`` (reading the packs and the codes, writing grad_gate, grad_up and,
+    for a trained down projection, its input), with the gradients of the unpacks, products and
+    few-bit backward it replaces, bit for bit."""
+    pytest.importorskip("triton")
+    mlp = _mlp(dtype=dtype)
+    mlp.down_proj.weight.requires_grad_(train_down)
+    x = torch.randn(2, 24, 64).to(dtype)
+    grad = torch.randn(2, 24, 64).to(dtype)
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    launches = []
+    kernel = KERNELS["gated_backward"]
+    launcher = kernel.launcher
+    monkeypatch.setattr(kernel, "launcher", lambda *a: launches.append(a[-1]) or launcher(*a))
+
+    def gradients():
+        module = CompressedGatedMLP(mlp, uniform(4), activation_bits=2, cache=PackCache())
+        torch.manual_seed(0)
+        with kernels_on_cpu():
+            return _grads(module, params, x, grad)
+
+    fused = gradients()
+    assert launches == [train_down]  # one launch; down's input rebuilt only when trained
+    monkeypatch.setattr(gated_mlp, "_one_kernel_takes", lambda *args: False)
+    composed = gradients()
+    assert launches == [train_down]
+    for a, b in zip(fused, composed, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
+    reason="needs the Triton interpreter or a GPU",
+)
+def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
+    """PEFT's down_proj runs as its own module and its lora_A keeps the product rebuilt from
+    act(gate)'s and up's packs, which it unpacks first in backward. The product's own backward
+    still takes one kernel over the packed buffers (no dense act(gate) or up read), leaves the
+    share (its unpacked tensors are freed then), and the gradients equal the composition's."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    import hf_actq
+    from hf_actq import ActQConfig
+    from hf_actq.codecs.packed import UnpackShare
+    from hf_actq.testing import tiny_batch, tiny_model
+
+    launches, left = [], []
+    kernel = KERNELS["gated_backward"]
+    launcher = kernel.launcher
+    monkeypatch.setattr(kernel, "launcher", lambda *a: launches.append(1) or launcher(*a))
+    leave = UnpackShare.leave
+    monkeypatch.setattr(UnpackShare, "leave", lambda share: left.append(share) or leave(share))
+
+    def gradients():
+        torch.manual_seed(0)
+        model = get_peft_model(
+            tiny_model("llama").to(torch.bfloat16), LoraConfig(r=4, target_modules="all-linear")
+        )
+        hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+        torch.manual_seed(1)
+        with kernels_on_cpu():
+            model(**tiny_batch("llama")).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    fused = gradients()
+    assert len(launches) == 2  # one per layer
+    assert len(left) == 4 and all(share.value is None for share in left)
+    monkeypatch.setattr(gated_mlp, "_one_kernel_takes", lambda *args: False)
+    composed = gradients()
+    assert len(launches) == 2
+    assert fused.keys() == composed.keys() and len(fused) > 10
+    for name in fused:
+        assert torch.equal(fused[name], composed[name]), name

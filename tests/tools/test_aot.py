@@ -81,7 +81,7 @@ def test_smaq_quantize_kernel_at_its_default_capacity_keeps_its_tile_in_register
 
 
 def test_the_variants_are_every_launchable_kernel_configuration():
-    from aot import FLOAT_TYPES, INDEX_TYPES, codec_shapes, variants
+    from aot import FLOAT_TYPES, GATED_LAYOUTS, INDEX_TYPES, codec_shapes, variants
 
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
@@ -97,6 +97,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     # codec shape, blpa's two per shape of group 1; smaq
     per_float_type = len(CODE_MODES) + 2 * (MAX_BITS - 1) + 2 * len(FUSED_ACTIVATIONS)
     per_float_type += MAX_BITS + 1
+    per_float_type += len(GATED_LAYOUTS) * 2 * 2  # gated backward: few-bit 1 and 3, product
     per_float_type += 3 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
     # from 1 to block // 4 bytes)
@@ -125,7 +126,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 13
+    assert len(defined) == 14
 
 
 @pytest.mark.slow
@@ -204,3 +205,16 @@ def test_the_few_bit_kernels_stream(tmp_path):
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
     assert all(r["sass"].get("STG.E.128", 0) > 0 for r in fused)  # the output, vectorised
+
+
+def test_the_gated_backward_kernel_streams(tmp_path):
+    """Uniform 4-bit operands, 3-bit codes, bf16, with and without down's input: 128-bit
+    stores of the gradients, no software division, no stack."""
+    from aot import BANDWIDTH_KERNELS
+
+    results = _compile(
+        tmp_path, "--match", "gated_backward", "A_BITS=4", "BITS=3", "bf16", "n_elements:i32"
+    )
+    assert len(results) == 2 * 2  # with and without the product, sm_80 and sm_90
+    assert all(not r["problems"] for r in results)
+    assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)

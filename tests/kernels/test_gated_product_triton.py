@@ -1,0 +1,69 @@
+"""The gated product's fused backward under the interpreter against its twin (the op-by-op
+composition the gated MLP ran before): every output bit-identical."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda":
+    pytest.skip(
+        "needs TRITON_INTERPRET=1 before triton is imported, or HF_ACTQ_TEST_DEVICE=cuda",
+        allow_module_level=True,
+    )
+
+from hf_actq.codecs import AverageQuantCodec  # noqa: E402
+from hf_actq.fewbit import table_for  # noqa: E402
+from hf_actq.kernels.fewbit import fewbit_forward_reference  # noqa: E402
+from hf_actq.kernels.gated_product import (  # noqa: E402
+    gated_backward_reference,
+    gated_backward_triton,
+)
+
+
+def _case(shape, dtype, a_codec, up_codec, bits=2, nan=False):
+    generator = torch.Generator().manual_seed(sum(shape) + bits)
+    gate, up, grad = (torch.randn(shape, generator=generator).to(dtype) * 3 for _ in range(3))
+    if nan:
+        gate.view(-1)[5] = float("nan")
+    table = table_for("silu", bits)
+    borders = torch.tensor(table.borders, dtype=torch.float32)
+    levels = torch.tensor(table.levels, dtype=torch.float32)
+    activated, codes, nan_flag = fewbit_forward_reference(gate, "silu", borders, bits)
+    a_pack, up_pack = a_codec.pack(activated, seed=1), up_codec.pack(up, seed=2)
+    spec = [[c.bits, c.group_size, c.block_size] for c in (a_codec, up_codec)]
+    return (grad, *a_pack.tensors, *up_pack.tensors, codes, levels, nan_flag, *spec, bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "a_codec,up_codec",
+    [
+        (AverageQuantCodec(4, 1), AverageQuantCodec(4, 1)),
+        (AverageQuantCodec(2, 4, block_size=64), AverageQuantCodec(3, 1, block_size=256)),
+        (AverageQuantCodec(1, 16, block_size=256), AverageQuantCodec(8, 2, block_size=32)),
+    ],
+    ids=["uniform-4", "aq-mixed", "aq-extremes"],
+)
+@pytest.mark.parametrize("with_product", [False, True])
+def test_the_kernel_matches_the_composition(dtype, a_codec, up_codec, with_product):
+    # 3 x 1360 elements: two tiles and a part, a last dim that every group divides.
+    args = _case((3, 1360), dtype, a_codec, up_codec)
+    expected = gated_backward_reference(*args, with_product)
+    got = gated_backward_triton(*args, with_product)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert got[2].numel() == (args[0].numel() if with_product else 0)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4])
+def test_every_few_bit_width_and_a_nan(bits):
+    codec = AverageQuantCodec(4, 1)
+    for nan in (False, True):
+        args = _case((5, 200), torch.bfloat16, codec, codec, bits=bits, nan=nan)
+        expected = gated_backward_reference(*args, True)
+        got = gated_backward_triton(*args, True)
+        assert got[0].isnan().all() == nan  # the few-bit code cannot say where: all NaN
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
