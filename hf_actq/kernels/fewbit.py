@@ -406,6 +406,27 @@ def fewbit_forward_kernel(
             y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
         tl.store(y_ptr + first + local, to_dtype(y, y_ptr.dtype.element_ty), mask=valid)
 
+    store_codes(x, valid, first, local, borders_ptr, packed_ptr, nan_flag_ptr, n_bytes,
+                CODE_MODE, NUM_BORDERS, BITS, ROWS)  # fmt: skip
+
+
+@jit
+def store_codes(
+    x,
+    valid,
+    first,
+    local,
+    borders_ptr,
+    packed_ptr,
+    nan_flag_ptr,
+    n_bytes,
+    CODE_MODE: tl.constexpr,
+    NUM_BORDERS: tl.constexpr,
+    BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The codes of the tile ``x`` ([ROWS, 256] fp32 from element ``first``) packed, and the
+    NaN flag raised where it holds a NaN."""
     if CODE_MODE == 3:
         code = ((x > tl.load(borders_ptr)) & (x < tl.load(borders_ptr + 1))).to(tl.int32)
     elif CODE_MODE == 2:
@@ -442,6 +463,18 @@ def fewbit_backward_kernel(
 ):
     first, count, local = tile(n_elements, ROWS, 256)
     valid = local < count
+    level = load_levels(first, packed_ptr, n_bytes, levels_ptr, nan_flag_ptr, BITS, ROWS)
+    grad = tl.load(grad_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
+    out = to_dtype(grad * level, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + first + local, out, mask=valid)
+
+
+@jit
+def load_levels(
+    first, packed_ptr, n_bytes, levels_ptr, nan_flag_ptr, BITS: tl.constexpr, ROWS: tl.constexpr
+):
+    """The derivative's level of each element of the tile from element ``first`` ([ROWS, 256]
+    fp32), from its packed code; NaN everywhere where the forward saw a NaN."""
     byte_start = (first >> 3) * BITS
     code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, 256, BITS)
     if BITS <= 3:
@@ -451,10 +484,7 @@ def fewbit_backward_kernel(
             level = tl.where(code == i, tl.load(levels_ptr + i), level)
     else:
         level = tl.load(levels_ptr + code)  # 16 levels: a gather from L1, cheaper than 15 selects
-    level = tl.where(tl.load(nan_flag_ptr) != 0, float("nan"), level)
-    grad = tl.load(grad_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
-    out = to_dtype(grad * level, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + first + local, out, mask=valid)
+    return tl.where(tl.load(nan_flag_ptr) != 0, float("nan"), level)
 
 
 def fewbit_forward_triton(

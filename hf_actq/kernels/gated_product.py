@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from hf_actq.kernels.average_quant import _rows_per_tile, aq_dequantize, aq_values_tile
-from hf_actq.kernels.fewbit import fewbit_backward
+from hf_actq.kernels.fewbit import fewbit_backward, load_levels
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
@@ -25,7 +25,6 @@ from hf_actq.kernels.triton_common import (
     tile,
     tl,
     to_dtype,
-    unpack_tile,
 )
 
 ROWS = TILE_ELEMENTS // 256
@@ -132,15 +131,7 @@ def gated_backward_kernel(
 
     # The few-bit backward of grad * up, rounded first as the composition rounds it.
     grad_act = to_dtype(grad * up, dtype).to(tl.float32)
-    byte_start = (first >> 3) * BITS
-    code = unpack_tile(codes_ptr + byte_start, code_bytes - byte_start, ROWS, 256, BITS)
-    if BITS <= 3:
-        level = tl.zeros([ROWS, 256], dtype=tl.float32) + tl.load(levels_ptr)
-        for i in tl.static_range(1, 1 << BITS):
-            level = tl.where(code == i, tl.load(levels_ptr + i), level)
-    else:
-        level = tl.load(levels_ptr + code)
-    level = tl.where(tl.load(nan_flag_ptr) != 0, float("nan"), level)
+    level = load_levels(first, codes_ptr, code_bytes, levels_ptr, nan_flag_ptr, BITS, ROWS)
     tl.store(grad_gate_ptr + first + local, to_dtype(grad_act * level, dtype), mask=valid)
 
 
