@@ -72,6 +72,32 @@ def _gated_backward(dtype, index, a, up, bits, with_product):
     )
 
 
+def _gated_forward(dtype, index, a, up, bits, activation):
+    from hf_actq.kernels import average_quant, fewbit, gated_product
+
+    signature = {name: f"*{dtype}" for name in ("gate_ptr", "up_ptr", "product_ptr")}
+    signature |= {"codes_ptr": "*u8", "borders_ptr": "*fp32", "nan_flag_ptr": "*i32"}
+    for operand in ("a", "up"):
+        signature |= {f"{operand}_data_ptr": "*u8", f"{operand}_mins_ptr": "*fp32"}
+        signature[f"{operand}_scales_ptr"] = "*fp32"
+    signature |= dict.fromkeys(("n_elements", "code_bytes", "a_bytes", "up_bytes"), index)
+    signature |= {"a_key": "i32", "up_key": "i32", "p0": "fp32", "p1": "fp32"}
+    constexprs = {
+        "ACTIVATION": fewbit.ACTIVATION_IDS[activation],
+        "CODE_MODE": fewbit.CODE_MODES["table"],
+        "NUM_BORDERS": 2**bits - 1,
+        "BITS": bits,
+        "LIBDEVICE": True,
+    }
+    for operand, (codec_bits, group, block) in (("A", a), ("UP", up)):
+        constexprs |= {f"{operand}_STOCHASTIC": True, f"{operand}_BITS": codec_bits}
+        constexprs |= {f"{operand}_GROUP": group, f"{operand}_BLOCK": block}
+        constexprs[f"{operand}_ROWS"] = average_quant._rows_per_tile(block, group)
+    constexprs["ROWS"] = gated_product.ROWS
+    options = fewbit.EXACT_OPTION_CANDIDATES[0]
+    return _variant("gated_product", "gated_forward_kernel", signature, constexprs, options)
+
+
 def _fewbit_forward(signature, activation, code_mode, num_borders, bits, options):
     from hf_actq.kernels import fewbit
 
@@ -163,6 +189,9 @@ def variants() -> list[Variant]:
                 for bits in (1, 3):
                     for with_product in (False, True):
                         out.append(_gated_backward(dtype, index, a, up, bits, with_product))
+                    # The forward, fused with LLaMA's and GPT-style models' activations.
+                    for activation in ("silu", "gelu"):
+                        out.append(_gated_forward(dtype, index, a, up, bits, activation))
             out.append(
                 _variant(
                     "dropout",
@@ -368,6 +397,7 @@ BANDWIDTH_KERNELS = {
     "fewbit_forward_kernel": "LDG.E.128",
     "fewbit_backward_kernel": "STG.E.128",
     "gated_backward_kernel": "STG.E.128",
+    "gated_forward_kernel": "LDG.E.128",
     "aq_quantize_kernel": "LDG.E.128",
     "aq_dequantize_kernel": "STG.E.128",
     "blpa_quantize_kernel": "LDG.E.128",

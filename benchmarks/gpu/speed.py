@@ -103,6 +103,36 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     activation("gelu", nn.functional.gelu)
     activation("silu", nn.functional.silu)
 
+    # LLaMA's gated product act(gate) * up with act(gate) and up kept 4-bit, against PyTorch's
+    # (which keeps gate, act(gate) and up): a tree without the fused kernels times its ops.
+    try:
+        from hf_actq.codecs import AverageQuantCodec
+        from hf_actq.ops.dedup import PackCache
+        from hf_actq.ops.fewbit_activation import ActivationTable
+        from hf_actq.ops.gated_mlp import CODEC_SLOTS, gated_down
+        from hf_actq.ops.state import default_state
+    except ImportError:
+        pass
+    else:
+        up = torch.randn(x.shape, generator=generator).to(device=device, dtype=dtype)
+        state = default_state(None, AverageQuantCodec(4, 1), PackCache(), CODEC_SLOTS,
+                              activation=ActivationTable("silu", 3))  # fmt: skip
+
+        def product(fn):
+            gate, up_leaf = x.detach().requires_grad_(), up.detach().requires_grad_()
+            fn(gate, up_leaf).backward(grad)
+
+        def stock(gate, up_leaf):
+            return nn.functional.silu(gate) * up_leaf
+
+        # fused floor: gate and up read, the product, act(gate) and up 4-bit and the codes
+        # written; grad, the packs and the codes read, both gradients written
+        packed = 2 * AverageQuantCodec(4, 1).nbytes(x.shape)
+        floor = n * (6 * size + 2 * 3 / 8) + 2 * packed
+        cases.append(("gated silu product, 4-bit operands, fwd+bwd",
+                      functools.partial(product, lambda g, u: gated_down(state, g, u, None)),
+                      functools.partial(product, stock), floor, 14 * n * size))  # fmt: skip
+
     def two_copies():
         x.clone()
         x.clone()

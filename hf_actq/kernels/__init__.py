@@ -8,7 +8,7 @@ Set ``HF_ACTQ_DISABLE_TRITON=1`` to force the twins on GPU too (debugging, bisec
 from hf_actq.kernels.average_quant import aq_dequantize, aq_quantize
 from hf_actq.kernels.dropout import seeded_dropout
 from hf_actq.kernels.fewbit import fewbit_backward, fewbit_forward
-from hf_actq.kernels.gated_product import gated_backward
+from hf_actq.kernels.gated_product import gated_backward, gated_forward
 from hf_actq.kernels.mask import mask_pack, mask_unpack
 from hf_actq.kernels.norm import norm_backward
 from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
@@ -26,6 +26,7 @@ __all__ = [
     "fewbit_backward",
     "fewbit_forward",
     "gated_backward",
+    "gated_forward",
     "kernels_on_cpu",
     "mask_pack",
     "mask_unpack",

@@ -171,20 +171,56 @@ def aq_quantize_kernel(
     ROWS: tl.constexpr,
 ):
     # ROWS blocks of BLOCK means per program; bits, group and block are constants: shifts, no
-    # divisions.
+    # divisions. Loaded as rows of BLOCK * GROUP elements (contiguous: vector loads, a row
+    # within a warp).
+    first, count, _ = tile(n_means, ROWS, BLOCK)
+    element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
+    values = tl.load(src_ptr + first * GROUP + element, mask=element < count * GROUP, other=0.0)
+    aq_quantize_tile(
+        values.to(tl.float32),
+        packed_ptr,
+        mins_ptr,
+        scales_ptr,
+        n_means,
+        n_bytes,
+        noise_key,
+        src_ptr.dtype.element_ty,
+        STOCHASTIC,
+        BITS,
+        GROUP,
+        BLOCK,
+        ROWS,
+    )
+
+
+@jit
+def aq_quantize_tile(
+    values,
+    packed_ptr,
+    mins_ptr,
+    scales_ptr,
+    n_means,
+    n_bytes,
+    noise_key,
+    DTYPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Quantize this program's ROWS blocks of BLOCK means: ``values`` ([ROWS, BLOCK * GROUP]
+    fp32 holding DTYPE values) are the tensor's consecutive elements from the tile's first (past
+    its end: anything finite). Stores the codes, mins and scales."""
     first, count, local = tile(n_means, ROWS, BLOCK)
     valid = local < count
-    src = src_ptr + first * GROUP
     if GROUP == 1:
-        mean = tl.load(src + local, mask=valid, other=0.0).to(tl.float32)
+        mean = values
     else:
-        # Loaded as rows of BLOCK * GROUP elements (contiguous: vector loads, a row within a
-        # warp), then split into runs: each thread sums the runs it holds.
-        element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
-        run = tl.load(src + element, mask=element < count * GROUP, other=0.0).to(tl.float32)
-        # Dividing by a power of two is exact; the mean is rounded to the source dtype.
-        mean = tl.sum(tl.reshape(run, [ROWS, BLOCK, GROUP]), axis=2) * (1.0 / GROUP)
-        mean = to_dtype(mean, src_ptr.dtype.element_ty).to(tl.float32)
+        # Each thread sums the runs it holds. Dividing by a power of two is exact; the mean is
+        # rounded to the source dtype.
+        mean = tl.sum(tl.reshape(values, [ROWS, BLOCK, GROUP]), axis=2) * (1.0 / GROUP)
+        mean = to_dtype(mean, DTYPE).to(tl.float32)
 
     lo = tl.min(tl.where(valid, mean, float("inf")), axis=1)
     hi = tl.max(tl.where(valid, mean, float("-inf")), axis=1)
@@ -273,16 +309,22 @@ def aq_dequantize_kernel(
     tl.store(out_ptr + first * GROUP + element, value, mask=element < count * GROUP)
 
 
-def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
-    """The Triton side of :func:`aq_quantize_reference`: one launch, one allocation (the
-    minimums and scales lead the packed codes in one buffer; the three are views of it)."""
-    source = source.contiguous()
-    m = source.numel() // group
+def aq_buffers(m: int, bits: int, block: int, device) -> tuple[torch.Tensor, ...]:
+    """``(packed, mins, scales)`` for ``m`` means: views of one allocation (the minimums and
+    scales lead the packed codes)."""
     blocks = cdiv(m, block)
     n_bytes = packed_nbytes(m, bits)
-    buffer = torch.empty(8 * blocks + n_bytes, dtype=torch.uint8, device=source.device)
+    buffer = torch.empty(8 * blocks + n_bytes, dtype=torch.uint8, device=device)
     metadata, packed = buffer.split((8 * blocks, n_bytes))
-    mins, scales = metadata.view(torch.float32).split((blocks, blocks))
+    return (packed, *metadata.view(torch.float32).split((blocks, blocks)))
+
+
+def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
+    """The Triton side of :func:`aq_quantize_reference`: one launch, one allocation."""
+    source = source.contiguous()
+    m = source.numel() // group
+    packed, mins, scales = aq_buffers(m, bits, block, source.device)
+    n_bytes = packed.numel()
     if m:
         rows = _rows_per_tile(block, group)
         aq_quantize_kernel[(cdiv(m, rows * block),)](

@@ -360,8 +360,8 @@ def _pytorch_cuda_activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.cons
     before any op uses it). Activations without transcendentals as :func:`_activation`."""
     if ACTIVATION == 0:  # F.gelu: ActivationGeluKernel.cu
         y = x * 0.5 * (1.0 + libdevice.erf(x * 0.7071067811865476))
-    elif ACTIVATION == 2:  # F.gelu(approximate="tanh")
-        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+    elif ACTIVATION == 2:  # F.gelu(approximate="tanh"): nvcc contracts x + kKappa * x^3
+        inner = 0.7978845608028654 * tl.fma(0.044715, x * x * x, x)
         y = 0.5 * x * (1.0 + libdevice.tanh(inner))
     elif ACTIVATION == 8:  # F.silu: ActivationSiluKernel.cu
         y = libdevice.div_rn(x, 1.0 + libdevice.exp(-x))
@@ -369,6 +369,19 @@ def _pytorch_cuda_activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.cons
         y = libdevice.rcp_rn(1.0 + libdevice.exp(-x))
     elif ACTIVATION == 10:  # torch.tanh
         y = libdevice.tanh(x)
+    else:
+        y = _activation(x, p0, p1, ACTIVATION, DTYPE)
+    return y
+
+
+@jit
+def activation_value(
+    x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr, LIBDEVICE: tl.constexpr
+):
+    """The activation of fp32 ``x``: PyTorch's CUDA formula through libdevice (a GPU), or
+    Triton math (the interpreter)."""
+    if LIBDEVICE:
+        y = _pytorch_cuda_activation(x, p0, p1, ACTIVATION, DTYPE)
     else:
         y = _activation(x, p0, p1, ACTIVATION, DTYPE)
     return y
@@ -400,10 +413,7 @@ def fewbit_forward_kernel(
     x = tl.load(x_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
 
     if STORE_OUTPUT:
-        if LIBDEVICE:
-            y = _pytorch_cuda_activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
-        else:
-            y = _activation(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty)
+        y = activation_value(x, p0, p1, ACTIVATION, x_ptr.dtype.element_ty, LIBDEVICE)
         tl.store(y_ptr + first + local, to_dtype(y, y_ptr.dtype.element_ty), mask=valid)
 
     store_codes(x, valid, first, local, borders_ptr, packed_ptr, nan_flag_ptr, n_bytes,
@@ -561,13 +571,15 @@ def fewbit_backward_triton(
 
 # Activations whose PyTorch CUDA formula the fused forward reproduces (_pytorch_cuda_activation).
 FUSED_ACTIVATIONS = frozenset({"gelu", "gelu_tanh", "silu", "sigmoid", "tanh"})
-# Compile options tried for the fused forward, in order: nvcc's defaults, with which PyTorch's
-# CUDA kernels are built (products and sums contracted to FMAs, IEEE subnormals in the math
-# library, where Triton flushes them by default), then without contraction. 8 warps: 16 values
-# a thread, whose math library temporaries fit sm_80's registers (32 spilled).
+# Compile options tried for the fused forward, in order. IEEE subnormals in the math library
+# (Triton flushes them by default, nvcc, with which PyTorch's kernels are built, does not); the
+# contraction nvcc makes in a formula written out (tl.fma). Without contraction first: the
+# kernels that also quantize (the gated product's) need it, their codes must be the twins'. With
+# it second, as nvcc compiles by default. 8 warps: 16 values a thread, whose math library
+# temporaries fit sm_80's registers (32 spilled).
 EXACT_OPTION_CANDIDATES = (
-    {"enable_fp_fusion": True, "enable_reflect_ftz": False, "num_warps": 8},
     {"enable_fp_fusion": False, "enable_reflect_ftz": False, "num_warps": 8},
+    {"enable_fp_fusion": True, "enable_reflect_ftz": False, "num_warps": 8},
 )
 # (activation, params, dtype, device) -> the options with which the fused forward's output equals
 # PyTorch's on every probed input, or None (PyTorch computes the output, the kernel the codes).

@@ -197,10 +197,7 @@ class PackCache:
             if source is not x:
                 packed = self.pack(source, codec, slot, linear_input)
                 return self._derived(packed, x, dropout)
-        seed = None
-        if codec.uses_rng:
-            seed = seed_override(slot)
-            seed = draw_seed() if seed is None else seed
+        seed = self.seed_for(codec, slot)
         watcher = observer()
         if self._aliases and not x.is_inference():
             alias = self._aliases.get(_where(x))
@@ -226,7 +223,27 @@ class PackCache:
                 watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
             return found
         packed = self._packed(watcher, slot, x, codec, seed)
+        self.remember(x, packed, slot)
+        return packed
+
+    @staticmethod
+    def seed_for(codec: Codec, slot: str | None) -> int | None:
+        """The seed :meth:`pack` draws for ``slot`` (one per stochastic pack, found or not)."""
+        if not codec.uses_rng:
+            return None
+        seed = seed_override(slot)
+        return draw_seed() if seed is None else seed
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`pack` might find ``x`` (or what it was derived from) packed already."""
+        key = _where(x)
+        return key in self._entries or key in self._aliases
+
+    def remember(self, x: torch.Tensor, packed: Packed, slot: str | None) -> None:
+        """``packed``, just made from ``x`` (by :meth:`pack` or a fused kernel), for later
+        packs of ``x`` to find, and as a pack one op keeps so far."""
         object.__setattr__(packed, "_share", UnpackShare(consumers=1))
+        key = _where(x)
         self._entries[key] = _Entry(
             _anchor(x, key),
             x._version,
@@ -236,7 +253,6 @@ class PackCache:
         )
         if len(self._entries) >= self._purge_at:
             self._purge()
-        return packed
 
     def offer(self, x: torch.Tensor, packed: Packed, slot: str | None = None) -> None:
         """Let later ``pack(x, codec)`` calls with ``packed``'s codec return ``packed``, a form

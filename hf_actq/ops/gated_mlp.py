@@ -10,9 +10,11 @@ and the product (for down): four intermediate-size tensors. Here:
   backward instead of storing a third copy.
 
 The forward output equals the unpatched module's bit for bit (same ops in the same order). With
-uniform/AQ operands the product's backward is one kernel (``kernels/gated_product.py``) that
-reads the gradient, the packed operands and the codes once and writes the gradients of gate and
-up (and down's input where down's weight is trained), with the bits of the op-by-op composition.
+uniform/AQ operands on a GPU the product is one kernel each way (``kernels/gated_product.py``):
+forward, act(gate), its codes, the product and both packs from one read of gate and up (where
+the few-bit forward's probe found act exact); backward, the gradients of gate and up (and down's
+input where down's weight is trained) from one read of the gradient, the packs and the codes.
+Both give the bits of the op-by-op path, with the same seeds.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_actq.codecs.average import AverageQuantCodec
-from hf_actq.codecs.packed import Codec, Packed
+from hf_actq.codecs.packed import Codec, Packed, UnpackShare
 from hf_actq.fewbit.activations import activation_of
-from hf_actq.kernels import fewbit_backward, gated_backward
+from hf_actq.kernels import fewbit_backward, gated_backward, gated_forward
 from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import PackCache, may_offer
 from hf_actq.ops.fewbit_activation import ActivationTable
@@ -56,14 +58,18 @@ class GatedDownFunction(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, state):
         act = state.activation
         levels = act.tensors(gate.device)[1]
-        activated, codes, nan_flag = act.forward_and_codes(gate)
-        y = activated * up
+        fused = _fused_forward(state, gate, up)
+        if fused is None:
+            activated, codes, nan_flag = act.forward_and_codes(gate)
+            y = activated * up
+            packed_a = state.pack(activated, "gate")
+            packed_up = state.pack(up, "up")
+        else:
+            y, codes, nan_flag, packed_a, packed_up = fused
         if weight is not None:
             y = F.linear(y, weight, bias)
             y = y if y._base is None else y._base  # a 2-d product, viewed back outside (linear.py)
         ctx.gate_shape = gate.shape
-        packed_a = state.pack(activated, "gate")
-        packed_up = state.pack(up, "up")
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
         ctx.split = len(packed_a.tensors)
         ctx.bits, ctx.has_bias = act.bits, bias is not None
@@ -124,6 +130,43 @@ class GatedDownFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_b = flat_grad.sum(0)
         return grad_gate, grad_up, grad_w, grad_b, None
+
+
+def _fused_forward(state: OpState, gate: torch.Tensor, up: torch.Tensor):
+    """``(product, codes, nan_flag, packed act(gate), packed up)`` from one kernel
+    (``hf_actq::gated_forward``), with the seeds, cache entries and shares ``state.pack`` would
+    give the two packs; None where the op-by-op path must run: a slot not uniform/AQ, operands
+    that are not contiguous and alike, an ``up`` the cache may hold, an observer watching the
+    packs (measurement and calibration see every tensor packed), a trace, or no kernel to run
+    (CPU: the twin would be that very path)."""
+    codecs = (state.codecs["gate"], state.codecs["up"])
+    if (
+        not all(isinstance(codec, AverageQuantCodec) for codec in codecs)
+        or not runs_kernels(gate)
+        or gate.shape != up.shape
+        or gate.dtype != up.dtype
+        or not (gate.is_contiguous() and up.is_contiguous())
+        or any(gate.shape[-1] % codec.group_size for codec in codecs)
+        or up.is_inference()
+        or observer() is not None
+        or torch.compiler.is_compiling()
+        or state.cache.holds(up)
+    ):
+        return None
+    act = state.activation
+    slots = (state.slot_id("gate"), state.slot_id("up"))
+    seeds = [state.cache.seed_for(codec, slot) or 0 for codec, slot in zip(codecs, slots)]
+    layouts = [[c.bits, c.group_size, c.block_size, int(c.stochastic)] for c in codecs]
+    borders = act.tensors(gate.device)[0]
+    out = gated_forward(
+        gate, up, act.spec.name, borders, act.bits, act.param_values, *layouts, seeds
+    )
+    product, codes, nan_flag = out[:3]
+    packed_a = Packed(codecs[0], gate.shape, gate.dtype, tuple(out[3:6]))
+    packed_up = Packed(codecs[1], up.shape, up.dtype, tuple(out[6:9]))
+    object.__setattr__(packed_a, "_share", UnpackShare(consumers=1))
+    state.cache.remember(up, packed_up, slots[1])
+    return product, codes, nan_flag, packed_a, packed_up
 
 
 def _one_kernel_takes(packed_a: Packed, packed_up: Packed, grad_h: torch.Tensor) -> bool:

@@ -96,11 +96,12 @@ def test_a_gated_mlp_takes_its_product_backward_in_one_launch():
     mlp = LlamaMLP(config).to(torch.bfloat16)
     x = torch.randn(4, 16, 64, dtype=torch.bfloat16, requires_grad=True)
     ours = _fwd_bwd(CompressedGatedMLP(mlp, AverageQuantCodec(4, 1), cache=PackCache()), x)
-    # x packed once for gate and up, act(gate) and its codes in one pass, act(gate) and up
-    # packed; backward: one kernel for the product, x unpacked once for both weight gradients.
+    # x packed once for gate and up; act(gate), its codes, the product and the packs of
+    # act(gate) and up in one kernel; backward: one kernel for the product, x unpacked once
+    # for both weight gradients.
     assert ours.triton_launches == {
-        "aq_quantize_kernel": 3,
-        "fewbit_forward_kernel": 1,
+        "aq_quantize_kernel": 1,
+        "gated_forward_kernel": 1,
         "gated_backward_kernel": 1,
         "aq_dequantize_kernel": 1,
     }
@@ -179,7 +180,9 @@ def test_each_pack_is_unpacked_once_a_step_with_the_gradients_of_one_unpack_per_
     model, batch = _model(model_name)
     budget = _step_budget(model, batch, ActQConfig.from_recipe("uniform"))
     launches = budget.triton_launches
-    assert launches["aq_dequantize_kernel"] == launches["aq_quantize_kernel"], launches
+    # A gated MLP's kernel packs act(gate) and up (PEFT's down_proj lora_A unpacks them).
+    packs = launches["aq_quantize_kernel"] + 2 * launches["gated_forward_kernel"]
+    assert launches["aq_dequantize_kernel"] == packs, launches
 
     def gradients():
         torch.manual_seed(0)

@@ -67,3 +67,89 @@ def test_every_few_bit_width_and_a_nan(bits):
         assert got[0].isnan().all() == nan  # the few-bit code cannot say where: all NaN
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.fixture
+def verdict(monkeypatch):
+    """Set what the few-bit forward's probe says (its options, or None), on the CPU as on a GPU:
+    with its options the interpreter runs the one-pass kernel, relu's Triton formula being
+    exact on these inputs."""
+    from hf_actq.kernels import gated_product, kernels_on_cpu
+
+    said = {"options": fewbit_options()[0]}
+    monkeypatch.setattr(gated_product, "exact_forward_options", lambda *args: said["options"])
+    with kernels_on_cpu():
+        yield said
+
+
+def fewbit_options():
+    from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
+
+    return EXACT_OPTION_CANDIDATES
+
+
+def _forward_case(shape, dtype, codecs, activation="relu", bits=1, nan=False):
+    generator = torch.Generator().manual_seed(sum(shape))
+    gate, up = (torch.randn(shape, generator=generator).to(dtype) * 3 for _ in range(2))
+    if nan:
+        gate.view(-1)[7] = float("nan")
+    table = table_for(activation, bits)
+    borders = torch.tensor(table.borders, dtype=torch.float32)
+    layouts = [[c.bits, c.group_size, c.block_size, int(c.stochastic)] for c in codecs]
+    return (gate, up, activation, borders, table.bits, [], *layouts, [11, 12])
+
+
+def _same(a, b):
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "codecs",
+    [
+        (AverageQuantCodec(4, 1), AverageQuantCodec(4, 1)),
+        (AverageQuantCodec(2, 4, block_size=64), AverageQuantCodec(3, 1, stochastic=False)),
+        (AverageQuantCodec(1, 16, block_size=256), AverageQuantCodec(8, 2, block_size=32)),
+    ],
+    ids=["uniform-4", "aq-mixed", "aq-extremes"],
+)
+def test_the_forward_kernel_matches_the_composition(verdict, dtype, codecs, monkeypatch):
+    from hf_actq.kernels import gated_product
+
+    launches = []
+    kernel = gated_product.gated_forward_kernel
+    monkeypatch.setattr(gated_product, "gated_forward_kernel", _Counting(kernel, launches))
+    for nan in (False, True):
+        args = _forward_case((3, 1360), dtype, codecs, nan=nan)
+        got = gated_product.gated_forward_triton(*args)
+        expected = gated_product.gated_forward_reference(*args)
+        assert len(got) == len(expected) == 9
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and _same(a, b)
+        assert got[2].item() == int(nan)
+    assert len(launches) == 2  # one pass each
+
+
+class _Counting:
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("options", [None, "with contraction"])
+def test_where_the_kernel_would_not_be_exact_the_composition_runs(verdict, options, monkeypatch):
+    """No exact few-bit forward, or one only with FMA contraction (which would move the
+    codecs' rounding): the composition's launches instead."""
+    from hf_actq.kernels import gated_product
+
+    verdict["options"] = None if options is None else fewbit_options()[1]
+    assert verdict["options"] is None or verdict["options"]["enable_fp_fusion"]
+    monkeypatch.setattr(gated_product, "gated_forward_kernel", None)  # would fail if launched
+    codecs = (AverageQuantCodec(4, 1), AverageQuantCodec(4, 1))
+    args = _forward_case((3, 1360), torch.float32, codecs)
+    got = gated_product.gated_forward_triton(*args)
+    expected = gated_product.gated_forward_reference(*args)
+    assert all(_same(a, b) for a, b in zip(got, expected, strict=True))

@@ -187,3 +187,52 @@ def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
     assert fused.keys() == composed.keys() and len(fused) > 10
     for name in fused:
         assert torch.equal(fused[name], composed[name]), name
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
+    reason="needs the Triton interpreter or a GPU",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composition(
+    dtype, monkeypatch
+):
+    """Where the few-bit forward is exact (forced here, for relu, whose Triton formula the
+    interpreter computes exactly): act(gate), the product, the codes and both packs in one
+    launch of ``gated_forward_kernel``, with the seeds the two packs would draw, so the output,
+    the packs and the gradients equal the op-by-op path's bit for bit."""
+    pytest.importorskip("triton")
+    from hf_actq.kernels import gated_product
+    from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
+
+    monkeypatch.setattr(
+        gated_product, "exact_forward_options", lambda *args: EXACT_OPTION_CANDIDATES[0]
+    )
+    launches = []
+    kernel = KERNELS["gated_forward"]
+    launcher = kernel.launcher
+    monkeypatch.setattr(kernel, "launcher", lambda *a: launches.append(1) or launcher(*a))
+    mlp = _mlp("relu", dtype)
+    x = torch.randn(2, 24, 64).to(dtype)
+    grad = torch.randn(2, 24, 64).to(dtype)
+    params = list(mlp.parameters())
+
+    def run():
+        module = CompressedGatedMLP(mlp, uniform(4), activation_bits=1, cache=PackCache())
+        torch.manual_seed(0)
+        with kernels_on_cpu():
+            leaf = x.detach().requires_grad_()
+            y = module(leaf)
+            y.backward(grad)
+        return [y.detach(), leaf.grad] + [p.grad.clone() for p in params]
+
+    fused = run()
+    assert len(launches) == 1
+    assert torch.equal(fused[0], mlp(x))  # the forward stays the unpatched module's
+    monkeypatch.setattr(gated_mlp, "_fused_forward", lambda *args: None)
+    for p in params:
+        p.grad = None
+    composed = run()
+    assert len(launches) == 1
+    for a, b in zip(fused, composed, strict=True):
+        assert torch.equal(a, b)

@@ -97,7 +97,9 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     # codec shape, blpa's two per shape of group 1; smaq
     per_float_type = len(CODE_MODES) + 2 * (MAX_BITS - 1) + 2 * len(FUSED_ACTIVATIONS)
     per_float_type += MAX_BITS + 1
-    per_float_type += len(GATED_LAYOUTS) * 2 * 2  # gated backward: few-bit 1 and 3, product
+    # gated backward (few-bit 1 and 3 bits, with and without the product) and forward (few-bit
+    # 1 and 3 bits, silu and gelu) per layout
+    per_float_type += len(GATED_LAYOUTS) * 2 * (2 + 2)
     per_float_type += 3 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
     # from 1 to block // 4 bytes)
@@ -126,7 +128,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 14
+    assert len(defined) == 15
 
 
 @pytest.mark.slow
@@ -207,14 +209,16 @@ def test_the_few_bit_kernels_stream(tmp_path):
     assert all(r["sass"].get("STG.E.128", 0) > 0 for r in fused)  # the output, vectorised
 
 
-def test_the_gated_backward_kernel_streams(tmp_path):
-    """Uniform 4-bit operands, 3-bit codes, bf16, with and without down's input: 128-bit
-    stores of the gradients, no software division, no stack."""
+def test_the_gated_kernels_stream(tmp_path):
+    """Uniform 4-bit operands, 3-bit codes, bf16: the backward with and without down's input,
+    the forward fused with SiLU: 128-bit accesses to the float tensors, no software division,
+    no stack."""
     from aot import BANDWIDTH_KERNELS
 
-    results = _compile(
-        tmp_path, "--match", "gated_backward", "A_BITS=4", "BITS=3", "bf16", "n_elements:i32"
-    )
-    assert len(results) == 2 * 2  # with and without the product, sm_80 and sm_90
+    results = _compile(tmp_path, "--match", "A_BITS=4", "BITS=3", "bf16", "n_elements:i32")
+    results = [r for r in results if "ACTIVATION=0 " not in r["variant"]]  # gelu's
+    kernels = sorted(r["kernel"] for r in results)
+    # with and without the product; SiLU; each for sm_80 and sm_90
+    assert kernels == ["gated_backward_kernel"] * 4 + ["gated_forward_kernel"] * 2, kernels
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
