@@ -102,8 +102,9 @@ class GatedDownFunction(torch.autograd.Function):
         with_product = ctx.needs_input_grad[2]  # the weight's gradient needs down's input
         if _one_kernel_takes(packed_a, packed_up, grad_h):
             for packed in (packed_a, packed_up):
-                if packed._share is not None and packed._share.consumers > 1:
-                    packed._share.leave()  # another op's unpack of it is not waited for here
+                share = packed._share  # (a trace unpacks each pack alone: no shares there)
+                if share is not None and share.consumers > 1 and not torch.compiler.is_compiling():
+                    share.leave()  # another op's unpack of it is not waited for here
             grad_gate, grad_up, h_hat = gated_backward(
                 grad_h,
                 *packed_a.tensors,
