@@ -152,6 +152,7 @@ def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
     act(gate)'s and up's packs, which it unpacks first in backward. The product's own backward
     still takes one kernel over the packed buffers (no dense act(gate) or up read), leaves the
     share (its unpacked tensors are freed then), and the gradients equal the composition's."""
+    pytest.importorskip("triton")
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
@@ -236,3 +237,62 @@ def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composit
     assert len(launches) == 1
     for a, b in zip(fused, composed, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
+    reason="needs the Triton interpreter or a GPU",
+)
+def test_under_lora_and_stock_checkpointing_both_kernels_give_the_op_by_op_gradients(
+    monkeypatch,
+):
+    """PEFT LoRA with ``gradient_checkpointing=True`` (non-reentrant): the gated forward runs in
+    the forward and again in the recompute (the same seeds: checkpointing restores the RNG),
+    the backward kernel reads the packs down_proj's lora_A shares, and the gradients are the
+    op-by-op path's bit for bit."""
+    pytest.importorskip("triton")
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+
+    import hf_actq
+    from hf_actq import ActQConfig
+    from hf_actq.kernels import gated_product
+    from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
+    from hf_actq.testing import tiny_batch, tiny_model
+
+    monkeypatch.setattr(
+        gated_product, "exact_forward_options", lambda *args: EXACT_OPTION_CANDIDATES[0]
+    )
+    launches = []
+    for name in ("gated_forward", "gated_backward"):
+        kernel = KERNELS[name]
+        monkeypatch.setattr(
+            kernel,
+            "launcher",
+            lambda *a, name=name, run=kernel.launcher: launches.append(name) or run(*a),
+        )
+
+    def gradients():
+        torch.manual_seed(0)
+        model = get_peft_model(
+            tiny_model("llama").to(torch.bfloat16), LoraConfig(r=4, target_modules="all-linear")
+        )
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+        model.train()
+        torch.manual_seed(1)
+        with kernels_on_cpu():
+            model(**tiny_batch("llama")).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    fused = gradients()
+    # Per layer: forward, recompute, backward.
+    assert sorted(launches) == ["gated_backward"] * 2 + ["gated_forward"] * 4, launches
+    monkeypatch.setattr(gated_mlp, "_fused_forward", lambda *args: None)
+    monkeypatch.setattr(gated_mlp, "_one_kernel_takes", lambda *args: False)
+    composed = gradients()
+    assert len(launches) == 6
+    assert fused.keys() == composed.keys() and len(fused) > 10
+    for name in fused:
+        assert torch.equal(fused[name], composed[name]), name
