@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -13,6 +14,16 @@ from hf_actq.kernels.registry import KERNELS
 from hf_actq.ops import gated_mlp
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.gated_mlp import CompressedGatedMLP
+
+# Tests of the kernels' paths: run by Triton's interpreter on the CPU, or on a GPU.
+needs_kernels = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or (
+        os.environ.get("TRITON_INTERPRET") != "1"
+        and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda"
+    ),
+    reason="needs Triton, and its interpreter or a GPU",
+)
 
 
 def _mlp(act="silu", dtype=torch.float32):
@@ -104,10 +115,7 @@ def test_t5_gated_mlp_keeps_the_product_compressed_and_its_forward_exact():
         CompressedT5GatedMLP(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
-    reason="needs the Triton interpreter or a GPU",
-)
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("train_down", [True, False])
 def test_one_kernel_takes_the_backward_with_the_gradients_of_the_composition(
@@ -117,7 +125,6 @@ def test_one_kernel_takes_the_backward_with_the_gradients_of_the_composition(
     ``gated_backward_kernel`` (reading the packs and the codes, writing grad_gate, grad_up and,
     for a trained down projection, its input), with the gradients of the unpacks, products and
     few-bit backward it replaces, bit for bit."""
-    pytest.importorskip("triton")
     mlp = _mlp(dtype=dtype)
     mlp.down_proj.weight.requires_grad_(train_down)
     x = torch.randn(2, 24, 64).to(dtype)
@@ -143,23 +150,44 @@ def test_one_kernel_takes_the_backward_with_the_gradients_of_the_composition(
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
-    reason="needs the Triton interpreter or a GPU",
-)
+def _lora_gradients(checkpointing: bool = False) -> dict:
+    """One step's gradients of a tiny bf16 LLaMA with LoRA on every linear, "uniform", the
+    kernels run (by the interpreter on the CPU)."""
+    from peft import LoraConfig, get_peft_model
+
+    import hf_actq
+    from hf_actq import ActQConfig
+    from hf_actq.testing import tiny_batch, tiny_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        tiny_model("llama").to(torch.bfloat16), LoraConfig(r=4, target_modules="all-linear")
+    )
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    model.train()
+    torch.manual_seed(1)
+    with kernels_on_cpu():
+        model(**tiny_batch("llama")).loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(fused: dict, composed: dict) -> None:
+    assert fused.keys() == composed.keys() and len(fused) > 10
+    for name in fused:
+        assert torch.equal(fused[name], composed[name]), name
+
+
+@needs_kernels
 def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
     """PEFT's down_proj runs as its own module and its lora_A keeps the product rebuilt from
     act(gate)'s and up's packs, which it unpacks first in backward. The product's own backward
     still takes one kernel over the packed buffers (no dense act(gate) or up read), leaves the
     share (its unpacked tensors are freed then), and the gradients equal the composition's."""
-    pytest.importorskip("triton")
     pytest.importorskip("peft")
-    from peft import LoraConfig, get_peft_model
-
-    import hf_actq
-    from hf_actq import ActQConfig
     from hf_actq.codecs.packed import UnpackShare
-    from hf_actq.testing import tiny_batch, tiny_model
 
     launches, left = [], []
     kernel = KERNELS["gated_backward"]
@@ -167,33 +195,16 @@ def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
     monkeypatch.setattr(kernel, "launcher", lambda *a: launches.append(1) or launcher(*a))
     leave = UnpackShare.leave
     monkeypatch.setattr(UnpackShare, "leave", lambda share: left.append(share) or leave(share))
-
-    def gradients():
-        torch.manual_seed(0)
-        model = get_peft_model(
-            tiny_model("llama").to(torch.bfloat16), LoraConfig(r=4, target_modules="all-linear")
-        )
-        hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
-        torch.manual_seed(1)
-        with kernels_on_cpu():
-            model(**tiny_batch("llama")).loss.backward()
-        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    fused = gradients()
+    fused = _lora_gradients()
     assert len(launches) == 2  # one per layer
     assert len(left) == 4 and all(share.value is None for share in left)
     monkeypatch.setattr(gated_mlp, "_one_kernel_takes", lambda *args: False)
-    composed = gradients()
+    composed = _lora_gradients()
     assert len(launches) == 2
-    assert fused.keys() == composed.keys() and len(fused) > 10
-    for name in fused:
-        assert torch.equal(fused[name], composed[name]), name
+    _assert_same(fused, composed)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
-    reason="needs the Triton interpreter or a GPU",
-)
+@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composition(
     dtype, monkeypatch
@@ -202,7 +213,6 @@ def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composit
     interpreter computes exactly): act(gate), the product, the codes and both packs in one
     launch of ``gated_forward_kernel``, with the seeds the two packs would draw, so the output,
     the packs and the gradients equal the op-by-op path's bit for bit."""
-    pytest.importorskip("triton")
     from hf_actq.kernels import gated_product
     from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
 
@@ -239,10 +249,7 @@ def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composit
         assert torch.equal(a, b)
 
 
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda",
-    reason="needs the Triton interpreter or a GPU",
-)
+@needs_kernels
 def test_under_lora_and_stock_checkpointing_both_kernels_give_the_op_by_op_gradients(
     monkeypatch,
 ):
@@ -250,15 +257,9 @@ def test_under_lora_and_stock_checkpointing_both_kernels_give_the_op_by_op_gradi
     the forward and again in the recompute (the same seeds: checkpointing restores the RNG),
     the backward kernel reads the packs down_proj's lora_A shares, and the gradients are the
     op-by-op path's bit for bit."""
-    pytest.importorskip("triton")
     pytest.importorskip("peft")
-    from peft import LoraConfig, get_peft_model
-
-    import hf_actq
-    from hf_actq import ActQConfig
     from hf_actq.kernels import gated_product
     from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
-    from hf_actq.testing import tiny_batch, tiny_model
 
     monkeypatch.setattr(
         gated_product, "exact_forward_options", lambda *args: EXACT_OPTION_CANDIDATES[0]
@@ -271,28 +272,11 @@ def test_under_lora_and_stock_checkpointing_both_kernels_give_the_op_by_op_gradi
             "launcher",
             lambda *a, name=name, run=kernel.launcher: launches.append(name) or run(*a),
         )
-
-    def gradients():
-        torch.manual_seed(0)
-        model = get_peft_model(
-            tiny_model("llama").to(torch.bfloat16), LoraConfig(r=4, target_modules="all-linear")
-        )
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-        hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
-        model.train()
-        torch.manual_seed(1)
-        with kernels_on_cpu():
-            model(**tiny_batch("llama")).loss.backward()
-        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-    fused = gradients()
+    fused = _lora_gradients(checkpointing=True)
     # Per layer: forward, recompute, backward.
     assert sorted(launches) == ["gated_backward"] * 2 + ["gated_forward"] * 4, launches
     monkeypatch.setattr(gated_mlp, "_fused_forward", lambda *args: None)
     monkeypatch.setattr(gated_mlp, "_one_kernel_takes", lambda *args: False)
-    composed = gradients()
+    composed = _lora_gradients(checkpointing=True)
     assert len(launches) == 6
-    assert fused.keys() == composed.keys() and len(fused) > 10
-    for name in fused:
-        assert torch.equal(fused[name], composed[name]), name
+    _assert_same(fused, composed)
