@@ -363,6 +363,13 @@ def _pytorch_cuda_activation(x, p0, p1, ACTIVATION: tl.constexpr, DTYPE: tl.cons
     elif ACTIVATION == 2:  # F.gelu(approximate="tanh"): nvcc contracts x + kKappa * x^3
         inner = 0.7978845608028654 * tl.fma(0.044715, x * x * x, x)
         y = 0.5 * x * (1.0 + libdevice.tanh(inner))
+    elif ACTIVATION == 3 or ACTIVATION == 6:  # HF gelu_new / gelu_accurate
+        # One PyTorch op at a time, each rounded to the dtype; ATen's pow(x, 3) multiplies in
+        # the dtype (base * base * base: two roundings in half precision).
+        cube = _rnd(_rnd(x * x, DTYPE) * x, DTYPE)
+        inner = _rnd(x + _rnd(0.044715 * cube, DTYPE), DTYPE)
+        t = _rnd(libdevice.tanh(_rnd(0.7978845608028654 * inner, DTYPE)), DTYPE)
+        y = _rnd(0.5 * x, DTYPE) * _rnd(1.0 + t, DTYPE)
     elif ACTIVATION == 8:  # F.silu: ActivationSiluKernel.cu
         y = libdevice.div_rn(x, 1.0 + libdevice.exp(-x))
     elif ACTIVATION == 9:  # torch.sigmoid: 1 / d rounded once is the reciprocal rounded once
@@ -570,7 +577,9 @@ def fewbit_backward_triton(
 
 
 # Activations whose PyTorch CUDA formula the fused forward reproduces (_pytorch_cuda_activation).
-FUSED_ACTIVATIONS = frozenset({"gelu", "gelu_tanh", "silu", "sigmoid", "tanh"})
+FUSED_ACTIVATIONS = frozenset(
+    {"gelu", "gelu_tanh", "gelu_new", "gelu_accurate", "silu", "sigmoid", "tanh"}
+)
 # Compile options tried for the fused forward, in order. IEEE subnormals in the math library
 # (Triton flushes them by default, nvcc, with which PyTorch's kernels are built, does not); the
 # contraction nvcc makes in a formula written out (tl.fma). Without contraction first: the

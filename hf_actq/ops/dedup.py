@@ -235,9 +235,14 @@ class PackCache:
         return draw_seed() if seed is None else seed
 
     def holds(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`pack` might find ``x`` (or what it was derived from) packed already."""
+        """Whether :meth:`pack` might find ``x`` (or what it was derived from) packed already:
+        an entry or an alias for its data that is alive and unchanged since. (An entry left by
+        a freed tensor whose memory ``x`` now reuses is not one: its storage is gone.)"""
         key = _where(x)
-        return key in self._entries or key in self._aliases
+        for found in (self._entries.get(key), self._aliases.get(key)):
+            if found is not None and found.storage() is not None and found.version == x._version:
+                return True
+        return False
 
     def remember(self, x: torch.Tensor, packed: Packed, slot: str | None) -> None:
         """``packed``, just made from ``x`` (by :meth:`pack` or a fused kernel), for later

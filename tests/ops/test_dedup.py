@@ -1,7 +1,9 @@
 """PackCache: shares one packed copy between consumers without keeping anything alive itself."""
 
+import dataclasses
 import gc
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -158,3 +160,25 @@ def test_a_consumer_that_leaves_a_share_is_not_waited_for():
     assert share.value is not None
     share.leave()
     assert share.value is None
+
+
+def test_the_cache_holds_a_tensor_only_while_its_packed_data_lives():
+    """``holds`` (the gated product's check before it packs ``up`` in its own kernel) says what
+    ``pack`` would find: not an entry a freed tensor left at the address a new one reuses."""
+    cache = PackCache()
+    x = torch.randn(8, 128)
+    assert not cache.holds(x)
+    cache.pack(x, uniform(4))
+    assert cache.holds(x) and cache.holds(x.detach())  # the same data
+    x.add_(1)  # changed since it was packed
+    assert not cache.holds(x)
+    # A freed tensor's entry under the key of a live one: as when memory is reused.
+    y = torch.randn(8, 128)
+    cache.pack(y, uniform(4))
+    entry = cache._entries.pop(dedup._where(y))
+    gone = torch.randn(3)
+    dead = dataclasses.replace(entry, storage=weakref.ref(gone.untyped_storage()))
+    del gone
+    gc.collect()
+    cache._entries[dedup._where(y)] = dead
+    assert dead.storage() is None and not cache.holds(y)
