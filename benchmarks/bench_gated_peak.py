@@ -22,6 +22,29 @@ import torch  # noqa: E402
 from provenance import write_json  # noqa: E402
 
 
+def phase_peaks(make_module, x, grad) -> dict:
+    """Bytes above the start at the peak of the forward and of the backward of a fresh
+    ``make_module()`` on ``x``, kernels run (the second of two rounds: the first allocates the
+    module's tables)."""
+    from hf_actq.kernels import kernels_on_cpu
+    from hf_actq.memory.peak import PeakMemory
+
+    module = make_module()
+    rounds = []
+    with kernels_on_cpu():
+        for _ in range(2):
+            leaf = x.clone().requires_grad_()
+            with PeakMemory("cpu", phase="forward") as peak:
+                y = module(leaf)
+                peak.mark("backward")
+                y.backward(grad)
+                del y
+            rounds.append(peak.phase_peaks)
+            for p in module.parameters():
+                p.grad = None
+    return rounds[-1]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default="benchmarks/results/bench_gated_peak.json")
@@ -30,9 +53,8 @@ def main(argv=None) -> None:
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     from hf_actq.codecs import uniform
-    from hf_actq.kernels import gated_product, kernels_on_cpu
+    from hf_actq.kernels import gated_product
     from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
-    from hf_actq.memory.peak import PeakMemory
     from hf_actq.ops import gated_mlp
     from hf_actq.ops.dedup import PackCache
     from hf_actq.ops.gated_mlp import CompressedGatedMLP
@@ -44,25 +66,13 @@ def main(argv=None) -> None:
     x = torch.randn(4, 256, 512, dtype=torch.bfloat16)
     grad = torch.randn_like(x)
 
-    def phase_peaks() -> dict:
-        module = CompressedGatedMLP(mlp, uniform(4), activation_bits=3, cache=PackCache())
-        rounds = []
-        with kernels_on_cpu():
-            for _ in range(2):  # the first round allocates the module's tables
-                leaf = x.clone().requires_grad_()
-                with PeakMemory("cpu", phase="forward") as peak:
-                    y = module(leaf)
-                    peak.mark("backward")
-                    y.backward(grad)
-                    del y
-                rounds.append(peak.phase_peaks)
-                mlp.zero_grad(set_to_none=True)
-        return rounds[-1]
+    def make_module():
+        return CompressedGatedMLP(mlp, uniform(4), activation_bits=3, cache=PackCache())
 
-    fused = phase_peaks()
+    fused = phase_peaks(make_module, x, grad)
     gated_mlp._fused_forward = lambda *args: None
     gated_mlp._one_kernel_takes = lambda *args: False
-    composed = phase_peaks()
+    composed = phase_peaks(make_module, x, grad)
     intermediate = 4 * 256 * 1376 * 2
     rows = {
         phase: {

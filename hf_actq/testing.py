@@ -537,8 +537,9 @@ _NO_LAUNCH = {
     "aten::alias", "aten::lift_fresh", "aten::split", "aten::unbind", "aten::chunk",
     "aten::narrow", "aten::view_as", "aten::_reshape_alias", "aten::resolve_conj",
     "aten::resolve_neg", "aten::item", "aten::_local_scalar_dense", "aten::is_nonzero",
-    "aten::result_type", "aten::contiguous", "aten::flatten", "aten::unflatten",
-    "aten::movedim", "aten::expand_as", "aten::split_with_sizes", "aten::to", "aten::type_as",
+    "aten::result_type", "aten::promote_types", "aten::contiguous", "aten::flatten",
+    "aten::unflatten", "aten::movedim", "aten::expand_as", "aten::split_with_sizes", "aten::to",
+    "aten::type_as",
 }  # fmt: skip
 
 

@@ -36,3 +36,18 @@ def _test_device():
     torch.set_default_device(TEST_DEVICE)
     yield
     torch.set_default_device(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``needs_kernels`` run the Triton kernels: by the interpreter on the CPU, or
+    on a GPU. Skipped where neither can (the transformers-floor suite installs no Triton)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None and (
+        os.environ.get("TRITON_INTERPRET") == "1" or TEST_DEVICE == "cuda"
+    ):
+        return
+    skip = pytest.mark.skip(reason="needs Triton, and its interpreter or a GPU")
+    for item in items:
+        if item.get_closest_marker("needs_kernels") is not None:
+            item.add_marker(skip)

@@ -320,44 +320,50 @@ def variants() -> list[Variant]:
                         {"BLOCK": block},
                     )
                 )
-    # The norm kernels index rows and columns separately: both fit i32 at any real size.
+    # The norm backward kernels index rows and columns separately: both fit i32 at any real
+    # size. Each reads x_hat as a tensor or dequantizes it from its pack (PACKED).
     for dtype in FLOAT_TYPES.values():
-        out.append(
-            _variant(
-                "norm",
-                "norm_row_means_kernel",
-                {
-                    "grad_ptr": f"*{dtype}",
-                    "xhat_ptr": f"*{dtype}",
-                    "w_ptr": "*fp32",
-                    "means_ptr": "*fp32",
-                    "width": "i32",
-                    "inv_width": "fp32",
-                    "centered": "fp32",
-                },
-                {"BLOCK": norm.BLOCK},
+        for packed, (bits, group, block) in ((False, (8, 1, 32)), (True, (4, 1, 128)),
+                                              (True, (3, 4, 64)), (True, (2, 16, 256))):  # fmt: skip
+            layout = {"PACKED": packed, "BITS": bits, "GROUP": group, "CODEC_BLOCK": block}
+            operands = {"grad_ptr": f"*{dtype}", "xhat_ptr": f"*{dtype}", "data_ptr": "*u8"}
+            operands |= {"mins_ptr": "*fp32", "scales_ptr": "*fp32", "w_ptr": "*fp32"}
+            means = {"means_ptr": "*fp32", "width": "i32", "inv_width": "fp32"}
+            means |= {"centered": "fp32", "n_bytes": "i64"}
+            out.append(
+                _variant(
+                    "norm",
+                    "norm_row_means_kernel",
+                    operands | means,
+                    layout | {"BLOCK": norm.BLOCK},
+                )
             )
-        )
-        out.append(
-            _variant(
-                "norm",
-                "norm_backward_kernel",
-                {
-                    "grad_ptr": f"*{dtype}",
-                    "xhat_ptr": f"*{dtype}",
-                    "w_ptr": "*fp32",
-                    "rstd_ptr": "*fp32",
-                    "means_ptr": "*fp32",
-                    "out_ptr": f"*{dtype}",
-                    "partial_w_ptr": "*fp32",
-                    "partial_b_ptr": "*fp32",
-                    "n_rows": "i32",
-                    "width": "i32",
-                    "rows_per_program": "i32",
-                },
-                {"BLOCK": norm.BLOCK},
+            backward = {"rstd_ptr": "*fp32", "means_ptr": "*fp32", "out_ptr": f"*{dtype}"}
+            backward |= {"partial_ptr": "*fp32", "n_rows": "i32", "width": "i32"}
+            backward |= {"rows_per_program": "i32", "row_blocks": "i32", "n_bytes": "i64"}
+            out.append(
+                _variant(
+                    "norm",
+                    "norm_backward_kernel",
+                    operands | backward,
+                    layout | {"BLOCK": norm.BLOCK},
+                )
             )
-        )
+        # The forward: LayerNorm (x_hat only), LLaMA's and Gemma's RMSNorm (and the output).
+        for centered, with_output, offset_form in ((True, False, False), (False, True, False),
+                                                   (False, True, True)):  # fmt: skip
+            for bits, group, block in ((4, 1, 128), (2, 4, 128), (3, 16, 256)):
+                signature = {"x_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"}
+                signature |= {"w_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "data_ptr": "*u8"}
+                signature |= {"mins_ptr": "*fp32", "scales_ptr": "*fp32", "n_elements": "i64"}
+                signature |= {"width": "i32", "inv_width": "fp32", "n_bytes": "i64"}
+                signature |= {"key": "i32", "offset": "fp32"}
+                constexprs = {"CENTERED": centered, "WITH_OUTPUT": with_output}
+                constexprs |= {"OFFSET_FORM": offset_form, "STOCHASTIC": True, "BITS": bits}
+                constexprs |= {"GROUP": group, "BLOCK": block}
+                constexprs["CODEC_ROWS"] = average_quant._rows_per_tile(block, group)
+                constexprs["ROWS"] = norm.ROWS
+                out.append(_variant("norm", "norm_pack_kernel", signature, constexprs))
     for dtype in ("u8", *FLOAT_TYPES.values()):
         for index in INDEX_TYPES:
             out.append(
@@ -404,6 +410,7 @@ BANDWIDTH_KERNELS = {
     "blpa_dequantize_kernel": "STG.E.128",
     "mask_pack_kernel": "LDG.E.128",
     "mask_unpack_kernel": "STG.E.128",
+    "norm_pack_kernel": "LDG.E.128",
 }
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 

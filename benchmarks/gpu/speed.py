@@ -133,6 +133,27 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
                       functools.partial(product, lambda g, u: gated_down(state, g, u, None)),
                       functools.partial(product, stock), floor, 14 * n * size))  # fmt: skip
 
+    # LLaMA's RMSNorm with x_hat kept 4-bit (one kernel packs it and writes the output; the
+    # backward kernels dequantize it), against HF's, which keeps x and its fp32 statistics.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from hf_actq.codecs import AverageQuantCodec
+    from hf_actq.ops.dedup import PackCache
+    from hf_actq.ops.norm import CompressedRMSNorm
+
+    rms_norm = LlamaRMSNorm(width).to(device=device, dtype=dtype)
+    compressed_rms_norm = CompressedRMSNorm(rms_norm, AverageQuantCodec(4, 1), PackCache())
+
+    def normed(module):
+        leaf = x.detach().requires_grad_()
+        module(leaf).backward(grad)
+
+    # floor: x read, y and x_hat's pack written; grad and the pack read, grad_x written
+    packed = AverageQuantCodec(4, 1).nbytes(x.shape)
+    cases.append(("RMSNorm, 4-bit x_hat, fwd+bwd", functools.partial(normed, compressed_rms_norm),
+                  functools.partial(normed, rms_norm), 4 * n * size + 2 * packed,
+                  4 * n * size))  # fmt: skip
+
     def two_copies():
         x.clone()
         x.clone()

@@ -10,7 +10,7 @@ from hf_actq.kernels.dropout import seeded_dropout
 from hf_actq.kernels.fewbit import fewbit_backward, fewbit_forward
 from hf_actq.kernels.gated_product import gated_backward, gated_forward
 from hf_actq.kernels.mask import mask_pack, mask_unpack
-from hf_actq.kernels.norm import norm_backward
+from hf_actq.kernels.norm import norm_backward, norm_backward_packed, norm_pack
 from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 from hf_actq.kernels.registry import FAILED, KERNELS, kernels_on_cpu, triton_available
 from hf_actq.kernels.sign_preserving import blpa_dequantize, blpa_quantize
@@ -31,6 +31,8 @@ __all__ = [
     "mask_pack",
     "mask_unpack",
     "norm_backward",
+    "norm_backward_packed",
+    "norm_pack",
     "pack_codes",
     "packed_nbytes",
     "seeded_dropout",

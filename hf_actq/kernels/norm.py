@@ -1,33 +1,243 @@
-"""The backward of LayerNorm and RMSNorm from the normalized input (``ops/norm.py``):
-``hf_actq::norm_backward``, ``grad_x = rstd * (g*w - centered * mean(g*w) - x_hat * mean(g*w *
-x_hat))`` with the weight and bias gradients. The Triton kernels read ``grad_y`` and the decoded
-``x_hat`` in their own dtype, with no fp32 temporaries in global memory; the twin works in fp32,
-chunked over rows.
+"""LayerNorm and RMSNorm around their packed normalized input (``ops/norm.py``).
 
-Two kernels, so that any width runs with one fixed column tile (one compiled variant per dtype,
-not one per power of two): the first reduces each row to its two means, the second writes
-``grad_x`` tile by tile and sums ``g * x_hat`` and ``g`` over a block of rows into per-block
-partial weight and bias gradients, which the launcher adds up (a [blocks, width] fp32 tensor).
+``hf_actq::norm_pack`` (forward): from ``x`` and the per-row statistics PyTorch computed, the
+normalized input ``x_hat = (x - mean) * rstd`` in ``x``'s dtype packed by the uniform/AQ codec
+and, for an RMSNorm, its output (HF's ``w * x_hat``, or Gemma's ``x * rstd * (1 + w)`` in fp32):
+one kernel that reads ``x`` once, where the composition writes and reads ``x_hat`` (and, for an
+RMSNorm, fp32 temporaries and the output's product) in several passes. ``x_hat`` never exists in
+memory. Bit for bit the composition (the twin): the statistics are PyTorch's, and each element's
+arithmetic is the twin's, rounded as it rounds.
+
+``hf_actq::norm_backward`` and ``hf_actq::norm_backward_packed`` (backward): ``grad_x = rstd *
+(g*w - centered * mean(g*w) - x_hat * mean(g*w * x_hat))`` with the weight and bias gradients,
+from ``x_hat`` or from its pack (dequantized inside the kernels: no full-size ``x_hat``). The
+Triton kernels read ``grad_y`` and ``x_hat`` in their own dtype, with no fp32 temporaries in
+global memory; the twin works in fp32, chunked over rows.
+
+Two backward kernels, so that any width runs with one fixed column tile (one compiled variant
+per dtype, not one per power of two): the first reduces each row to its two means, the second
+writes ``grad_x`` tile by tile and sums ``g * x_hat`` and ``g`` over a block of rows into
+per-block partial weight and bias gradients, which the launcher adds up (a [2, blocks, width]
+fp32 tensor).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_actq.kernels.packing import row_chunks
+from hf_actq.kernels.average_quant import (
+    _rows_per_tile,
+    aq_buffers,
+    aq_dequantize,
+    aq_quantize,
+    aq_quantize_tile,
+)
+from hf_actq.kernels.compiled import mix_seed
+from hf_actq.kernels.packing import packed_nbytes, row_chunks
 from hf_actq.kernels.registry import FLOATS, register
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    TILE_ELEMENTS,
     cdiv,
     jit,
+    load_codes,
+    tile,
     tl,
     to_dtype,
 )
 
-BLOCK = 1024  # columns per tile
+BLOCK = 1024  # columns per tile of the backward kernels
 # At most this many row blocks, so the partial weight gradients stay small ([256, width] fp32)
 # while a GPU still gets several programs per SM.
 MAX_ROW_BLOCKS = 256
+ROWS = TILE_ELEMENTS // 256  # the forward kernel's tile: ROWS x 256 consecutive elements
+
+
+def normalized(x, mean, rstd, weight=None, offset=0.0):
+    """``(x_hat, y)``: ``x_hat = (x - mean) * rstd`` (``mean`` None: ``x * rstd``, an RMSNorm)
+    computed in fp32 and rounded to ``x``'s dtype, and with a ``weight`` RMSNorm's output: HF's
+    ``weight * x_hat`` (``offset`` 0) or Gemma's ``(x * rstd * (weight + offset))`` in fp32,
+    rounded to ``x``'s dtype (else None). A chunk of rows at a time: never a full-size fp32 copy
+    of a half-precision input."""
+    width = x.shape[-1]
+    rows_x = x.reshape(-1, width)
+    rstd = rstd.reshape(-1, 1)
+    mean = None if mean is None else mean.reshape(-1, 1)
+    x_hat = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x_hat) if weight is not None and offset else None
+    scale = weight.float() + offset if y is not None else None
+    for rows in row_chunks(rows_x.shape[0], width):
+        hidden = rows_x[rows].float()
+        if mean is not None:
+            hidden = hidden - mean[rows]
+        hidden = hidden * rstd[rows]
+        x_hat[rows] = hidden
+        if y is not None:
+            y[rows] = hidden * scale
+    x_hat = x_hat.view(x.shape)
+    if weight is None:
+        return x_hat, None
+    return x_hat, (y.view(x.shape) if y is not None else weight * x_hat)
+
+
+def norm_pack_reference(
+    x: torch.Tensor,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    offset: float,
+    codec: list[int],
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, *x_hat's pack)``: :func:`normalized` of a contiguous ``x`` with its per-row fp32
+    ``mean`` (None: an RMSNorm) and ``rstd``, ``x_hat`` packed by the uniform/AQ codec ``codec``
+    (``[bits, group, block, stochastic]``, the group dividing the last dim) with ``seed``; ``y``
+    is an empty tensor without a ``weight`` (LayerNorm's output is PyTorch's own)."""
+    x_hat, y = normalized(x, mean, rstd, weight, offset)
+    bits, group, block, stochastic = codec
+    packs = aq_quantize(x_hat.reshape(-1), group, bits, block, bool(stochastic), seed)
+    return (x.new_empty(0) if y is None else y), *packs
+
+
+@jit
+def rows_and_columns(first, local, width, inv_width):
+    """The row (int64) and column (int32) of elements ``first + local`` of a ``[rows, width]``
+    tensor, by float reciprocals corrected by one step (no integer division: a 64-bit one is a
+    subroutine of about 80 instructions an element). ``local`` < 2**23 - width."""
+    # floor(first / width) in fp64 is exact below 2**53 (a quotient just under an integer k is
+    # 1 / width below it, far more than an ulp); the check below guards it anyway.
+    first_row = tl.floor(first.to(tl.float64) / width).to(tl.int64)
+    start = first - first_row * width
+    first_row += (start >= width).to(tl.int64) - (start < 0).to(tl.int64)
+    start = (first - first_row * width).to(tl.int32)
+    column = start + local  # exact in fp32 below 2**24
+    row = (column.to(tl.float32) * inv_width).to(tl.int32)
+    row = tl.where(row * width > column, row - 1, row)
+    row = tl.where((row + 1) * width <= column, row + 1, row)
+    return first_row + row, column - row * width
+
+
+@jit(do_not_specialize=["key"])
+def norm_pack_kernel(
+    x_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    y_ptr,
+    data_ptr,
+    mins_ptr,
+    scales_ptr,
+    n_elements,
+    width,
+    inv_width,
+    n_bytes,
+    key,
+    offset,
+    CENTERED: tl.constexpr,
+    WITH_OUTPUT: tl.constexpr,
+    OFFSET_FORM: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CODEC_ROWS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # The tile is ROWS x 256 consecutive elements, which are also the codec's CODEC_ROWS blocks
+    # of BLOCK means of GROUP elements: each element's statistics by its row (gathered; a row's
+    # are shared by its elements and stay in cache).
+    first, count, local = tile(n_elements, ROWS, 256)
+    valid = local < count
+    dtype = x_ptr.dtype.element_ty
+    row, column = rows_and_columns(first, local, width, inv_width)
+    hidden = tl.load(x_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
+    if CENTERED:
+        hidden = hidden - tl.load(mean_ptr + row, mask=valid, other=0.0)
+    hidden = hidden * tl.load(rstd_ptr + row, mask=valid, other=0.0)
+    x_hat = to_dtype(hidden, dtype).to(tl.float32)
+    if WITH_OUTPUT:
+        w = tl.load(w_ptr + column, mask=valid, other=0.0).to(tl.float32)
+        y = hidden * (w + offset) if OFFSET_FORM else w * x_hat
+        tl.store(y_ptr + first + local, to_dtype(y, y_ptr.dtype.element_ty), mask=valid)
+    aq_quantize_tile(
+        tl.reshape(x_hat, [CODEC_ROWS, BLOCK * GROUP]),
+        data_ptr,
+        mins_ptr,
+        scales_ptr,
+        n_elements // GROUP,
+        n_bytes,
+        key,
+        dtype,
+        STOCHASTIC,
+        BITS,
+        GROUP,
+        BLOCK,
+        CODEC_ROWS,
+    )
+
+
+def norm_pack_triton(x, mean, rstd, weight, offset, codec, seed):
+    """The Triton side of :func:`norm_pack_reference`: one launch."""
+    bits, group, block, stochastic = codec
+    n, width = x.numel(), x.shape[-1]
+    packs = aq_buffers(n // group, bits, block, x.device)
+    with_output = weight is not None
+    if with_output:
+        y_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+        y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    else:
+        y = x.new_empty(0)
+    if n:
+        norm_pack_kernel[(cdiv(n, TILE_ELEMENTS),)](
+            x,
+            rstd if mean is None else mean,
+            rstd,
+            weight if with_output else rstd,
+            y if with_output else x,
+            *packs,
+            n,
+            width,
+            1.0 / width,
+            packs[0].numel(),
+            mix_seed(seed) if stochastic else 0,
+            float(offset),
+            CENTERED=mean is not None,
+            WITH_OUTPUT=with_output,
+            OFFSET_FORM=bool(offset),
+            STOCHASTIC=bool(stochastic),
+            BITS=bits,
+            GROUP=group,
+            BLOCK=block,
+            CODEC_ROWS=_rows_per_tile(block, group),
+            ROWS=ROWS,
+            **LAUNCH_OPTIONS,
+        )
+    return y, *packs
+
+
+def _norm_pack_fake(x, mean, rstd, weight, offset, codec, seed):
+    bits, group, block, _ = codec
+    means = x.numel() // group
+    if weight is None:
+        y = x.new_empty(0)
+    else:
+        y_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+        y = x.new_empty(x.shape, dtype=y_dtype)
+    return (
+        y,
+        x.new_empty(packed_nbytes(means, bits), dtype=torch.uint8),
+        x.new_empty(-(-means // block), dtype=torch.float32),
+        x.new_empty(-(-means // block), dtype=torch.float32),
+    )
+
+
+norm_pack = register(
+    "norm_pack",
+    norm_pack_reference,
+    norm_pack_triton,
+    fake=_norm_pack_fake,
+    takes=lambda x, *_: x.dtype in FLOATS,
+)
 
 
 def norm_backward_reference(
@@ -60,9 +270,71 @@ def norm_backward_reference(
     return grad_x.view(grad_y.shape), grad_w, grad_b
 
 
+def norm_backward_packed_reference(
+    grad_y: torch.Tensor,
+    data: torch.Tensor,
+    mins: torch.Tensor,
+    scales: torch.Tensor,
+    codec: list[int],
+    rstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    centered: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`norm_backward_reference` with ``x_hat`` given as its uniform/AQ pack (``codec``:
+    ``[bits, group, block]``; packed from a tensor of ``grad_y``'s shape and dtype, the group
+    dividing the last dim)."""
+    bits, group, block = codec
+    shape = list(grad_y.shape)
+    x_hat = aq_dequantize(data, mins, scales, shape, grad_y.dtype, bits, group, block)
+    return norm_backward_reference(grad_y, x_hat, rstd, weight, centered)
+
+
+@jit
+def load_x_hat(
+    xhat_ptr,
+    data_ptr,
+    mins_ptr,
+    scales_ptr,
+    offsets,
+    valid,
+    n_bytes,
+    PACKED: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    CODEC_BLOCK: tl.constexpr,
+):
+    """x_hat at ``offsets`` (int64) in fp32: loaded, or dequantized from its pack as the AQ
+    twin dequantizes (the code of the element's mean, times its block's scale, plus its
+    minimum, rounded to the dtype)."""
+    if PACKED:
+        mean = offsets // GROUP  # constants: shifts
+        code = load_codes(data_ptr, mean, valid, BITS, n_bytes).to(tl.float32)
+        block = mean // CODEC_BLOCK
+        lo = tl.load(mins_ptr + block, mask=valid, other=0.0)
+        scale = tl.load(scales_ptr + block, mask=valid, other=0.0)
+        return to_dtype(code * scale + lo, xhat_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        return tl.load(xhat_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+
+
 @jit
 def norm_row_means_kernel(
-    grad_ptr, xhat_ptr, w_ptr, means_ptr, width, inv_width, centered, BLOCK: tl.constexpr
+    grad_ptr,
+    xhat_ptr,
+    data_ptr,
+    mins_ptr,
+    scales_ptr,
+    w_ptr,
+    means_ptr,
+    width,
+    inv_width,
+    centered,
+    n_bytes,
+    PACKED: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    CODEC_BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     sum_gw = tl.zeros([BLOCK], tl.float32)
@@ -71,7 +343,8 @@ def norm_row_means_kernel(
         cols = start + tl.arange(0, BLOCK)
         valid = cols < width
         g = tl.load(grad_ptr + row * width + cols, mask=valid, other=0.0).to(tl.float32)
-        x_hat = tl.load(xhat_ptr + row * width + cols, mask=valid, other=0.0).to(tl.float32)
+        x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, row * width + cols, valid,
+                           n_bytes, PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
         gw = g * tl.load(w_ptr + cols, mask=valid, other=0.0)
         sum_gw += gw
         sum_gwx += gw * x_hat
@@ -84,15 +357,23 @@ def norm_row_means_kernel(
 def norm_backward_kernel(
     grad_ptr,
     xhat_ptr,
+    data_ptr,
+    mins_ptr,
+    scales_ptr,
     w_ptr,
     rstd_ptr,
     means_ptr,
     out_ptr,
-    partial_w_ptr,
-    partial_b_ptr,
+    partial_ptr,
     n_rows,
     width,
     rows_per_program,
+    row_blocks,
+    n_bytes,
+    PACKED: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    CODEC_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row_block = tl.program_id(0).to(tl.int64)
@@ -106,7 +387,8 @@ def norm_backward_kernel(
         live = valid & ((cols * 0 + row) < n_rows)  # a vector mask: the interpreter wants one
         offsets = row * width + cols
         g = tl.load(grad_ptr + offsets, mask=live, other=0.0).to(tl.float32)
-        x_hat = tl.load(xhat_ptr + offsets, mask=live, other=0.0).to(tl.float32)
+        x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, offsets, live, n_bytes,
+                           PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
         # A row past the end reads the last row's statistics (not a masked scalar load, which
         # the interpreter rejects); its g is zero and nothing of it is stored.
         last = tl.minimum(row, n_rows - 1)
@@ -117,8 +399,48 @@ def norm_backward_kernel(
         tl.store(out_ptr + offsets, to_dtype(grad_x, out_ptr.dtype.element_ty), mask=live)
         sum_gx += g * x_hat
         sum_g += g
-    tl.store(partial_w_ptr + row_block * width + cols, sum_gx, mask=valid)
-    tl.store(partial_b_ptr + row_block * width + cols, sum_g, mask=valid)
+    # Partial weight gradients, then partial bias gradients: [2, row_blocks, width].
+    tl.store(partial_ptr + row_block * width + cols, sum_gx, mask=valid)
+    tl.store(partial_ptr + (row_blocks + row_block) * width + cols, sum_g, mask=valid)
+
+
+def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered):
+    """Both kernels on ``g`` ([rows, width], contiguous) and ``x_hat`` (the same, in ``g``'s
+    dtype) or ``packed`` (``(data, mins, scales, [bits, group, block])`` of x_hat in ``g``'s
+    dtype, in its place)."""
+    rows, width = g.shape
+    rstd = rstd.reshape(rows).float().contiguous()
+    if weight is None:
+        w = torch.ones(width, dtype=torch.float32, device=g.device)
+    else:
+        w = weight.reshape(width).float().contiguous()
+    grad_x = torch.empty_like(g)
+    if rows == 0 or width == 0:
+        zeros = torch.zeros(2, width, dtype=torch.float32, device=g.device)
+        return grad_x, zeros[0], zeros[1]
+    if packed is None:
+        # Unused pointers of the packed form: views of what is there, in the signature's dtypes.
+        data, mins, scales = x_hat.view(torch.uint8), rstd, rstd
+        bits, group, codec_block = 8, 1, 32
+    else:
+        (data, mins, scales, (bits, group, codec_block)), x_hat = packed, g
+    layout = {"PACKED": packed is not None, "BITS": bits, "GROUP": group}
+    layout["CODEC_BLOCK"] = codec_block
+    rows_per_program = cdiv(rows, min(rows, MAX_ROW_BLOCKS))
+    row_blocks = cdiv(rows, rows_per_program)
+    means = torch.empty(rows, 2, dtype=torch.float32, device=g.device)
+    partial = torch.empty(2, row_blocks, width, dtype=torch.float32, device=g.device)
+    operands = (g, x_hat, data, mins, scales, w)
+    norm_row_means_kernel[(rows,)](
+        *operands, means, width, 1.0 / width, float(centered), data.numel(), **layout,
+        BLOCK=BLOCK, **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    norm_backward_kernel[(row_blocks, cdiv(width, BLOCK))](
+        *operands, rstd, means, grad_x, partial, rows, width, rows_per_program, row_blocks,
+        data.numel(), **layout, BLOCK=BLOCK, **LAUNCH_OPTIONS,
+    )  # fmt: skip
+    grad_w, grad_b = partial.sum(1)
+    return grad_x, grad_w, grad_b
 
 
 def norm_backward_triton(grad_y, x_hat, rstd, weight, centered):
@@ -128,43 +450,22 @@ def norm_backward_triton(grad_y, x_hat, rstd, weight, centered):
     g = grad_y.reshape(rows, width).contiguous()
     # Mixed dtypes (an fp32 gradient over a half-precision x_hat) share the gradient's variant.
     x_hat = x_hat.reshape(rows, width).to(g.dtype).contiguous()
-    rstd = rstd.reshape(rows).float().contiguous()
-    if weight is None:
-        w = torch.ones(width, dtype=torch.float32, device=g.device)
-    else:
-        w = weight.reshape(width).float().contiguous()
-    grad_x = torch.empty_like(g)
-    row_blocks = min(rows, MAX_ROW_BLOCKS)
-    if rows == 0 or width == 0:
-        zeros = torch.zeros(width, dtype=torch.float32, device=g.device)
-        return grad_x.view(grad_y.shape), zeros, zeros.clone()
-    rows_per_program = cdiv(rows, row_blocks)
-    row_blocks = cdiv(rows, rows_per_program)
-    means = torch.empty(rows, 2, dtype=torch.float32, device=g.device)
-    partial_w = torch.empty(row_blocks, width, dtype=torch.float32, device=g.device)
-    partial_b = torch.empty_like(partial_w)
-    norm_row_means_kernel[(rows,)](
-        g, x_hat, w, means, width, 1.0 / width, float(centered), BLOCK=BLOCK, **LAUNCH_OPTIONS
-    )
-    norm_backward_kernel[(row_blocks, cdiv(width, BLOCK))](
-        g,
-        x_hat,
-        w,
-        rstd,
-        means,
-        grad_x,
-        partial_w,
-        partial_b,
-        rows,
-        width,
-        rows_per_program,
-        BLOCK=BLOCK,
-        **LAUNCH_OPTIONS,
-    )
-    return grad_x.view(grad_y.shape), partial_w.sum(0), partial_b.sum(0)
+    grad_x, grad_w, grad_b = _norm_backward_launch(g, x_hat, None, rstd, weight, centered)
+    return grad_x.view(grad_y.shape), grad_w, grad_b
 
 
-def _norm_backward_fake(grad_y, x_hat, rstd, weight, centered):
+def norm_backward_packed_triton(grad_y, data, mins, scales, codec, rstd, weight, centered):
+    """The Triton side of :func:`norm_backward_packed_reference`: x_hat dequantized inside both
+    kernels."""
+    width = grad_y.shape[-1]
+    rows = grad_y.numel() // width if width else 0
+    g = grad_y.reshape(rows, width).contiguous()
+    packed = (data, mins, scales, codec)
+    grad_x, grad_w, grad_b = _norm_backward_launch(g, None, packed, rstd, weight, centered)
+    return grad_x.view(grad_y.shape), grad_w, grad_b
+
+
+def _norm_backward_fake(grad_y, *args):
     width = grad_y.shape[-1]
     return (
         torch.empty_like(grad_y, memory_format=torch.contiguous_format),
@@ -177,6 +478,13 @@ norm_backward = register(
     "norm_backward",
     norm_backward_reference,
     norm_backward_triton,
+    fake=_norm_backward_fake,
+    takes=lambda grad_y, *_: grad_y.dtype in FLOATS,
+)
+norm_backward_packed = register(
+    "norm_backward_packed",
+    norm_backward_packed_reference,
+    norm_backward_packed_triton,
     fake=_norm_backward_fake,
     takes=lambda grad_y, *_: grad_y.dtype in FLOATS,
 )

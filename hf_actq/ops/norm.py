@@ -11,7 +11,10 @@ ulp of ``x_hat``). ``y`` cannot be divided by a zero weight: the column of the s
 keeps its ``x_hat`` beside ``y`` (chosen on the device, without a host sync). The
 forward output is the unpatched module's, bit for bit. Neither direction makes a full-size fp32
 copy of a half-precision input: forward works a chunk of rows at a time, and backward runs fused
-Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere.
+Triton kernels on GPU (``kernels/norm.py``) and a chunked twin elsewhere. With a uniform/AQ codec
+on GPU, one kernel computes x_hat from PyTorch's statistics and packs it (an RMSNorm's output
+too), and the backward kernels dequantize it themselves: x_hat never exists in memory, with the
+composition's bits.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_actq.codecs.packed import Codec, Packed
-from hf_actq.kernels import norm_backward
+from hf_actq.codecs.average import AverageQuantCodec
+from hf_actq.codecs.packed import Codec, Packed, UnpackShare
+from hf_actq.kernels import norm_backward, norm_backward_packed, norm_pack
+from hf_actq.kernels.norm import normalized
 from hf_actq.kernels.packing import row_chunks
+from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import may_offer
+from hf_actq.ops.slots import observer
 from hf_actq.ops.state import (
     default_state,
     has_hooks,
@@ -36,18 +43,6 @@ from hf_actq.ops.state import (
     state_of,
     wants_backward,
 )
-
-
-def _layer_norm_input(x, mean, rstd):
-    """``x_hat = (x - mean) * rstd`` in ``x``'s dtype, computed in fp32 a chunk of rows at a time
-    (never a full-size fp32 copy of a half-precision input)."""
-    width = x.shape[-1]
-    rows_x = x.reshape(-1, width)
-    mean, rstd = mean.reshape(-1, 1), rstd.reshape(-1, 1)
-    x_hat = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
-    for rows in row_chunks(rows_x.shape[0], width):
-        x_hat[rows] = (rows_x[rows].float() - mean[rows]) * rstd[rows]
-    return x_hat.view(x.shape)
 
 
 def _layer_norm_statistics(x, eps):
@@ -60,6 +55,21 @@ def _layer_norm_statistics(x, eps):
         var, mean[rows] = torch.var_mean(rows_x[rows].float(), dim=-1, keepdim=True, correction=0)
         rstd[rows] = torch.rsqrt(var + eps)
     return mean, rstd
+
+
+def _rms_rstd(hidden, eps):
+    """HF's RMSNorm statistics of fp32 rows."""
+    return torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rms_statistics(x, eps):
+    """:func:`_rms_rstd` of ``x``, a chunk of rows at a time."""
+    width = x.shape[-1]
+    rows_x = x.reshape(-1, width)
+    rstd = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
+    for rows in row_chunks(rows_x.shape[0], width):
+        rstd[rows] = _rms_rstd(rows_x[rows].to(torch.float32), eps)
+    return rstd
 
 
 # Columns whose x_hat a memory-sharing norm keeps beside its output: those of the smallest
@@ -89,7 +99,7 @@ def _guard_columns(weight, offset, x_hat_columns):
 
 
 def _layer_norm_columns(x, mean, rstd, index):
-    """Columns ``index`` of :func:`_layer_norm_input`, the same arithmetic."""
+    """Columns ``index`` of :func:`normalized`'s ``x_hat``, the same arithmetic."""
     columns = x.reshape(-1, x.shape[-1]).index_select(1, index).float()
     return ((columns - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)).to(x.dtype)
 
@@ -156,10 +166,10 @@ class NormOutputPacked(Packed):
         return y.to(self.dtype)
 
 
-def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False):
+def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False, packed=None):
     """Save what backward needs: ``y`` (memory sharing) and the guard columns of ``x_hat``
-    (``x_hat_columns(index)``), else ``x_hat`` packed by the slot's codec, or exact when the
-    norm has no codec."""
+    (``x_hat_columns(index)``), else ``x_hat`` packed by the slot's codec (``packed``, where a
+    kernel packed it already), or exact when the norm has no codec."""
     ctx.offset = offset = state.norm_offset
     # Under torch.compile x_hat is kept: the trace holds no cache for the shared output.
     ctx.from_output = state.norm_from_output and not torch.compiler.is_compiling()
@@ -173,7 +183,8 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False)
         ctx.header = None
         ctx.save_for_backward(rstd, weight, bias, x_hat_of())
         return
-    packed = state.pack(x_hat_of(), "input")
+    if packed is None:
+        packed = state.pack(x_hat_of(), "input")
     ctx.header = packed.with_tensors(())
     if may_offer(state):
         # Copies, kept alive by this norm's own saved tensors: the consumers (in BERT the next
@@ -197,6 +208,38 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False)
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
 
 
+def _kernel_codec(state, x) -> AverageQuantCodec | None:
+    """The slot's codec where one kernel normalizes ``x`` and packs ``x_hat``
+    (``hf_actq::norm_pack``, the same bits as the composition); None where the composition runs:
+    a memory-sharing norm (it keeps its output), a slot that is not uniform/AQ, a
+    non-contiguous input, groups that do not divide the width, an observer watching the packs
+    (measurement and calibration see every tensor packed), a trace, or no kernel to run (CPU:
+    the twin would be that very composition)."""
+    codec = state.codecs.get("input")
+    if (
+        state.norm_from_output
+        or not isinstance(codec, AverageQuantCodec)
+        or not runs_kernels(x)
+        or not x.is_contiguous()
+        or x.shape[-1] % codec.group_size
+        or observer() is not None
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    return codec
+
+
+def _kernel_pack(state, codec, x, mean, rstd, weight=None, offset=0.0):
+    """``(y, packed x_hat)`` from ``hf_actq::norm_pack`` (``y``: an RMSNorm's output, given its
+    ``weight``), with the seed and the share ``state.pack`` would give the pack."""
+    seed = state.cache.seed_for(codec, state.slot_id("input")) or 0
+    layout = [codec.bits, codec.group_size, codec.block_size, int(codec.stochastic)]
+    y, *buffers = norm_pack(x, mean, rstd, weight, offset, layout, seed)
+    packed = Packed(codec, x.shape, x.dtype, tuple(buffers))
+    object.__setattr__(packed, "_share", UnpackShare(consumers=1))
+    return y, packed
+
+
 def _without_sharing_under_hooks(module: nn.Module, state):
     """A norm with forward hooks keeps its normalized input, not its output: a hook may change
     the output in place (an exact norm's backward rebuilds the input from it)."""
@@ -205,7 +248,9 @@ def _without_sharing_under_hooks(module: nn.Module, state):
     return state
 
 
-def _saved_x_hat(ctx):
+def _saved_x_hat(ctx, grad_y):
+    """``rstd``, the weight and ``x_hat``: a tensor, or its pack where the backward kernels
+    dequantize it themselves (:func:`_dequantized_in_kernel`)."""
     try:
         rstd, weight, bias, *buffers = ctx.saved_tensors
     except RuntimeError as error:
@@ -224,7 +269,39 @@ def _saved_x_hat(ctx):
         return rstd, weight, x_hat
     if ctx.header is None:
         return rstd, weight, buffers[0]
-    return rstd, weight, ctx.header.with_tensors(buffers).unpack()
+    packed = ctx.header.with_tensors(buffers)
+    return rstd, weight, packed if _dequantized_in_kernel(packed, grad_y) else packed.unpack()
+
+
+def _dequantized_in_kernel(packed: Packed, grad_y: torch.Tensor) -> bool:
+    """Whether ``hf_actq::norm_backward_packed`` takes ``x_hat`` as its pack: a uniform/AQ pack
+    in the gradient's dtype whose groups divide the width, kernels that run (CPU: the twin would
+    unpack it all the same) and no trace. A pack the norm's output consumers keep too (they take
+    the output rebuilt from it) is read as the tensor one of them unpacked already, else the
+    norm leaves the share and reads the packed buffers."""
+    if (
+        type(packed) is not Packed
+        or not isinstance(packed.codec, AverageQuantCodec)
+        or packed.dtype != grad_y.dtype
+        or packed.shape[-1] % packed.codec.group_size
+        or not runs_kernels(grad_y)
+        or torch.compiler.is_compiling()
+    ):
+        return False
+    share = packed._share
+    if share is not None and share.consumers > 1:
+        if share.value is not None:
+            return False
+        share.leave()
+    return True
+
+
+def _norm_backward(grad_y, x_hat, rstd, weight, centered):
+    if isinstance(x_hat, Packed):
+        codec = x_hat.codec
+        layout = [codec.bits, codec.group_size, codec.block_size]
+        return norm_backward_packed(grad_y, *x_hat.tensors, layout, rstd, weight, centered)
+    return norm_backward(grad_y, x_hat, rstd, weight, centered)
 
 
 class CompressedLayerNormFunction(torch.autograd.Function):
@@ -236,23 +313,26 @@ class CompressedLayerNormFunction(torch.autograd.Function):
             # Some backends return half-precision statistics; backward wants fp32 ones.
             mean, rstd = _layer_norm_statistics(x, eps)
         ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
+        codec = _kernel_codec(state, x)
+        packed = None if codec is None else _kernel_pack(state, codec, x, mean, rstd)[1]
         _keep(
             ctx,
             state,
-            lambda: _layer_norm_input(x, mean, rstd),
+            lambda: normalized(x, mean, rstd)[0],
             y,
             weight,
             bias,
             rstd,
             lambda index: _layer_norm_columns(x, mean, rstd, index),
+            packed=packed,
         )
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        rstd, weight, x_hat = _saved_x_hat(ctx)
-        grad_x, grad_w, grad_b = norm_backward(grad_y, x_hat, rstd, weight, True)  # centered
+        rstd, weight, x_hat = _saved_x_hat(ctx, grad_y)
+        grad_x, grad_w, grad_b = _norm_backward(grad_y, x_hat, rstd, weight, True)  # centered
         grad_w = grad_w.to(weight.dtype) if ctx.has_weight else None
         grad_b = grad_b.to(grad_y.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
@@ -268,6 +348,12 @@ class CompressedRMSNormFunction(torch.autograd.Function):
         # HF's arithmetic row by row (the same bits), a chunk of rows at a time: HF makes three
         # full-size fp32 temporaries of a half-precision input here.
         offset = state.norm_offset
+        codec = _kernel_codec(state, x)
+        if codec is not None:  # the statistics here, then x_hat's pack and y in one kernel
+            rstd = _rms_statistics(x, eps)
+            y, packed = _kernel_pack(state, codec, x, None, rstd, weight, offset)
+            _keep(ctx, state, None, y, weight, None, rstd, None, rms=True, packed=packed)
+            return y
         width = x.shape[-1]
         rows_x = x.reshape(-1, width)
         normed = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
@@ -276,7 +362,7 @@ class CompressedRMSNormFunction(torch.autograd.Function):
         scale = weight.float() + offset if offset else None
         for rows in row_chunks(rows_x.shape[0], width):
             hidden = rows_x[rows].to(torch.float32)
-            rstd[rows] = torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+            rstd[rows] = _rms_rstd(hidden, eps)
             if offset:  # Gemma scales in fp32 and casts the product
                 hidden = hidden * rstd[rows]
                 normed[rows] = hidden
@@ -292,9 +378,9 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        rstd, weight, x_hat = _saved_x_hat(ctx)
+        rstd, weight, x_hat = _saved_x_hat(ctx, grad_y)
         scale = weight.float() + ctx.offset if ctx.offset else weight
-        grad_x, grad_w, _ = norm_backward(grad_y, x_hat, rstd, scale, False)  # not centered
+        grad_x, grad_w, _ = _norm_backward(grad_y, x_hat, rstd, scale, False)  # not centered
         return grad_x, grad_w.to(weight.dtype), None, None
 
 

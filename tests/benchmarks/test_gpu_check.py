@@ -162,6 +162,7 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
     for data in runs.values():
         cases = {row["case"] for row in data["kernels"]}
         assert {"few-bit gelu 3-bit fwd+bwd", "uniform 4-bit pack+unpack"} <= cases
+        assert "RMSNorm, 4-bit x_hat, fwd+bwd" in cases
         assert all(row["device us"] > 0 and row["host us"] > 0 for row in data["kernels"])
     table = (tmp_path / "out" / "speed.md").read_text()
     assert "| uniform 4-bit pack+unpack | fp32 |" in table and "nan" not in table

@@ -62,3 +62,103 @@ def test_norm_backward_kernel_on_a_single_short_row_and_on_no_rows():
         empty, empty, torch.empty(0, 1), weight, True
     )
     assert grad_x.shape == (0, 7) and not grad_w.any() and not grad_b.any()
+
+
+def _statistics(x, centered):
+    """Per-row fp32 mean (None for an RMSNorm) and rstd of ``x``, as PyTorch's norms give them."""
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True) if centered else None
+    rstd = torch.rsqrt((xf - (mean if centered else 0)).pow(2).mean(-1, keepdim=True) + 1e-5)
+    return mean, rstd
+
+
+# (name, centered, weight dtype or None, offset): LayerNorm (its output is PyTorch's: none here),
+# LLaMA's RMSNorm (w * x_hat, in the weight's and input's promoted dtype) and Gemma's (1 + w).
+FORMS = [
+    ("layer_norm", True, None, 0.0),
+    ("rms_norm", False, "input", 0.0),
+    ("rms_norm_fp32_weight", False, torch.float32, 0.0),
+    ("gemma_rms_norm", False, "input", 1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", FORMS, ids=[f[0] for f in FORMS])
+@pytest.mark.parametrize(
+    "codec,rows,width",
+    # Tiles of 4096 elements that end mid-row, rows longer than a tile, rows of one element.
+    [
+        ([4, 1, 128, 1], 5, 300),
+        ([4, 1, 128, 1], 2, 4097),
+        ([4, 1, 128, 1], 9, 1),
+        ([3, 4, 64, 0], 5, 300),
+        ([3, 4, 64, 0], 3, 4100),
+        ([2, 16, 256, 1], 6, 304),
+        ([2, 16, 256, 1], 2, 4112),
+    ],
+    ids=str,
+)
+def test_norm_pack_kernel_is_the_normalization_then_the_pack(dtype, form, codec, rows, width):
+    """One launch gives x_hat's pack and an RMSNorm's output bit for bit as the twin's
+    normalization followed by the codec's pack kernel, whatever the group."""
+    from hf_actq.kernels.average_quant import aq_quantize_triton
+
+    _, centered, weight_dtype, offset = form
+    generator = torch.Generator(torch.get_default_device()).manual_seed(rows * 31 + width)
+    x = (torch.randn(rows, width, generator=generator) * 3 + 1).to(dtype)
+    mean, rstd = _statistics(x, centered)
+    weight = None
+    if weight_dtype is not None:
+        weight = torch.randn(width, generator=generator)
+        weight = weight.to(dtype if weight_dtype == "input" else weight_dtype)
+    got = norm_kernels.norm_pack_triton(x, mean, rstd, weight, offset, codec, 99)
+    x_hat, y = norm_kernels.normalized(x, mean, rstd, weight, offset)
+    bits, group, block, stochastic = codec
+    want = aq_quantize_triton(x_hat.reshape(-1), group, bits, block, bool(stochastic), 99)
+    for a, b in zip(got[1:], want, strict=True):
+        assert torch.equal(a, b)
+    if weight is None:
+        assert got[0].numel() == 0
+    else:
+        assert got[0].dtype == y.dtype and torch.equal(got[0], y)
+    if group == 1:  # the twin's pack is the kernel's bit for bit too (no group sums)
+        twin = norm_kernels.norm_pack_reference(x, mean, rstd, weight, offset, codec, 99)
+        for a, b in zip(got, twin, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("centered", [True, False], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("codec", [[4, 1, 128], [3, 4, 64], [1, 2, 32]], ids=str)
+def test_norm_backward_packed_dequantizes_inside_the_kernels(dtype, centered, codec, monkeypatch):
+    """The backward from x_hat's pack equals the same kernels on the dequantized x_hat bit for bit,
+    and the twin up to summation order."""
+    from hf_actq.kernels.average_quant import aq_dequantize_triton, aq_quantize_triton
+
+    monkeypatch.setattr(norm_kernels, "MAX_ROW_BLOCKS", 8)
+    rows, width = 15, norm_kernels.BLOCK + 36
+    grad, x_hat, rstd, weight = _inputs(rows, width, dtype, centered)
+    bits, group, block = codec
+    packs = aq_quantize_triton(x_hat.reshape(-1), group, bits, block, True, 7)
+    got = norm_kernels.norm_backward_packed_triton(grad, *packs, codec, rstd, weight, centered)
+    unpacked = aq_dequantize_triton(*packs, [rows, width], dtype, bits, group, block)
+    want = norm_kernels.norm_backward_triton(grad, unpacked, rstd, weight, centered)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    twin = norm_kernels.norm_backward_packed_reference(grad, *packs, codec, rstd, weight, centered)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got[0], twin[0], rtol=tolerance, atol=tolerance)
+    for a, b in zip(got[1:], twin[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_pack_and_packed_backward_on_no_rows():
+    x = torch.empty(0, 8)
+    y, *packs = norm_kernels.norm_pack_triton(
+        x, None, torch.empty(0, 1), torch.ones(8), 0.0, [4, 1, 128, 1], 3
+    )
+    assert y.shape == (0, 8) and all(p.numel() == 0 for p in packs)
+    grad_x, grad_w, grad_b = norm_kernels.norm_backward_packed_triton(
+        x, *packs, [4, 1, 128], torch.empty(0, 1), torch.ones(8), False
+    )
+    assert grad_x.shape == (0, 8) and not grad_w.any() and not grad_b.any()

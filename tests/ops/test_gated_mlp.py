@@ -1,6 +1,3 @@
-import importlib.util
-import os
-
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -14,16 +11,6 @@ from hf_actq.kernels.registry import KERNELS
 from hf_actq.ops import gated_mlp
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.gated_mlp import CompressedGatedMLP
-
-# Tests of the kernels' paths: run by Triton's interpreter on the CPU, or on a GPU.
-needs_kernels = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None
-    or (
-        os.environ.get("TRITON_INTERPRET") != "1"
-        and os.environ.get("HF_ACTQ_TEST_DEVICE") != "cuda"
-    ),
-    reason="needs Triton, and its interpreter or a GPU",
-)
 
 
 def _mlp(act="silu", dtype=torch.float32):
@@ -115,7 +102,7 @@ def test_t5_gated_mlp_keeps_the_product_compressed_and_its_forward_exact():
         CompressedT5GatedMLP(torch.nn.Linear(2, 2))
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("train_down", [True, False])
 def test_one_kernel_takes_the_backward_with_the_gradients_of_the_composition(
@@ -180,7 +167,7 @@ def _assert_same(fused: dict, composed: dict) -> None:
         assert torch.equal(fused[name], composed[name]), name
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
     """PEFT's down_proj runs as its own module and its lora_A keeps the product rebuilt from
     act(gate)'s and up's packs, which it unpacks first in backward. The product's own backward
@@ -204,7 +191,7 @@ def test_under_lora_the_kernel_reads_the_packs_down_proj_shares(monkeypatch):
     _assert_same(fused, composed)
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composition(
     dtype, monkeypatch
@@ -249,7 +236,7 @@ def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composit
         assert torch.equal(a, b)
 
 
-@needs_kernels
+@pytest.mark.needs_kernels
 def test_under_lora_and_stock_checkpointing_both_kernels_give_the_op_by_op_gradients(
     monkeypatch,
 ):

@@ -5,9 +5,11 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_actq import SavedTensorMeter
-from hf_actq.codecs import uniform
+from hf_actq.codecs import AverageQuantCodec, uniform
 from hf_actq.codecs.packed import ExactCodec
+from hf_actq.kernels import kernels_on_cpu
 from hf_actq.kernels.packing import CHUNK_ELEMENTS
+from hf_actq.kernels.registry import KERNELS
 from hf_actq.memory.peak import PeakMemory
 from hf_actq.ops.dedup import PackCache, _where
 from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
@@ -261,3 +263,109 @@ def test_compressed_norm_offers_its_output_to_the_next_linear(kind):
     assert (rebuilt.unpack() - y).abs().max() < 0.2 * y.abs().max()  # 4-bit rounding of x_hat
     out.sum().backward()  # backward runs through the shared buffers
     assert linear.weight.grad is not None and x.grad is not None
+
+
+def _launch_counter(monkeypatch, *names):
+    """``{name: launches}`` of the kernel ops ``names``, counted from now on."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        kernel = KERNELS[name]
+
+        def counted(*args, name=name, launcher=kernel.launcher):
+            counts[name] += 1
+            return launcher(*args)
+
+        monkeypatch.setattr(kernel, "launcher", counted)
+    return counts
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("kind", ["layer", "rms", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("codec", [uniform(4), AverageQuantCodec(2, 4, 64)], ids=["uniform", "aq"])
+def test_one_kernel_packs_the_normalized_input_and_backward_reads_the_pack(
+    kind, dtype, codec, monkeypatch
+):
+    """Forward: ``x_hat`` (and an RMSNorm's output) from one ``norm_pack`` launch, from the
+    statistics PyTorch computed, with the seed the composition's pack would draw; backward:
+    ``norm_backward_packed`` dequantizes x_hat inside its kernels. The output stays the
+    unpatched module's, and output, saved bytes and gradients equal the composition's (x_hat
+    computed, packed, unpacked, then the backward kernels) bit for bit."""
+    from hf_actq.ops import norm as norm_ops
+
+    torch.manual_seed(0)
+    norm = _norm_of(kind, 72, dtype)
+    counts = _launch_counter(monkeypatch, "norm_pack", "norm_backward_packed", "aq_quantize")
+    # 5 x 19 rows of 72: tiles of 4096 elements end mid-row, and the last one is partial.
+    x = (torch.randn(5, 19, 72) * 3 + 1).to(dtype)
+    grad = torch.randn(x.shape).to(dtype)
+    params = list(norm.parameters())
+    wrapper = CompressedLayerNorm if kind == "layer" else CompressedRMSNorm
+
+    def run():
+        module = wrapper(norm, codec, PackCache())
+        torch.manual_seed(1)
+        with kernels_on_cpu():
+            leaf = x.detach().requires_grad_()
+            with SavedTensorMeter(exclude=params) as meter:
+                y = module(leaf)
+            for p in params:
+                p.grad = None
+            y.backward(grad)
+        return [y.detach(), leaf.grad] + [p.grad.clone() for p in params], meter.nbytes
+
+    fused, fused_bytes = run()
+    assert counts == {"norm_pack": 1, "norm_backward_packed": 1, "aq_quantize": 0}
+    with torch.no_grad():
+        assert torch.equal(fused[0], norm(x))
+    monkeypatch.setattr(norm_ops, "_kernel_codec", lambda *args: None)
+    monkeypatch.setattr(norm_ops, "_dequantized_in_kernel", lambda *args: False)
+    composed, composed_bytes = run()
+    assert counts == {"norm_pack": 1, "norm_backward_packed": 1, "aq_quantize": 1}
+    assert fused_bytes == composed_bytes
+    for a, b in zip(fused, composed, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_the_norm_backward_takes_x_hat_its_output_consumer_unpacked(kind, monkeypatch):
+    """The next linear takes the norm's output rebuilt from the norm's packed x_hat and, running
+    its backward first, unpacks x_hat once for both: the norm's backward then reads that tensor
+    (no second dequantization, in or out of its kernel). Without the consumer it dequantizes
+    inside its kernel. Gradients equal the composition's bit for bit either way."""
+    from hf_actq.ops import norm as norm_ops
+    from hf_actq.ops.linear import CompressedLinear
+
+    torch.manual_seed(0)
+    codec = uniform(4)
+    norm = _norm_of(kind, 64, torch.bfloat16)
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    params = [*norm.parameters(), *linear.parameters()]
+    x = (3 * torch.randn(4, 8, 64) + 1).to(torch.bfloat16)
+    counts = _launch_counter(monkeypatch, "norm_backward_packed", "aq_dequantize")
+
+    def run(with_linear):
+        cache = PackCache()
+        cls = CompressedLayerNorm if kind == "layer" else CompressedRMSNorm
+        patched_norm = cls(norm, codec=codec, cache=cache)
+        state_of(patched_norm).offer_output = True
+        patched_linear = CompressedLinear(linear, codec=codec, cache=cache)
+        for p in params:
+            p.grad = None
+        torch.manual_seed(1)
+        with kernels_on_cpu():
+            leaf = x.detach().requires_grad_()
+            y = patched_norm(leaf)
+            (patched_linear(y) if with_linear else y).float().square().sum().backward()
+        return [leaf.grad] + [p.grad.clone() for p in params if p.grad is not None]
+
+    shared = run(with_linear=True)
+    assert counts == {"norm_backward_packed": 0, "aq_dequantize": 1}
+    alone = run(with_linear=False)
+    assert counts == {"norm_backward_packed": 1, "aq_dequantize": 1}
+    monkeypatch.setattr(norm_ops, "_dequantized_in_kernel", lambda *args: False)
+    for fused, with_linear in ((shared, True), (alone, False)):
+        composed = run(with_linear)
+        for a, b in zip(fused, composed, strict=True):
+            assert torch.equal(a, b)

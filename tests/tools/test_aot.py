@@ -108,7 +108,9 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     expected = len(INDEX_TYPES) * (
         len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
     )
-    expected += len(FLOAT_TYPES) * 2  # the two norm backward kernels index in i32 only
+    # The norm kernels: the two backward kernels (i32 indices) on x_hat and on three pack
+    # layouts; the forward per form (LayerNorm, LLaMA's and Gemma's RMSNorm) and three layouts.
+    expected += len(FLOAT_TYPES) * (2 * 4 + 3 * 3)
     assert len(variants()) == expected
     # Every @triton.jit kernel in the package is among the variants (helpers are not kernels).
     import importlib
@@ -128,7 +130,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 15
+    assert len(defined) == 16
 
 
 @pytest.mark.slow
