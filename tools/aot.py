@@ -72,7 +72,7 @@ def _gated_backward(dtype, index, a, up, bits, with_product):
     )
 
 
-def _gated_forward(dtype, index, a, up, bits, activation):
+def _gated_forward(dtype, index, a, up, bits, activation, strided=False):
     from hf_actq.kernels import average_quant, fewbit, gated_product
 
     signature = {name: f"*{dtype}" for name in ("gate_ptr", "up_ptr", "product_ptr")}
@@ -82,6 +82,7 @@ def _gated_forward(dtype, index, a, up, bits, activation):
         signature[f"{operand}_scales_ptr"] = "*fp32"
     signature |= dict.fromkeys(("n_elements", "code_bytes", "a_bytes", "up_bytes"), index)
     signature |= {"a_key": "i32", "up_key": "i32", "p0": "fp32", "p1": "fp32"}
+    signature |= {"width": "i32", "inv_width": "fp32", "row_stride": "i32"}
     constexprs = {
         "ACTIVATION": fewbit.ACTIVATION_IDS[activation],
         "CODE_MODE": fewbit.CODE_MODES["table"],
@@ -93,7 +94,7 @@ def _gated_forward(dtype, index, a, up, bits, activation):
         constexprs |= {f"{operand}_STOCHASTIC": True, f"{operand}_BITS": codec_bits}
         constexprs |= {f"{operand}_GROUP": group, f"{operand}_BLOCK": block}
         constexprs[f"{operand}_ROWS"] = average_quant._rows_per_tile(block, group)
-    constexprs["ROWS"] = gated_product.ROWS
+    constexprs |= {"STRIDED": strided, "ROWS": gated_product.ROWS}
     options = fewbit.EXACT_OPTION_CANDIDATES[0]
     return _variant("gated_product", "gated_forward_kernel", signature, constexprs, options)
 
@@ -192,6 +193,8 @@ def variants() -> list[Variant]:
                     # The forward, fused with LLaMA's and GPT-style models' activations.
                     for activation in ("silu", "gelu"):
                         out.append(_gated_forward(dtype, index, a, up, bits, activation))
+                # gate and up as the halves of one projection's output (Phi-3, MoE experts).
+                out.append(_gated_forward(dtype, index, a, up, 1, "silu", strided=True))
             out.append(
                 _variant(
                     "dropout",

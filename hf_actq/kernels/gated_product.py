@@ -51,6 +51,7 @@ from hf_actq.kernels.triton_common import (
     TILE_ELEMENTS,
     cdiv,
     jit,
+    rows_and_columns,
     tile,
     tl,
     to_dtype,
@@ -85,8 +86,9 @@ def gated_forward_reference(
 ]:
     """``(product, codes, nan_flag, *act(gate)'s pack, *up's pack)``: the few-bit forward of
     ``gate``, the product with ``up``, and both operands packed. ``a_codec`` and ``up_codec``:
-    each pack's ``[bits, group, block, stochastic]``; ``seeds``: each pack's seed (contiguous
-    operands of one shape and dtype, the groups dividing the last dim)."""
+    each pack's ``[bits, group, block, stochastic]``; ``seeds``: each pack's seed (operands of
+    one shape, strides and dtype, contiguous or evenly spaced rows as the halves of one
+    projection's output; the groups dividing the last dim). The outputs are contiguous."""
     activated, codes, nan_flag = fewbit_forward(gate, activation, borders, bits, params)
     product = activated * up
     packs = []
@@ -119,6 +121,9 @@ def gated_forward_kernel(
     up_key,
     p0,
     p1,
+    width,
+    inv_width,
+    row_stride,
     ACTIVATION: tl.constexpr,
     CODE_MODE: tl.constexpr,
     NUM_BORDERS: tl.constexpr,
@@ -134,13 +139,22 @@ def gated_forward_kernel(
     UP_GROUP: tl.constexpr,
     UP_BLOCK: tl.constexpr,
     UP_ROWS: tl.constexpr,
+    STRIDED: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     first, count, local = tile(n_elements, ROWS, 256)
     valid = local < count
     dtype = gate_ptr.dtype.element_ty
-    x = tl.load(gate_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
+    if STRIDED:
+        # gate and up are rows of `width` elements `row_stride` apart (the halves of one
+        # projection's output); everything written is contiguous. Runs of 8 elements never
+        # cross a row (the launcher checks width and stride are multiples of 8): vector loads.
+        row, column = rows_and_columns(first, local, width, inv_width)
+        source = tl.max_contiguous(tl.multiple_of(row * row_stride + column, [1, 8]), [1, 8])
+    else:
+        source = first + local
+    x = tl.load(gate_ptr + source, mask=valid, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + source, mask=valid, other=0.0).to(tl.float32)
     a = activation_value(x, p0, p1, ACTIVATION, dtype, LIBDEVICE)
     a = to_dtype(a, dtype).to(tl.float32)  # act(gate) as PyTorch returns it
     tl.store(product_ptr + first + local, to_dtype(a * up, dtype), mask=valid)
@@ -187,9 +201,16 @@ def gated_forward_triton(gate, up, activation, borders, bits, params, a_codec, u
         return gated_forward_reference(
             gate, up, activation, borders, bits, params, a_codec, up_codec, seeds
         )
+    width = gate.shape[-1] if gate.dim() else 1
+    stride = row_stride(gate)
+    strided = not gate.is_contiguous()
+    if strided and (stride is None or up.stride() != gate.stride() or width % 8 or stride % 8):
+        return gated_forward_reference(
+            gate, up, activation, borders, bits, params, a_codec, up_codec, seeds
+        )
     n = gate.numel()
     spec = get_activation(activation)
-    product = torch.empty_like(gate)
+    product = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     codes = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=gate.device)
     nan_flag = torch.zeros(1, dtype=torch.int32, device=gate.device)
     packs, layout = [], {}
@@ -218,16 +239,37 @@ def gated_forward_triton(gate, up, activation, borders, bits, params, a_codec, u
             packs[1][0].numel(),
             p0=p0,
             p1=p1,
+            width=width,
+            inv_width=1.0 / width,
+            row_stride=stride,
             ACTIVATION=ACTIVATION_IDS[spec.name],
             CODE_MODE=CODE_MODES[spec.code_mode],
             NUM_BORDERS=borders.numel(),
             BITS=bits,
             LIBDEVICE=gate.device.type == "cuda",
+            STRIDED=strided,
             ROWS=ROWS,
             **layout,
             **options,
         )
     return (product, codes, nan_flag, *packs[0], *packs[1])
+
+
+def row_stride(tensor: torch.Tensor) -> int | None:
+    """The distance between consecutive rows of ``tensor`` seen as ``[rows, last dim]`` (its
+    last dim where contiguous; a projection's chunk, ``gate_up.chunk(2, -1)``'s halves: twice
+    that), or None where rows are not evenly spaced or the last dim is not contiguous."""
+    if tensor.is_contiguous():
+        return tensor.shape[-1] if tensor.dim() else 1
+    if tensor.stride(-1) != 1 or tensor.dim() < 2:
+        return None
+    stride = spanned = tensor.stride(-2)
+    spanned *= tensor.shape[-2]
+    for dim in range(tensor.dim() - 3, -1, -1):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) != spanned:
+            return None
+        spanned *= tensor.shape[dim]
+    return stride
 
 
 def _forward_fake(gate, up, activation, borders, bits, params, a_codec, up_codec, seeds):
@@ -241,7 +283,8 @@ def _forward_fake(gate, up, activation, borders, bits, params, a_codec, up_codec
             gate.new_empty(-(-means // block), dtype=torch.float32),
         ]
     codes = gate.new_empty(packed_nbytes(n, bits), dtype=torch.uint8)
-    return (torch.empty_like(gate), codes, gate.new_empty(1, dtype=torch.int32), *packs)
+    product = gate.new_empty(gate.shape)
+    return (product, codes, gate.new_empty(1, dtype=torch.int32), *packs)
 
 
 gated_forward = register(

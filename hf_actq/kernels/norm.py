@@ -41,6 +41,7 @@ from hf_actq.kernels.triton_common import (
     cdiv,
     jit,
     load_codes,
+    rows_and_columns,
     tile,
     tl,
     to_dtype,
@@ -97,24 +98,6 @@ def norm_pack_reference(
     bits, group, block, stochastic = codec
     packs = aq_quantize(x_hat.reshape(-1), group, bits, block, bool(stochastic), seed)
     return (x.new_empty(0) if y is None else y), *packs
-
-
-@jit
-def rows_and_columns(first, local, width, inv_width):
-    """The row (int64) and column (int32) of elements ``first + local`` of a ``[rows, width]``
-    tensor, by float reciprocals corrected by one step (no integer division: a 64-bit one is a
-    subroutine of about 80 instructions an element). ``local`` < 2**23 - width."""
-    # floor(first / width) in fp64 is exact below 2**53 (a quotient just under an integer k is
-    # 1 / width below it, far more than an ulp); the check below guards it anyway.
-    first_row = tl.floor(first.to(tl.float64) / width).to(tl.int64)
-    start = first - first_row * width
-    first_row += (start >= width).to(tl.int64) - (start < 0).to(tl.int64)
-    start = (first - first_row * width).to(tl.int32)
-    column = start + local  # exact in fp32 below 2**24
-    row = (column.to(tl.float32) * inv_width).to(tl.int32)
-    row = tl.where(row * width > column, row - 1, row)
-    row = tl.where((row + 1) * width <= column, row + 1, row)
-    return first_row + row, column - row * width
 
 
 @jit(do_not_specialize=["key"])

@@ -30,6 +30,7 @@ from hf_actq.codecs.average import AverageQuantCodec
 from hf_actq.codecs.packed import Codec, Packed, UnpackShare
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.kernels import fewbit_backward, gated_backward, gated_forward
+from hf_actq.kernels.gated_product import row_stride
 from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import PackCache, may_offer
 from hf_actq.ops.fewbit_activation import ActivationTable
@@ -58,7 +59,7 @@ class GatedDownFunction(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, state):
         act = state.activation
         levels = act.tensors(gate.device)[1]
-        fused = _fused_forward(state, gate, up)
+        fused = product_forward(state, gate, up)
         if fused is None:
             activated, codes, nan_flag = act.forward_and_codes(gate)
             y = activated * up
@@ -100,30 +101,9 @@ class GatedDownFunction(torch.autograd.Function):
         grad_h = grad_y if weight is None else grad_y.matmul(weight.to(dtype))
         grad_h = grad_h.reshape(ctx.gate_shape)
         with_product = ctx.needs_input_grad[2]  # the weight's gradient needs down's input
-        if _one_kernel_takes(packed_a, packed_up, grad_h):
-            for packed in (packed_a, packed_up):
-                share = packed._share  # (a trace unpacks each pack alone: no shares there)
-                if share is not None and share.consumers > 1 and not torch.compiler.is_compiling():
-                    share.leave()  # another op's unpack of it is not waited for here
-            grad_gate, grad_up, h_hat = gated_backward(
-                grad_h,
-                *packed_a.tensors,
-                *packed_up.tensors,
-                codes,
-                levels,
-                nan_flag,
-                _aq_layout(packed_a.codec),
-                _aq_layout(packed_up.codec),
-                ctx.bits,
-                with_product,
-            )
-        else:
-            a_hat, up_hat = packed_a.unpack(), packed_up.unpack()
-            h_hat = (a_hat * up_hat).to(dtype) if with_product else None
-            grad_up = grad_h * a_hat.to(dtype)
-            grad_gate = fewbit_backward(
-                grad_h * up_hat.to(dtype), codes, levels, nan_flag, ctx.bits
-            )
+        grad_gate, grad_up, h_hat = product_backward(
+            grad_h, packed_a, packed_up, codes, levels, nan_flag, ctx.bits, with_product
+        )
         flat_grad = grad_y.reshape(-1, grad_y.shape[-1])
         grad_w = grad_b = None
         if with_product:
@@ -133,11 +113,43 @@ class GatedDownFunction(torch.autograd.Function):
         return grad_gate, grad_up, grad_w, grad_b, None
 
 
-def _fused_forward(state: OpState, gate: torch.Tensor, up: torch.Tensor):
+def product_backward(grad_h, packed_a, packed_up, codes, levels, nan_flag, bits, with_product):
+    """``(grad_gate, grad_up, product)`` of ``act(gate) * up`` from ``grad_h``, the packed
+    act(gate) and up and act's few-bit codes (``product``: rebuilt from the packs where
+    ``with_product``, else None): one ``hf_actq::gated_backward`` where it takes the packs, else
+    the composition (two unpacks, three products, the few-bit backward)."""
+    dtype = grad_h.dtype
+    if not _one_kernel_takes(packed_a, packed_up, grad_h):
+        a_hat, up_hat = packed_a.unpack(), packed_up.unpack()
+        product = (a_hat * up_hat).to(dtype) if with_product else None
+        grad_up = grad_h * a_hat.to(dtype)
+        grad_gate = fewbit_backward(grad_h * up_hat.to(dtype), codes, levels, nan_flag, bits)
+        return grad_gate, grad_up, product
+    for packed in (packed_a, packed_up):
+        share = packed._share  # (a trace unpacks each pack alone: no shares there)
+        if share is not None and share.consumers > 1 and not torch.compiler.is_compiling():
+            share.leave()  # another op's unpack of it is not waited for here
+    grad_gate, grad_up, product = gated_backward(
+        grad_h,
+        *packed_a.tensors,
+        *packed_up.tensors,
+        codes,
+        levels,
+        nan_flag,
+        _aq_layout(packed_a.codec),
+        _aq_layout(packed_up.codec),
+        bits,
+        with_product,
+    )
+    return grad_gate, grad_up, product if with_product else None
+
+
+def product_forward(state: OpState, gate: torch.Tensor, up: torch.Tensor):
     """``(product, codes, nan_flag, packed act(gate), packed up)`` from one kernel
     (``hf_actq::gated_forward``), with the seeds, cache entries and shares ``state.pack`` would
     give the two packs; None where the op-by-op path must run: a slot not uniform/AQ, operands
-    that are not contiguous and alike, an ``up`` the cache may hold, an observer watching the
+    not alike (contiguous, or evenly spaced rows as the halves of one projection's output), an
+    ``up`` the cache may hold, an observer watching the
     packs (measurement and calibration see every tensor packed), a trace, or no kernel to run
     (CPU: the twin would be that very path)."""
     codecs = (state.codecs["gate"], state.codecs["up"])
@@ -146,7 +158,8 @@ def _fused_forward(state: OpState, gate: torch.Tensor, up: torch.Tensor):
         or not runs_kernels(gate)
         or gate.shape != up.shape
         or gate.dtype != up.dtype
-        or not (gate.is_contiguous() and up.is_contiguous())
+        or gate.stride() != up.stride()
+        or row_stride(gate) is None
         or any(gate.shape[-1] % codec.group_size for codec in codecs)
         or up.is_inference()
         or observer() is not None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from hf_actq.kernels import fewbit_backward
+from hf_actq.ops.gated_mlp import product_backward, product_forward
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
 
@@ -48,13 +49,22 @@ class CompressedExpertsFunction(torch.autograd.Function):
         if watcher is not None:
             watcher.on_fewbit(state.slot_id("act"), gate, act)
         levels = act.tensors(gate.device)[1]
-        activated, codes, nan_flag = act.forward_and_codes(gate)
-        out = _grouped_linear(activated * up, down_proj, offsets) * weight_of_row.unsqueeze(-1)
+        # act(gate), the product and both packs in one kernel where it runs (gated_mlp): gate
+        # and up are read in place, as the halves of the projection's output.
+        fused = product_forward(state, gate, up)
+        if fused is None:
+            activated, codes, nan_flag = act.forward_and_codes(gate)
+            product = activated * up
+        else:
+            product, codes, nan_flag, packed_a, packed_up = fused
+        out = _grouped_linear(product, down_proj, offsets) * weight_of_row.unsqueeze(-1)
+        del product
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.numel(), device=perm.device)
         output = out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
-        packed_a, packed_up = state.pack(activated, "gate"), state.pack(up, "up")
+        if fused is None:
+            packed_a, packed_up = state.pack(activated, "gate"), state.pack(up, "up")
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
         ctx.split, ctx.bits = len(packed_a.tensors), act.bits
         ctx.input_dtype = hidden_states.dtype
@@ -85,46 +95,41 @@ class CompressedExpertsFunction(torch.autograd.Function):
         )
         buffers = saved[9:]
         header_a, header_up = ctx.headers
+        packed_a = header_a.with_tensors(buffers[: ctx.split])
+        packed_up = header_up.with_tensors(buffers[ctx.split :])
         dtype = grad_output.dtype
-        a_hat = header_a.with_tensors(buffers[: ctx.split]).unpack().to(dtype)
-        up_hat = header_up.with_tensors(buffers[ctx.split :]).unpack().to(dtype)
         perm = perm.long()
         top_k = weight_of_row.numel() // hidden.shape[0]
         token_of_row = perm // top_k
-        product = a_hat * up_hat
         grad_rows = grad_output[token_of_row]
-
-        grad_top_k_weights = None
-        if ctx.needs_input_grad[1]:
-            # The down projection's output, rebuilt from the product, for the routing weights.
-            out = _grouped_linear(product, down_proj.to(dtype), offsets)
-            grad_weight_of_row = (grad_rows * out).sum(-1)
-            grad_top_k_weights = torch.empty_like(grad_weight_of_row)
-            grad_top_k_weights[perm] = grad_weight_of_row
-            grad_top_k_weights = grad_top_k_weights.view(-1, top_k).to(weight_of_row.dtype)
         grad_out_rows = grad_rows * weight_of_row.to(dtype).unsqueeze(-1)
         if torch.compiler.is_compiling():
+            a_hat, up_hat = packed_a.unpack().to(dtype), packed_up.unpack().to(dtype)
+            product = a_hat * up_hat
+            grad_top_k_weights = _routing_grad(ctx, product, grad_rows, saved)
             hats = (a_hat, up_hat, product)
             grads = _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats)
             return grads[0], grad_top_k_weights, *grads[1:], None, None
         grad_product = _grouped_linear(
             grad_out_rows, down_proj.to(dtype), offsets, is_transposed=True
         )
-        grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
+        # act(gate) and up read from their packs by one kernel where it takes them (gated_mlp),
+        # with the product, which the routing weights' and the down projection's gradients need.
+        with_product = ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
+        grad_gate, grad_up, product = product_backward(
+            grad_product, packed_a, packed_up, codes, levels, nan_flag, ctx.bits, with_product
+        )
+        grad_gate_up = torch.cat([grad_gate.to(dtype), grad_up], dim=-1)
+        del grad_gate, grad_up
+        grad_top_k_weights = _routing_grad(ctx, product, grad_rows, saved)
 
         # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
         rows = hidden[token_of_row].to(dtype)
         grad_gate_up_proj = grad_down_proj = grad_hidden = None
-        if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
-            grad_gate_up_proj = torch.zeros_like(gate_up_proj)
-            grad_down_proj = torch.zeros_like(down_proj)
-            start = 0
-            for expert, end in enumerate(offsets.tolist()):
-                if end > start:
-                    span = slice(start, end)
-                    grad_gate_up_proj[expert] = grad_gate_up[span].t() @ rows[span]
-                    grad_down_proj[expert] = grad_out_rows[span].t() @ product[span]
-                start = end
+        if ctx.needs_input_grad[2]:
+            grad_gate_up_proj = _expert_weight_grads(grad_gate_up, rows, offsets, gate_up_proj)
+        if ctx.needs_input_grad[3]:
+            grad_down_proj = _expert_weight_grads(grad_out_rows, product, offsets, down_proj)
         if ctx.needs_input_grad[0]:
             grad_rows_in = _grouped_linear(
                 grad_gate_up, gate_up_proj.to(dtype), offsets, is_transposed=True
@@ -133,6 +138,45 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grad_hidden = grad_hidden.to(ctx.input_dtype)
         return grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj, None, None
+
+
+def _routing_grad(ctx, product, grad_rows, saved):
+    """The routing weights' gradient, from the down projection's output rebuilt from the
+    product (None where they need none)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    if not ctx.needs_input_grad[1]:
+        return None
+    hidden, weight_of_row, _, down_proj, perm, offsets = saved[:6]
+    out = _grouped_linear(product, down_proj.to(product.dtype), offsets)
+    grad_weight_of_row = (grad_rows * out).sum(-1)
+    grad = torch.empty_like(grad_weight_of_row)
+    grad[perm.long()] = grad_weight_of_row
+    return grad.view(hidden.shape[0], -1).to(weight_of_row.dtype)
+
+
+def _expert_weight_grads(grad_rows, input_rows, offsets, weight):
+    """Each expert's weight gradient ``grad_rows[span].t() @ input_rows[span]`` over its span of
+    the expert-sorted rows, ``[experts, out, in]`` as ``weight``: one grouped matmul over the
+    routed counts, as the grouped-matmul experts' own autograd computes it, with the counts left
+    on the device (a loop over them reads them on the host: a sync per layer per step). Experts
+    that got no row have zero gradients. A loop where the grouped matmul cannot run."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    if grouped_mm is not None and grad_rows.dtype == input_rows.dtype:
+        # The operands' layouts of the autograd's own call (a transposed first operand).
+        try:
+            return grouped_mm(grad_rows.t(), input_rows, offs=offsets).to(weight.dtype)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError):
+            pass  # this device or dtype has no grouped matmul of two 2-D operands
+    grads = torch.zeros_like(weight)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            grads[expert] = grad_rows[start:end].t() @ input_rows[start:end]
+        start = end
+    return grads
 
 
 def _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved):

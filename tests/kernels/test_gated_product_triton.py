@@ -153,3 +153,44 @@ def test_where_the_kernel_would_not_be_exact_the_composition_runs(verdict, optio
     got = gated_product.gated_forward_triton(*args)
     expected = gated_product.gated_forward_reference(*args)
     assert all(_same(a, b) for a, b in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(3, 20, 2 * 680), (7, 2 * 1376)], ids=str)
+def test_the_forward_kernel_reads_the_halves_of_one_projection_in_place(
+    verdict, dtype, shape, monkeypatch
+):
+    """gate and up as ``gate_up.chunk(2, -1)`` (Phi-3's fused projection, MoE experts): rows
+    ``2 x width`` apart, read in place by one launch, outputs contiguous and the composition's
+    bit for bit. A width that is not a multiple of 8 (no vector loads along a row) takes the
+    composition."""
+    from hf_actq.kernels import gated_product
+
+    launches = []
+    kernel = gated_product.gated_forward_kernel
+    monkeypatch.setattr(gated_product, "gated_forward_kernel", _Counting(kernel, launches))
+    codecs = (AverageQuantCodec(4, 1), AverageQuantCodec(2, 4, block_size=64))
+    generator = torch.Generator(torch.get_default_device()).manual_seed(3)
+    for width, launched in ((shape[-1], 1), (shape[-1] - 8, 0)):
+        gate_up = torch.randn(*shape[:-1], width, generator=generator).to(dtype) * 3
+        gate, up = gate_up.chunk(2, dim=-1)
+        assert not gate.is_contiguous() and gated_product.row_stride(gate) == width
+        args = (gate, up, *_forward_case((1, 8), dtype, codecs)[2:])
+        got = gated_product.gated_forward_triton(*args)
+        expected = gated_product.gated_forward_reference(*args)
+        assert got[0].is_contiguous() and got[0].shape == gate.shape
+        for a, b in zip(got, expected, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and _same(a, b)
+        assert len(launches) == launched
+        launches.clear()
+
+
+def test_row_stride_of_views():
+    from hf_actq.kernels.gated_product import row_stride
+
+    x = torch.empty(4, 5, 24)
+    assert row_stride(x) == 24
+    assert row_stride(x.chunk(2, -1)[1]) == 24
+    assert row_stride(x[:, 1:, :12]) is None  # rows of one batch entry 24 apart, entries 120
+    assert row_stride(x.transpose(0, 1)) is None
+    assert row_stride(x[..., ::2]) is None  # the last dim strided

@@ -227,7 +227,7 @@ def test_one_kernel_takes_the_forward_with_the_outputs_and_packs_of_the_composit
     fused = run()
     assert len(launches) == 1
     assert torch.equal(fused[0], mlp(x))  # the forward stays the unpatched module's
-    monkeypatch.setattr(gated_mlp, "_fused_forward", lambda *args: None)
+    monkeypatch.setattr(gated_mlp, "product_forward", lambda *args: None)
     for p in params:
         p.grad = None
     composed = run()
@@ -262,8 +262,52 @@ def test_under_lora_and_stock_checkpointing_both_kernels_give_the_op_by_op_gradi
     fused = _lora_gradients(checkpointing=True)
     # Per layer: forward, recompute, backward.
     assert sorted(launches) == ["gated_backward"] * 2 + ["gated_forward"] * 4, launches
-    monkeypatch.setattr(gated_mlp, "_fused_forward", lambda *args: None)
+    monkeypatch.setattr(gated_mlp, "product_forward", lambda *args: None)
     monkeypatch.setattr(gated_mlp, "_one_kernel_takes", lambda *args: False)
     composed = _lora_gradients(checkpointing=True)
     assert len(launches) == 6
     _assert_same(fused, composed)
+
+
+@pytest.mark.needs_kernels
+def test_phi3s_fused_projection_runs_the_forward_kernel_on_its_halves(monkeypatch):
+    """Phi-3's ``gate, up = gate_up_proj(x).chunk(2)``: the forward kernel reads both halves in
+    place (one launch) and the output and gradients equal the op-by-op path's bit for bit."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
+    from hf_actq.kernels import gated_product
+    from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
+    from hf_actq.ops.gated_mlp import CompressedFusedGatedMLP
+
+    monkeypatch.setattr(
+        gated_product, "exact_forward_options", lambda *args: EXACT_OPTION_CANDIDATES[0]
+    )
+    torch.manual_seed(0)
+    config = Phi3Config(hidden_size=64, intermediate_size=176, hidden_act="relu")
+    mlp = Phi3MLP(config).to(torch.bfloat16)
+    x = torch.randn(2, 24, 64).to(torch.bfloat16)
+    grad = torch.randn(2, 24, 64).to(torch.bfloat16)
+    launches = []
+    kernel = KERNELS["gated_forward"]
+    launcher = kernel.launcher
+    monkeypatch.setattr(kernel, "launcher", lambda *a: launches.append(1) or launcher(*a))
+
+    def run():
+        module = CompressedFusedGatedMLP(mlp, uniform(4), activation_bits=1, cache=PackCache())
+        mlp.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with kernels_on_cpu():
+            leaf = x.detach().requires_grad_()
+            y = module(leaf)
+            y.backward(grad)
+        return [y.detach(), leaf.grad] + [p.grad.clone() for p in mlp.parameters()]
+
+    fused = run()
+    assert len(launches) == 1
+    assert torch.equal(fused[0], mlp(x))  # the forward stays the unpatched module's
+    monkeypatch.setattr(gated_mlp, "product_forward", lambda *args: None)
+    composed = run()
+    assert len(launches) == 1
+    for a, b in zip(fused, composed, strict=True):
+        assert torch.equal(a, b)

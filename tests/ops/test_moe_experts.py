@@ -103,3 +103,99 @@ def test_other_layouts_are_not_claimed():
     experts.is_transposed = True
     assert not supports_experts(experts)
     assert not supports_experts(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_weight_gradients_leave_the_routed_counts_on_the_device(dtype, monkeypatch):
+    """The experts' weight gradients are grouped matmuls over the routed counts, as the
+    grouped-matmul experts' own autograd computes them: a per-expert loop read the counts on the
+    host (``tolist``), one GPU sync per MoE layer per step. The same gradients as that loop,
+    zeros for an expert without rows."""
+    experts = _experts(dtype)
+    hidden, index, weights = _routing(dtype)
+    index[:, :] = index % (EXPERTS - 1)  # the last expert gets no row
+    grad = torch.randn(TOKENS, HIDDEN).to(dtype)
+
+    def weight_grads(backward_reads_host: bool):
+        experts.zero_grad()
+        out = compressed_experts_forward(experts, hidden, index, weights)
+        with monkeypatch.context() as patch:
+            if not backward_reads_host:
+                patch.setattr(torch.Tensor, "tolist", lambda tensor: pytest.fail("a host read"))
+            out.backward(grad)
+        return experts.gate_up_proj.grad, experts.down_proj.grad
+
+    grouped = weight_grads(backward_reads_host=False)
+    assert not grouped[0][-1].any() and not grouped[1][-1].any()
+    monkeypatch.delattr(torch.nn.functional, "grouped_mm")  # the loop, where it cannot run
+    looped = weight_grads(backward_reads_host=True)
+    for a, b in zip(grouped, looped):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _one_kernel_against_the_composition(monkeypatch, dtype, kernel, composition):
+    """The experts op with uniform 4-bit operands, the kernels run (by the interpreter on the
+    CPU): ``(output, gradients, saved bytes)`` once with the kernel op ``kernel`` (launched
+    once) and once with ``composition`` (a ``(module, name)`` patched to refuse it)."""
+    from hf_actq.codecs import uniform
+    from hf_actq.kernels import kernels_on_cpu
+    from hf_actq.kernels.registry import KERNELS
+
+    experts = _experts(dtype, codec=uniform(4))
+    experts.__dict__[STATE].activation = ActivationTable("relu", 1)
+    hidden, index, weights = _routing(dtype)
+    grad = torch.randn(TOKENS, HIDDEN).to(dtype)
+    launches = []
+    launcher = KERNELS[kernel].launcher
+    monkeypatch.setattr(KERNELS[kernel], "launcher", lambda *a: launches.append(1) or launcher(*a))
+
+    def run():
+        torch.manual_seed(0)
+        with kernels_on_cpu():
+            return _run(compressed_experts_forward, experts, hidden, index, weights, grad)
+
+    fused = run()
+    assert len(launches) == 1
+    monkeypatch.setattr(*composition, lambda *args: None)
+    composed = run()
+    assert len(launches) == 1
+    return fused, composed
+
+
+def _assert_same(fused, composed):
+    assert torch.equal(fused[0], composed[0]) and fused[2] == composed[2]
+    for a, b in zip(fused[1], composed[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_product_backward_is_one_kernel_over_the_packed_operands(dtype, monkeypatch):
+    """Backward reads act(gate) and up from their packs in one ``gated_backward`` launch
+    (gradients of gate and up, and the product the routing weights and the down projection
+    need), where two unpacks, three products and the few-bit backward ran: the same gradients
+    bit for bit."""
+    from hf_actq.ops import gated_mlp
+
+    composition = (gated_mlp, "_one_kernel_takes")  # None: falsy, the composition runs
+    _assert_same(*_one_kernel_against_the_composition(monkeypatch, dtype, "gated_backward",
+                                                      composition))  # fmt: skip
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_forward_reads_gate_and_up_in_place_in_one_kernel(dtype, monkeypatch):
+    """act(gate), the product, the codes and both packs from one ``gated_forward`` launch that
+    reads gate and up as the halves of the projection's output (where the few-bit forward is
+    exact: forced here for relu, whose Triton formula the interpreter computes exactly): the
+    output, the saved bytes and the gradients of the op-by-op path, bit for bit."""
+    from hf_actq.kernels import gated_product
+    from hf_actq.kernels.fewbit import EXACT_OPTION_CANDIDATES
+    from hf_actq.ops import moe_experts
+
+    monkeypatch.setattr(
+        gated_product, "exact_forward_options", lambda *args: EXACT_OPTION_CANDIDATES[0]
+    )
+    composition = (moe_experts, "product_forward")
+    _assert_same(*_one_kernel_against_the_composition(monkeypatch, dtype, "gated_forward",
+                                                      composition))  # fmt: skip

@@ -99,7 +99,8 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     per_float_type += MAX_BITS + 1
     # gated backward (few-bit 1 and 3 bits, with and without the product) and forward (few-bit
     # 1 and 3 bits, silu and gelu) per layout
-    per_float_type += len(GATED_LAYOUTS) * 2 * (2 + 2)
+    # and the forward on the halves of one projection's output (1 bit, silu) per layout
+    per_float_type += len(GATED_LAYOUTS) * (2 * (2 + 2) + 1)
     per_float_type += 3 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
     # from 1 to block // 4 bytes)
