@@ -330,7 +330,8 @@ def variants() -> list[Variant]:
                                               (True, (3, 4, 64)), (True, (2, 16, 256))):  # fmt: skip
             layout = {"PACKED": packed, "BITS": bits, "GROUP": group, "CODEC_BLOCK": block}
             operands = {"grad_ptr": f"*{dtype}", "xhat_ptr": f"*{dtype}", "data_ptr": "*u8"}
-            operands |= {"mins_ptr": "*fp32", "scales_ptr": "*fp32", "w_ptr": "*fp32"}
+            operands |= {"mins_ptr": "*fp32", "scales_ptr": "*fp32", "w_ptr": f"*{dtype}"}
+            operands["w_offset"] = "fp32"
             means = {"means_ptr": "*fp32", "width": "i32", "inv_width": "fp32"}
             means |= {"centered": "fp32", "n_bytes": "i64"}
             out.append(

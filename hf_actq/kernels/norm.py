@@ -229,15 +229,18 @@ def norm_backward_reference(
     rstd: torch.Tensor,
     weight: torch.Tensor | None,
     centered: bool,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of LayerNorm (``centered``) or RMSNorm from the normalized input ``x_hat`` and the
     per-row ``rstd``: ``grad_x`` in ``grad_y``'s dtype, and the fp32 weight and bias gradients
-    (``sum g * x_hat`` and ``sum g`` over rows). fp32 arithmetic, chunked over rows."""
+    (``sum g * x_hat`` and ``sum g`` over rows). The norm scales by ``weight + offset`` (Gemma's
+    ``1 + w``) in fp32. fp32 arithmetic, chunked over rows."""
     width = grad_y.shape[-1]
     grad = grad_y.reshape(-1, width)
     x_hat = x_hat.reshape(-1, width)
     rstd = rstd.reshape(-1, 1)
     w = None if weight is None else weight.float()
+    w = w + offset if w is not None and offset else w
     grad_x = torch.empty_like(grad)
     grad_w = torch.zeros(width, dtype=torch.float32, device=grad.device)
     grad_b = torch.zeros_like(grad_w)
@@ -262,6 +265,7 @@ def norm_backward_packed_reference(
     rstd: torch.Tensor,
     weight: torch.Tensor | None,
     centered: bool,
+    offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_backward_reference` with ``x_hat`` given as its uniform/AQ pack (``codec``:
     ``[bits, group, block]``; packed from a tensor of ``grad_y``'s shape and dtype, the group
@@ -269,7 +273,7 @@ def norm_backward_packed_reference(
     bits, group, block = codec
     shape = list(grad_y.shape)
     x_hat = aq_dequantize(data, mins, scales, shape, grad_y.dtype, bits, group, block)
-    return norm_backward_reference(grad_y, x_hat, rstd, weight, centered)
+    return norm_backward_reference(grad_y, x_hat, rstd, weight, centered, offset)
 
 
 @jit
@@ -308,6 +312,7 @@ def norm_row_means_kernel(
     mins_ptr,
     scales_ptr,
     w_ptr,
+    w_offset,
     means_ptr,
     width,
     inv_width,
@@ -328,7 +333,10 @@ def norm_row_means_kernel(
         g = tl.load(grad_ptr + row * width + cols, mask=valid, other=0.0).to(tl.float32)
         x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, row * width + cols, valid,
                            n_bytes, PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
-        gw = g * tl.load(w_ptr + cols, mask=valid, other=0.0)
+        w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+        if w_offset != 0.0:  # Gemma's 1 + w (no addition of zero: it would turn -0.0 into 0.0)
+            w += w_offset
+        gw = g * w
         sum_gw += gw
         sum_gwx += gw * x_hat
     # `centered` is 1.0 for LayerNorm (x_hat has zero mean) and 0.0 for RMSNorm.
@@ -344,6 +352,7 @@ def norm_backward_kernel(
     mins_ptr,
     scales_ptr,
     w_ptr,
+    w_offset,
     rstd_ptr,
     means_ptr,
     out_ptr,
@@ -362,7 +371,9 @@ def norm_backward_kernel(
     row_block = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < width
-    w = tl.load(w_ptr + cols, mask=valid, other=0.0)
+    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if w_offset != 0.0:
+        w += w_offset
     sum_gx = tl.zeros([BLOCK], tl.float32)
     sum_g = tl.zeros([BLOCK], tl.float32)
     for r in range(0, rows_per_program):
@@ -387,16 +398,16 @@ def norm_backward_kernel(
     tl.store(partial_ptr + (row_blocks + row_block) * width + cols, sum_g, mask=valid)
 
 
-def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered):
+def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered, offset):
     """Both kernels on ``g`` ([rows, width], contiguous) and ``x_hat`` (the same, in ``g``'s
     dtype) or ``packed`` (``(data, mins, scales, [bits, group, block])`` of x_hat in ``g``'s
-    dtype, in its place)."""
+    dtype, in its place). The weight is read in its own dtype, ``offset`` added in fp32."""
     rows, width = g.shape
     rstd = rstd.reshape(rows).float().contiguous()
     if weight is None:
-        w = torch.ones(width, dtype=torch.float32, device=g.device)
+        w, offset = torch.ones(width, dtype=torch.float32, device=g.device), 0.0
     else:
-        w = weight.reshape(width).float().contiguous()
+        w = weight.reshape(width).contiguous()
     grad_x = torch.empty_like(g)
     if rows == 0 or width == 0:
         zeros = torch.zeros(2, width, dtype=torch.float32, device=g.device)
@@ -413,7 +424,7 @@ def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered):
     row_blocks = cdiv(rows, rows_per_program)
     means = torch.empty(rows, 2, dtype=torch.float32, device=g.device)
     partial = torch.empty(2, row_blocks, width, dtype=torch.float32, device=g.device)
-    operands = (g, x_hat, data, mins, scales, w)
+    operands = (g, x_hat, data, mins, scales, w, float(offset))
     norm_row_means_kernel[(rows,)](
         *operands, means, width, 1.0 / width, float(centered), data.numel(), **layout,
         BLOCK=BLOCK, **LAUNCH_OPTIONS,
@@ -426,25 +437,28 @@ def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered):
     return grad_x, grad_w, grad_b
 
 
-def norm_backward_triton(grad_y, x_hat, rstd, weight, centered):
+def norm_backward_triton(grad_y, x_hat, rstd, weight, centered, offset=0.0):
     """The Triton side of :func:`norm_backward_reference`."""
     width = grad_y.shape[-1]
     rows = grad_y.numel() // width if width else 0
     g = grad_y.reshape(rows, width).contiguous()
     # Mixed dtypes (an fp32 gradient over a half-precision x_hat) share the gradient's variant.
     x_hat = x_hat.reshape(rows, width).to(g.dtype).contiguous()
-    grad_x, grad_w, grad_b = _norm_backward_launch(g, x_hat, None, rstd, weight, centered)
+    grad_x, grad_w, grad_b = _norm_backward_launch(g, x_hat, None, rstd, weight, centered, offset)
     return grad_x.view(grad_y.shape), grad_w, grad_b
 
 
-def norm_backward_packed_triton(grad_y, data, mins, scales, codec, rstd, weight, centered):
+def norm_backward_packed_triton(
+    grad_y, data, mins, scales, codec, rstd, weight, centered, offset=0.0
+):
     """The Triton side of :func:`norm_backward_packed_reference`: x_hat dequantized inside both
     kernels."""
     width = grad_y.shape[-1]
     rows = grad_y.numel() // width if width else 0
     g = grad_y.reshape(rows, width).contiguous()
     packed = (data, mins, scales, codec)
-    grad_x, grad_w, grad_b = _norm_backward_launch(g, None, packed, rstd, weight, centered)
+    args = (rstd, weight, centered, offset)
+    grad_x, grad_w, grad_b = _norm_backward_launch(g, None, packed, *args)
     return grad_x.view(grad_y.shape), grad_w, grad_b
 
 

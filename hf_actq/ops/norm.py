@@ -296,12 +296,13 @@ def _dequantized_in_kernel(packed: Packed, grad_y: torch.Tensor) -> bool:
     return True
 
 
-def _norm_backward(grad_y, x_hat, rstd, weight, centered):
+def _norm_backward(grad_y, x_hat, rstd, weight, centered, offset=0.0):
     if isinstance(x_hat, Packed):
         codec = x_hat.codec
         layout = [codec.bits, codec.group_size, codec.block_size]
-        return norm_backward_packed(grad_y, *x_hat.tensors, layout, rstd, weight, centered)
-    return norm_backward(grad_y, x_hat, rstd, weight, centered)
+        args = (rstd, weight, centered, offset)
+        return norm_backward_packed(grad_y, *x_hat.tensors, layout, *args)
+    return norm_backward(grad_y, x_hat, rstd, weight, centered, offset)
 
 
 class CompressedLayerNormFunction(torch.autograd.Function):
@@ -379,8 +380,8 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y):
         rstd, weight, x_hat = _saved_x_hat(ctx, grad_y)
-        scale = weight.float() + ctx.offset if ctx.offset else weight
-        grad_x, grad_w, _ = _norm_backward(grad_y, x_hat, rstd, scale, False)  # not centered
+        # Gemma's scale, 1 + w, is added in fp32 by the kernels (not a tensor of its own).
+        grad_x, grad_w, _ = _norm_backward(grad_y, x_hat, rstd, weight, False, ctx.offset)
         return grad_x, grad_w.to(weight.dtype), None, None
 
 

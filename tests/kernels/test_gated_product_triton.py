@@ -23,7 +23,7 @@ from hf_actq.kernels.gated_product import (  # noqa: E402
 
 
 def _case(shape, dtype, a_codec, up_codec, bits=2, nan=False):
-    generator = torch.Generator().manual_seed(sum(shape) + bits)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(sum(shape) + bits)
     gate, up, grad = (torch.randn(shape, generator=generator).to(dtype) * 3 for _ in range(3))
     if nan:
         gate.view(-1)[5] = float("nan")
@@ -89,7 +89,7 @@ def fewbit_options():
 
 
 def _forward_case(shape, dtype, codecs, activation="relu", bits=1, nan=False):
-    generator = torch.Generator().manual_seed(sum(shape))
+    generator = torch.Generator(torch.get_default_device()).manual_seed(sum(shape))
     gate, up = (torch.randn(shape, generator=generator).to(dtype) * 3 for _ in range(2))
     if nan:
         gate.view(-1)[7] = float("nan")

@@ -162,3 +162,18 @@ def test_norm_pack_and_packed_backward_on_no_rows():
         x, *packs, [4, 1, 128], torch.empty(0, 1), torch.ones(8), False
     )
     assert grad_x.shape == (0, 8) and not grad_w.any() and not grad_b.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemmas_one_plus_w_is_added_inside_the_backward_kernels(dtype):
+    """``offset`` 1 scales by ``1 + w`` in fp32 inside the kernels: the same gradients as the
+    fp32 tensor ``w.float() + 1`` passed as the weight, bit for bit, and the twin's."""
+    grad, x_hat, rstd, weight = _inputs(6, 300, dtype, centered=False)
+    got = norm_kernels.norm_backward_triton(grad, x_hat, rstd, weight, False, 1.0)
+    want = norm_kernels.norm_backward_triton(grad, x_hat, rstd, weight.float() + 1, False)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    twin = norm_backward_reference(grad, x_hat, rstd, weight, False, 1.0)
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got[0], twin[0], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got[1], twin[1], rtol=1e-5, atol=1e-5)
