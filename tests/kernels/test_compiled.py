@@ -64,9 +64,12 @@ def eager_and_compiled(monkeypatch):
 )
 def test_aq_compiled_equals_eager(eager_and_compiled, dtype, bits, group, block, stochastic):
     n_means = 3000 + bits  # not a multiple of the block or of 8
-    source = (torch.randn(n_means * group, generator=torch.Generator().manual_seed(bits)) * 3).to(
-        dtype
-    )
+    source = (
+        torch.randn(
+            n_means * group, generator=torch.Generator(torch.get_default_device()).manual_seed(bits)
+        )
+        * 3
+    ).to(dtype)
     eager, got = eager_and_compiled(
         lambda: aq_quantize_reference(source, group, bits, block, stochastic, seed=11)
     )
@@ -84,7 +87,10 @@ def test_aq_compiled_equals_eager(eager_and_compiled, dtype, bits, group, block,
     _by_dtype([("gelu", 3), ("silu", 4), ("gelu", 1), ("relu", 1)], half=("gelu", 3)),
 )
 def test_fewbit_codes_compiled_equal_eager(eager_and_compiled, dtype, activation, bits):
-    x = (torch.randn(5003, generator=torch.Generator().manual_seed(bits)) * 4).to(dtype)
+    x = (
+        torch.randn(5003, generator=torch.Generator(torch.get_default_device()).manual_seed(bits))
+        * 4
+    ).to(dtype)
     x[7] = float("nan")
     x[8:12] = torch.tensor([0.0, -0.0, float("inf"), -float("inf")]).to(dtype)
     borders = torch.tensor(table_for(activation, bits).borders, dtype=torch.float32)
@@ -102,7 +108,7 @@ def test_fewbit_codes_compiled_equal_eager(eager_and_compiled, dtype, activation
 def test_fewbit_backward_compiled_equals_eager(
     eager_and_compiled, dtype, activation, bits, nan_seen
 ):
-    generator = torch.Generator().manual_seed(bits)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(bits)
     x = (torch.randn(5000, generator=generator) * 4).to(dtype)  # whole groups of eight: compiled
     grad_y = torch.randn(5000, generator=generator).to(dtype)
     grad_y[:4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")]).to(dtype)
