@@ -305,6 +305,16 @@ def load_x_hat(
 
 
 @jit
+def load_weight(w_ptr, w_offset, cols, valid):
+    """The weight at ``cols`` in fp32, plus ``w_offset`` (Gemma's 1 + w) where it is not zero:
+    adding zero would turn a -0.0 weight into 0.0."""
+    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    if w_offset != 0.0:
+        w += w_offset
+    return w
+
+
+@jit
 def norm_row_means_kernel(
     grad_ptr,
     xhat_ptr,
@@ -333,10 +343,7 @@ def norm_row_means_kernel(
         g = tl.load(grad_ptr + row * width + cols, mask=valid, other=0.0).to(tl.float32)
         x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, row * width + cols, valid,
                            n_bytes, PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
-        w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-        if w_offset != 0.0:  # Gemma's 1 + w (no addition of zero: it would turn -0.0 into 0.0)
-            w += w_offset
-        gw = g * w
+        gw = g * load_weight(w_ptr, w_offset, cols, valid)
         sum_gw += gw
         sum_gwx += gw * x_hat
     # `centered` is 1.0 for LayerNorm (x_hat has zero mean) and 0.0 for RMSNorm.
@@ -371,9 +378,7 @@ def norm_backward_kernel(
     row_block = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < width
-    w = tl.load(w_ptr + cols, mask=valid, other=0.0).to(tl.float32)
-    if w_offset != 0.0:
-        w += w_offset
+    w = load_weight(w_ptr, w_offset, cols, valid)
     sum_gx = tl.zeros([BLOCK], tl.float32)
     sum_g = tl.zeros([BLOCK], tl.float32)
     for r in range(0, rows_per_program):

@@ -41,7 +41,9 @@ from hf_actq.ops.state import (
     default_state,
     has_hooks,
     keep_rng_stream,
+    kernel_reads,
     once_differentiable,
+    packs_in_kernel,
     set_state,
     state_of,
     wants_backward,
@@ -154,16 +156,12 @@ def product_forward(state: OpState, gate: torch.Tensor, up: torch.Tensor):
     (CPU: the twin would be that very path)."""
     codecs = (state.codecs["gate"], state.codecs["up"])
     if (
-        not all(isinstance(codec, AverageQuantCodec) for codec in codecs)
-        or not runs_kernels(gate)
+        not packs_in_kernel(gate, codecs)
         or gate.shape != up.shape
         or gate.dtype != up.dtype
         or gate.stride() != up.stride()
         or row_stride(gate) is None
-        or any(gate.shape[-1] % codec.group_size for codec in codecs)
         or up.is_inference()
-        or observer() is not None
-        or torch.compiler.is_compiling()
         or state.cache.holds(up)
     ):
         return None
@@ -191,12 +189,8 @@ def _one_kernel_takes(packed_a: Packed, packed_up: Packed, grad_h: torch.Tensor)
     unpack it again."""
     for packed in (packed_a, packed_up):
         share = packed._share
-        if (
-            type(packed) is not Packed
-            or not isinstance(packed.codec, AverageQuantCodec)
-            or packed.dtype != grad_h.dtype
-            or packed.shape[-1] % packed.codec.group_size
-            or (share is not None and share.consumers > 1 and not runs_kernels(grad_h))
+        if not kernel_reads(packed, grad_h) or (
+            share is not None and share.consumers > 1 and not runs_kernels(grad_h)
         ):
             return False
     return True

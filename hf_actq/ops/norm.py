@@ -33,12 +33,13 @@ from hf_actq.kernels.norm import normalized
 from hf_actq.kernels.packing import row_chunks
 from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import may_offer
-from hf_actq.ops.slots import observer
 from hf_actq.ops.state import (
     default_state,
     has_hooks,
     keep_rng_stream,
+    kernel_reads,
     once_differentiable,
+    packs_in_kernel,
     set_state,
     state_of,
     wants_backward,
@@ -216,15 +217,7 @@ def _kernel_codec(state, x) -> AverageQuantCodec | None:
     (measurement and calibration see every tensor packed), a trace, or no kernel to run (CPU:
     the twin would be that very composition)."""
     codec = state.codecs.get("input")
-    if (
-        state.norm_from_output
-        or not isinstance(codec, AverageQuantCodec)
-        or not runs_kernels(x)
-        or not x.is_contiguous()
-        or x.shape[-1] % codec.group_size
-        or observer() is not None
-        or torch.compiler.is_compiling()
-    ):
+    if state.norm_from_output or not x.is_contiguous() or not packs_in_kernel(x, (codec,)):
         return None
     return codec
 
@@ -280,10 +273,7 @@ def _dequantized_in_kernel(packed: Packed, grad_y: torch.Tensor) -> bool:
     the output rebuilt from it) is read as the tensor one of them unpacked already, else the
     norm leaves the share and reads the packed buffers."""
     if (
-        type(packed) is not Packed
-        or not isinstance(packed.codec, AverageQuantCodec)
-        or packed.dtype != grad_y.dtype
-        or packed.shape[-1] % packed.codec.group_size
+        not kernel_reads(packed, grad_y)
         or not runs_kernels(grad_y)
         or torch.compiler.is_compiling()
     ):

@@ -27,9 +27,10 @@ from torch import nn
 from torch._C import _functions
 
 from hf_actq.codecs import AverageQuantCodec
-from hf_actq.codecs.packed import Codec, skip_seeds
+from hf_actq.codecs.packed import Codec, Packed, skip_seeds
+from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
-from hf_actq.ops.slots import per_slot_seeds
+from hf_actq.ops.slots import observer, per_slot_seeds
 
 STATE = "_hf_actq"
 NOT_PICKLABLE = (
@@ -208,3 +209,28 @@ def refuse_differentiation(outputs):
     refused = error(*aliases)
     refused = refused if isinstance(refused, tuple) else (refused,)
     return refused[0] if single else refused
+
+
+def packs_in_kernel(x: torch.Tensor, codecs) -> bool:
+    """Whether a fused kernel may make the packs of tensors shaped as ``x`` itself, with the
+    seeds and shares the pack cache would give: uniform/AQ ``codecs`` whose groups divide the
+    last dim, kernels that run for ``x`` (CPU: the twin would be the composition), no observer
+    watching the packs (measurement and calibration see every tensor packed), no trace."""
+    return (
+        all(isinstance(codec, AverageQuantCodec) for codec in codecs)
+        and not any(x.shape[-1] % codec.group_size for codec in codecs)
+        and runs_kernels(x)
+        and observer() is None
+        and not torch.compiler.is_compiling()
+    )
+
+
+def kernel_reads(packed: Packed, like: torch.Tensor) -> bool:
+    """Whether a kernel can read ``packed`` in place of a tensor like ``like``: a plain
+    uniform/AQ pack in ``like``'s dtype whose groups divide the last dim."""
+    return (
+        type(packed) is Packed
+        and isinstance(packed.codec, AverageQuantCodec)
+        and packed.dtype == like.dtype
+        and not packed.shape[-1] % packed.codec.group_size
+    )
