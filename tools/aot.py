@@ -212,7 +212,8 @@ def variants() -> list[Variant]:
             )
             for bits, group, block in codec_shapes(BLOCK_SIZES):
                 rows = average_quant._rows_per_tile(block, group)
-                for stochastic in (False, True):
+                # Stochastic: the seed as an argument (eager) or read from memory (compiled).
+                for stochastic, seed_in_memory in ((False, False), (True, False), (True, True)):
                     out.append(
                         _variant(
                             "average_quant",
@@ -225,9 +226,11 @@ def variants() -> list[Variant]:
                                 "n_means": index,
                                 "n_bytes": index,
                                 "noise_key": "i32",
+                                "seed_ptr": "*i64",
                             },
                             {
                                 "STOCHASTIC": stochastic,
+                                "SEED_IN_MEMORY": seed_in_memory,
                                 "BITS": bits,
                                 "GROUP": group,
                                 "BLOCK": block,
@@ -301,10 +304,12 @@ def variants() -> list[Variant]:
                             "slots": "i32",
                             "stochastic": "i32",
                             "seed": "i32",
+                            "seed_ptr": "*i64",
                         },
-                        {"BLOCK": block, "BYTES_PAD": pad},
+                        {"BLOCK": block, "BYTES_PAD": pad, "SEED_IN_MEMORY": seed_in_memory},
                     )
                     for pad in pads
+                    for seed_in_memory in (False, True)
                 )
                 out.append(
                     _variant(

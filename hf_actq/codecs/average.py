@@ -26,9 +26,11 @@ from hf_actq.codecs.packed import (
     check_floating,
     draw_seed,
     numel_of,
+    seed_arguments,
     validate_int,
 )
 from hf_actq.kernels import aq_dequantize, aq_quantize
+from hf_actq.kernels.average_quant import aq_layout
 from hf_actq.kernels.packing import packed_nbytes
 
 GROUP_SIZES = (1, 2, 4, 8, 16)
@@ -42,6 +44,7 @@ class AverageQuantCodec(Codec):
     stochastic: bool = True
 
     name = "aq"
+    takes_device_seed = True
 
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
@@ -67,8 +70,11 @@ class AverageQuantCodec(Codec):
             (blocks, torch.float32),
         )
 
+    def layout(self, shape):
+        return aq_layout(self._num_means(shape), self.bits, self.block_size)
+
     # Pack / unpack ---------------------------------------------------------------------------
-    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> Packed:
         check_floating(x, self)
         if self.stochastic and seed is None:
             seed = draw_seed()
@@ -78,7 +84,9 @@ class AverageQuantCodec(Codec):
             source, group = x.reshape(-1), g  # groups are runs of the flat tensor
         else:
             source, group = self._means(x), 1  # partial groups: average them here
-        tensors = aq_quantize(source, group, self.bits, self.block_size, self.stochastic, seed or 0)
+        tensors = aq_quantize(
+            source, group, self.bits, self.block_size, self.stochastic, *seed_arguments(seed)
+        )
         return Packed(self, x.shape, x.dtype, tensors)
 
     def unpack(self, packed: Packed) -> torch.Tensor:

@@ -105,6 +105,9 @@ class Codec:
     name = "codec"
     # Buffers kept on the CPU whatever the input's device (a seed that backward reads).
     cpu_buffers: tuple[int, ...] = ()
+    # Whether ``pack`` takes its seed as a one-element int64 tensor on the input's device (the
+    # kernels read it there, so a CUDA graph replays it fresh) as well as a host int.
+    takes_device_seed = False
 
     @property
     def uses_rng(self) -> bool:
@@ -117,6 +120,12 @@ class Codec:
         # (codecs/library.py); computed once here, where no trace is running.
         params = {f.name: getattr(self, f.name) for f in fields(self)}
         object.__setattr__(self, "op_key", f"{self.name}:{json.dumps(params, sort_keys=True)}")
+
+    def layout(self, shape):
+        """Where the pack's tensors lie in the one allocation ``pack`` makes for ``shape``
+        (``kernels.packing.Layout``), or None where they are tensors of their own. The traced
+        pack op returns that allocation: a custom op's outputs may not alias each other."""
+        return None
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         raise NotImplementedError
@@ -182,12 +191,20 @@ def draw_seed() -> int:
     return int(draw_seed_tensor().item())
 
 
-def draw_seed_tensor() -> torch.Tensor:
-    """:func:`draw_seed`'s seed as a one-element int64 CPU tensor: the form a torch.compile
-    trace draws, where reading the value (``.item()``) would break the graph."""
-    seed = torch.randint(0, _SEED_MODULUS, (1,), device="cpu")
+def draw_seed_tensor(device: torch.device | str = "cpu") -> torch.Tensor:
+    """:func:`draw_seed`'s seed as a one-element int64 tensor: the form a torch.compile trace
+    draws, where reading the value (``.item()``) would break the graph. On another ``device``
+    it comes from that device's generator (which a CUDA graph advances on each replay)."""
+    seed = torch.randint(0, _SEED_MODULUS, (1,), device=device)
     rank = process_rank()
     return seed if rank == 0 else (seed + rank * _RANK_STRIDE) % _SEED_MODULUS
+
+
+def seed_arguments(seed: int | torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+    """A codec's seed as the kernel ops take it: a host int, or 0 and a device tensor."""
+    if isinstance(seed, torch.Tensor):
+        return 0, seed
+    return seed or 0, None
 
 
 def skip_seeds(*codecs) -> None:

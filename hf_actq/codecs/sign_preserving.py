@@ -23,6 +23,7 @@ from hf_actq.codecs.packed import (
 )
 from hf_actq.kernels import blpa_dequantize, blpa_quantize
 from hf_actq.kernels.packing import packed_nbytes
+from hf_actq.kernels.sign_preserving import blpa_layout
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class SignPreservingCodec(Codec):
             (packed_nbytes(n, self.bits), torch.uint8),
             (-(-n // self.block_size), torch.float32),
         )
+
+    def layout(self, shape):
+        return blpa_layout(numel_of(shape), self.bits, self.block_size)
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)

@@ -26,6 +26,7 @@ from hf_actq.codecs.packed import (
     check_floating,
     draw_seed,
     numel_of,
+    seed_arguments,
     validate_int,
 )
 from hf_actq.kernels import smaq_dequantize, smaq_quantize
@@ -41,6 +42,7 @@ class SmaQCodec(Codec):
     stochastic: bool = True
 
     name = "smaq"
+    takes_device_seed = True
 
     def __post_init__(self):
         validate_int("block_size", self.block_size, BLOCK_SIZES)
@@ -63,14 +65,14 @@ class SmaQCodec(Codec):
             (2, torch.float32),
         )
 
-    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> Packed:
         check_floating(x, self)
         flat = x.reshape(-1)
         if self.stochastic and seed is None:
             seed = draw_seed()
         stats = _mean_std(flat)
         main, extension = smaq_quantize(
-            flat, stats, self.block_size, self.slots, self.stochastic, seed or 0
+            flat, stats, self.block_size, self.slots, self.stochastic, *seed_arguments(seed)
         )
         return Packed(self, x.shape, x.dtype, (main, extension, stats))
 

@@ -19,18 +19,21 @@ from hf_actq.kernels.compiled import mix_seed, run, uniform_noise, use_compiled
 from hf_actq.kernels.packing import (
     CODEC_CHUNK,
     COMPILED_CHUNK,
+    Layout,
     divided,
+    one_allocation,
     pack_uint8_codes_into,
     packed_nbytes,
     unpack_codes,
 )
-from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.registry import FLOATS, register, seed_beside
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
     TILE_ELEMENTS,
     cdiv,
     hashed_noise,
     jit,
+    noise_stream_key,
     pack_tile,
     tile,
     tl,
@@ -40,7 +43,13 @@ from hf_actq.kernels.triton_common import (
 
 
 def aq_quantize_reference(
-    source: torch.Tensor, group: int, bits: int, block: int, stochastic: bool, seed: int = 0
+    source: torch.Tensor,
+    group: int,
+    bits: int,
+    block: int,
+    stochastic: bool,
+    seed: int = 0,
+    device_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize the means of consecutive ``group``-element runs of flat ``source``.
 
@@ -48,13 +57,13 @@ def aq_quantize_reference(
     in order, divided by ``group`` and rounded to ``source``'s dtype (as the Triton kernel does)
     before quantization; stochastic rounding adds :func:`uniform_noise` of each mean's index keyed
     by ``seed``, deterministic rounding is ``floor(q + 0.5)``. Codes past the last mean are zero.
+    ``device_seed`` (one int64 on ``source``'s device), where given, is the seed instead: the
+    kernel reads it from memory (a CUDA graph replays it fresh); the twin reads it on the host.
     """
+    if device_seed is not None:
+        seed = int(device_seed.item())
     m = source.numel() // group
-    blocks = -(-m // block)
-    device = source.device
-    mins = torch.empty(blocks, dtype=torch.float32, device=device)
-    scales = torch.empty(blocks, dtype=torch.float32, device=device)
-    packed = torch.empty(packed_nbytes(m, bits), dtype=torch.uint8, device=device)
+    packed, mins, scales = aq_buffers(m, bits, block, source.device)
     compiled = use_compiled(source)
     noise_key = torch.tensor(mix_seed(seed if stochastic else 0), dtype=torch.int32)
     key = (source.dtype, group, bits, stochastic)
@@ -164,7 +173,9 @@ def aq_quantize_kernel(
     n_means,
     n_bytes,
     noise_key,
+    seed_ptr,
     STOCHASTIC: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -176,6 +187,10 @@ def aq_quantize_kernel(
     first, count, _ = tile(n_means, ROWS, BLOCK)
     element = tl.arange(0, ROWS)[:, None] * (BLOCK * GROUP) + tl.arange(0, BLOCK * GROUP)
     values = tl.load(src_ptr + first * GROUP + element, mask=element < count * GROUP, other=0.0)
+    if STOCHASTIC:
+        key = noise_stream_key(noise_key, seed_ptr, SEED_IN_MEMORY).to(tl.int32, bitcast=True)
+    else:
+        key = noise_key
     aq_quantize_tile(
         values.to(tl.float32),
         packed_ptr,
@@ -183,7 +198,7 @@ def aq_quantize_kernel(
         scales_ptr,
         n_means,
         n_bytes,
-        noise_key,
+        key,
         src_ptr.dtype.element_ty,
         STOCHASTIC,
         BITS,
@@ -309,17 +324,24 @@ def aq_dequantize_kernel(
     tl.store(out_ptr + first * GROUP + element, value, mask=element < count * GROUP)
 
 
-def aq_buffers(m: int, bits: int, block: int, device) -> tuple[torch.Tensor, ...]:
-    """``(packed, mins, scales)`` for ``m`` means: views of one allocation (the minimums and
-    scales lead the packed codes)."""
+def aq_layout(m: int, bits: int, block: int) -> Layout:
+    """Where ``(packed, mins, scales)`` for ``m`` means lie in their one allocation: the
+    minimums and scales lead the packed codes."""
     blocks = cdiv(m, block)
-    n_bytes = packed_nbytes(m, bits)
-    buffer = torch.empty(8 * blocks + n_bytes, dtype=torch.uint8, device=device)
-    metadata, packed = buffer.split((8 * blocks, n_bytes))
-    return (packed, *metadata.view(torch.float32).split((blocks, blocks)))
+    return (
+        (8 * blocks, packed_nbytes(m, bits), torch.uint8),
+        (0, blocks, torch.float32),
+        (4 * blocks, blocks, torch.float32),
+    )
 
 
-def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
+def aq_buffers(m: int, bits: int, block: int, device) -> tuple[torch.Tensor, ...]:
+    """``(packed, mins, scales)`` for ``m`` means: views of one allocation (:func:`aq_layout`),
+    the twin's as the kernel's."""
+    return one_allocation(aq_layout(m, bits, block), device)
+
+
+def aq_quantize_triton(source, group, bits, block, stochastic, seed=0, device_seed=None):
     """The Triton side of :func:`aq_quantize_reference`: one launch, one allocation."""
     source = source.contiguous()
     m = source.numel() // group
@@ -334,8 +356,10 @@ def aq_quantize_triton(source, group, bits, block, stochastic, seed=0):
             scales,
             m,
             n_bytes,
-            mix_seed(seed) if stochastic else 0,
+            mix_seed(seed) if stochastic and device_seed is None else 0,
+            source if device_seed is None else device_seed,  # an unread pointer without one
             STOCHASTIC=bool(stochastic),
+            SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
             BITS=bits,
             GROUP=group,
             BLOCK=block,
@@ -378,7 +402,7 @@ def aq_dequantize_triton(data, mins, scales, shape, dtype, bits, group, block):
     return repeated.reshape(rows, -1)[:, :last].reshape(shape)
 
 
-def _aq_quantize_fake(source, group, bits, block, stochastic, seed=0):
+def _aq_quantize_fake(source, group, bits, block, stochastic, seed=0, device_seed=None):
     means = source.numel() // group
     return (
         source.new_empty(packed_nbytes(means, bits), dtype=torch.uint8),
@@ -392,7 +416,7 @@ aq_quantize = register(
     aq_quantize_reference,
     aq_quantize_triton,
     fake=_aq_quantize_fake,
-    takes=lambda source, *_: source.dtype in FLOATS,
+    takes=lambda source, *args: source.dtype in FLOATS and seed_beside(source, *args[5:]),
 )
 aq_dequantize = register(
     "aq_dequantize",

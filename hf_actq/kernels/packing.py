@@ -36,6 +36,28 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
 
 
+# Where each of a pack's tensors lies in its one allocation: (byte offset, elements, dtype), in the
+# pack's tensor order. Metadata (fp32) leads, so its offsets stay 4-byte aligned.
+Layout = tuple[tuple[int, int, torch.dtype], ...]
+
+
+def allocation_bytes(layout: Layout) -> int:
+    return max((offset + n * dtype.itemsize for offset, n, dtype in layout), default=0)
+
+
+def views_of(buffer: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+    """The pack's tensors: views of ``buffer`` (uint8) as ``layout`` places them."""
+    return tuple(
+        buffer[offset : offset + n * dtype.itemsize].view(dtype) for offset, n, dtype in layout
+    )
+
+
+def one_allocation(layout: Layout, device) -> tuple[torch.Tensor, ...]:
+    """A pack's tensors as views of one new allocation (one ``torch.empty``, one block a pack
+    for the caching allocator)."""
+    return views_of(torch.empty(allocation_bytes(layout), dtype=torch.uint8, device=device), layout)
+
+
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (each < 2**bits, bits in 1..8) into ``ceil(n*bits/8)`` bytes."""
     n = codes.numel()

@@ -97,6 +97,12 @@ class KernelOp:
         return f"KernelOp({self._label})"
 
 
+def seed_beside(source: torch.Tensor, device_seed: torch.Tensor | None = None) -> bool:
+    """Whether a kernel can read ``device_seed`` (none, or on ``source``'s device): a kernel given
+    a pointer to another device's memory would fault, where the twin reads it anywhere."""
+    return device_seed is None or device_seed.device == source.device
+
+
 def runs_kernels(tensor: torch.Tensor) -> bool:
     """Whether the kernel ops launch Triton kernels for ``tensor`` (not their twins)."""
     return tensor.device.type in _KERNEL_DEVICES and triton_enabled()

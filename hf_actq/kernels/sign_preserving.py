@@ -11,6 +11,8 @@ import torch
 
 from hf_actq.kernels.packing import (
     CODEC_CHUNK,
+    Layout,
+    one_allocation,
     pack_chunk_into,
     packed_nbytes,
     pad_to,
@@ -36,9 +38,7 @@ def blpa_quantize_reference(
     """Packed codes and per-block fp32 steps; ``x > 0`` maps to the upper half of the codes."""
     n = source.numel()
     half = 2 ** (bits - 1)
-    blocks = -(-n // block)
-    steps = torch.empty(blocks, dtype=torch.float32, device=source.device)
-    packed = torch.empty(packed_nbytes(n, bits), dtype=torch.uint8, device=source.device)
+    packed, steps = one_allocation(blpa_layout(n, bits, block), source.device)
     for start in range(0, n, CODEC_CHUNK):
         stop = min(n, start + CODEC_CHUNK)
         chunk = source[start:stop].float()
@@ -128,16 +128,19 @@ def blpa_dequantize_kernel(
     tl.store(out_ptr + first + local, to_dtype(value, out_ptr.dtype.element_ty), mask=local < count)
 
 
+def blpa_layout(n: int, bits: int, block: int) -> Layout:
+    """Where ``(packed, steps)`` for ``n`` values lie in their one allocation (the twin's as the
+    kernel's): the steps lead the packed codes."""
+    blocks = cdiv(n, block)
+    return ((4 * blocks, packed_nbytes(n, bits), torch.uint8), (0, blocks, torch.float32))
+
+
 def blpa_quantize_triton(source, bits, block):
-    """The Triton side of :func:`blpa_quantize_reference`: one launch, one allocation (the
-    steps lead the packed codes in one buffer)."""
+    """The Triton side of :func:`blpa_quantize_reference`: one launch, one allocation."""
     source = source.contiguous()
     n = source.numel()
-    blocks = cdiv(n, block)
-    n_bytes = packed_nbytes(n, bits)
-    buffer = torch.empty(4 * blocks + n_bytes, dtype=torch.uint8, device=source.device)
-    steps, packed = buffer.split((4 * blocks, n_bytes))
-    steps = steps.view(torch.float32)
+    packed, steps = one_allocation(blpa_layout(n, bits, block), source.device)
+    n_bytes = packed.numel()
     if n:
         rows = _rows_per_tile(block)
         blpa_quantize_kernel[(cdiv(n, rows * block),)](

@@ -19,7 +19,7 @@ from hf_actq.kernels.packing import (
     pad_to,
     unpack_codes,
 )
-from hf_actq.kernels.registry import FLOATS, register
+from hf_actq.kernels.registry import FLOATS, register, seed_beside
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
     cdiv,
@@ -40,9 +40,14 @@ def smaq_quantize_reference(
     slots: int,
     stochastic: bool,
     seed: int = 0,
+    device_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed 6-bit main codes and packed 2-bit extension slots (``slots`` per block) of flat
-    ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout."""
+    ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout.
+    ``device_seed`` (one int64 on ``source``'s device), where given, is the seed instead: the
+    kernel reads it from memory (a CUDA graph replays it fresh); the twin reads it on the host."""
+    if device_seed is not None:
+        seed = int(device_seed.item())
     n = source.numel()
     device = source.device
     mean, std = stats[0], stats[1]
@@ -128,8 +133,10 @@ def smaq_quantize_kernel(
     slots,
     stochastic,
     seed,
+    seed_ptr,
     BLOCK: tl.constexpr,
     BYTES_PAD: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     offsets = pid * BLOCK + tl.arange(0, BLOCK)
@@ -140,7 +147,7 @@ def smaq_quantize_kernel(
     inv_std = tl.where(std > 0, tl.math.div_rn(1.0, std), 0.0)
     z = tl.minimum(tl.maximum((x - mean) * inv_std, -2.0), 2.0)
     if stochastic != 0:  # noqa: SIM108 (a runtime branch inside a Triton kernel)
-        u = tl.rand(seed, offsets)
+        u = tl.rand(tl.load(seed_ptr) if SEED_IN_MEMORY else seed, offsets)
     else:
         u = tl.full([BLOCK], 0.5, tl.float32)
     outlier = (tl.abs(z) > 1.0) & valid
@@ -206,7 +213,7 @@ def extension_bytes_pad(slots: int) -> int:
     return 1 << (max(slots // 4, 1) - 1).bit_length()
 
 
-def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
+def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0, device_seed=None):
     """The Triton side of :func:`smaq_quantize_reference`."""
     source = source.contiguous()
     n = source.numel()
@@ -224,8 +231,10 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0):
             slots,
             int(stochastic),
             seed,  # deterministic rounding: unused
+            stats if device_seed is None else device_seed,  # an unread pointer without one
             BLOCK=block,
             BYTES_PAD=extension_bytes_pad(slots),
+            SEED_IN_MEMORY=device_seed is not None,
             **LAUNCH_OPTIONS,
         )
     return main, extension
@@ -251,7 +260,7 @@ def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
     return out.view(shape)
 
 
-def _smaq_quantize_fake(source, stats, block, slots, stochastic, seed=0):
+def _smaq_quantize_fake(source, stats, block, slots, stochastic, seed=0, device_seed=None):
     extension = packed_nbytes(-(-source.numel() // block) * slots, 2)
     return (
         source.new_empty(packed_nbytes(source.numel(), 6), dtype=torch.uint8),
@@ -264,7 +273,7 @@ smaq_quantize = register(
     smaq_quantize_reference,
     smaq_quantize_triton,
     fake=_smaq_quantize_fake,
-    takes=lambda source, *_: source.dtype in FLOATS,
+    takes=lambda source, *args: source.dtype in FLOATS and seed_beside(source, *args[5:]),
 )
 smaq_dequantize = register(
     "smaq_dequantize",

@@ -124,6 +124,21 @@ def hashed_noise(index, key):
 
 
 @jit
+def noise_stream_key(noise_key, seed_ptr, SEED_IN_MEMORY: tl.constexpr):
+    """The uint32 key :func:`hashed_noise` takes: the launch's int32 ``noise_key`` (the host's
+    ``compiled.mix_seed`` of a host seed), or, with ``SEED_IN_MEMORY``, ``mix_seed`` of the
+    int64 seed at ``seed_ptr``, computed here bit for bit. A seed read from memory is what a
+    CUDA graph replays fresh each step (one given as an argument is frozen at capture)."""
+    if SEED_IN_MEMORY:
+        value = tl.load(seed_ptr).to(tl.uint64)
+        value = value * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019
+        value = (value ^ (value >> 29)) * 0xBF58476D1CE4E5B9
+        return (value ^ (value >> 32)).to(tl.uint32)
+    else:
+        return noise_key.to(tl.uint32, bitcast=True)
+
+
+@jit
 def store_packed(packed_ptr, group, code, bits, n_bytes):
     """Store ``code`` ([G, 8] integers < 2**bits, bits <= 8) of 8-element groups ``group``."""
     lane = tl.arange(0, 8)

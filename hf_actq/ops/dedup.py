@@ -348,10 +348,12 @@ def under_checkpoint() -> bool:
 
 
 # The step seed that torch.compile traces mix per sharing group (see :func:`traced_pack`): one
-# persistent int64 CPU tensor, advanced in place when a patched model embeds its input.
-# Persistent rather than drawn per forward: a tensor a trace made and left in Python state is
-# a side effect dynamo cannot replay at a graph break inside the forward (transformers'
-# logging), and each such break would then become two.
+# persistent int64 tensor on the patched model's device, advanced in place when the model
+# embeds its input. Persistent rather than drawn per forward: a tensor a trace made and left in
+# Python state is a side effect dynamo cannot replay at a graph break inside the forward
+# (transformers' logging), and each such break would then become two. On the model's device,
+# so that a CUDA graph of the step (torch.compile's "reduce-overhead") advances it on each
+# replay and its packs read fresh seeds there: a seed read on the host is frozen at capture.
 _STEP_SEED: list[torch.Tensor] = []
 _ADVANCING_MODELS: weakref.WeakSet = weakref.WeakSet()
 
@@ -362,10 +364,30 @@ def step_seed() -> torch.Tensor:
     return _STEP_SEED[0]
 
 
-def advance_step_seed(*hook_arguments) -> None:
-    """A new step seed, once per forward of a patched model (also a forward pre-hook)."""
+def _step_seed_on(device: torch.device | None) -> torch.Tensor:
+    """The step seed, moved to ``device`` where the model runs elsewhere (it was moved after
+    ``apply``). Only outside a trace: a trace moving it would leave a tensor it made in Python
+    state; there, a pack reading a seed on another device copies it (traced_pack)."""
+    seed = step_seed()
+    if (
+        device is not None
+        and device.type != "meta"
+        and seed.device != device
+        and not torch.compiler.is_compiling()
+    ):
+        seed = _STEP_SEED[0] = seed.to(device)
+    return seed
+
+
+def _device_of(module: torch.nn.Module) -> torch.device | None:
+    parameter = next(module.parameters(), None)
+    return None if parameter is None else parameter.device
+
+
+def advance_step_seed(module: torch.nn.Module | None = None, *hook_arguments) -> None:
+    """A new step seed, once per forward of a patched model (also its forward pre-hook)."""
     with torch.no_grad():
-        step_seed().add_(1)
+        _step_seed_on(None if module is None else _device_of(module)).add_(1)
 
 
 INNER_FORWARD = "_hf_actq_embedding_forward"
@@ -374,7 +396,7 @@ INNER_FORWARD = "_hf_actq_embedding_forward"
 def step_seed_forward(self, *args, **kwargs):
     """The forward ``apply`` binds onto a model's input embedding: advance, then embed. Also
     in eager, since layers compiled one by one read the seed while the model runs eagerly."""
-    advance_step_seed()
+    advance_step_seed(self)
     return self.__dict__[INNER_FORWARD](*args, **kwargs)
 
 
@@ -384,7 +406,7 @@ def start_step_seed(model: torch.nn.Module) -> _Advancing:
     # its generator: ``torch.manual_seed`` reproduces a compiled run, and patching a model does
     # not move the RNG stream that dropout and the data order use.
     start = (torch.initial_seed() + process_rank() * _RANK_STRIDE) % _SEED_MODULUS
-    step_seed().fill_(start)
+    _step_seed_on(_device_of(model)).fill_(start)
     return _Advancing(model)
 
 
@@ -448,13 +470,20 @@ def traced_pack(x: torch.Tensor, codec: Codec, seed_key: str | None = None) -> P
     base) then make identical pack ops, which AOTAutograd's common-subexpression pass merges
     into one that backward keeps once, as the eager cache would. Without a key, or while no
     patched model advances the step seed (ops used on their own), each pack draws its own.
+
+    Seeds stay on ``x``'s device for codecs whose kernels read them there (no host read; a
+    CUDA graph replays them fresh). A codec that needs its seed on the host (rotated) draws its
+    own on the CPU where the step seed is on a GPU (reading that one would sync), so its
+    consumers of a shared input keep a pack each there.
     """
     from hf_actq.codecs.library import compiled_pack
 
     seed = None
     if codec.uses_rng:
-        if seed_key is None or not _step_seed_advances():
-            seed = draw_seed_tensor()
+        device = x.device if codec.takes_device_seed else torch.device("cpu")
+        shared = seed_key is not None and _step_seed_advances()
+        if shared and (codec.takes_device_seed or step_seed().device == device):
+            seed = _keyed_seed(step_seed(), seed_key).to(device)
         else:
-            seed = _keyed_seed(step_seed(), seed_key)
+            seed = draw_seed_tensor(device)
     return codec.pack(x) if codec.name == "exact" else compiled_pack(x, codec, seed)

@@ -227,10 +227,12 @@ def packs_in_kernel(x: torch.Tensor, codecs) -> bool:
 
 def kernel_reads(packed: Packed, like: torch.Tensor) -> bool:
     """Whether a kernel can read ``packed`` in place of a tensor like ``like``: a plain
-    uniform/AQ pack in ``like``'s dtype whose groups divide the last dim."""
+    uniform/AQ pack in ``like``'s dtype whose groups divide the last dim, holding its codes,
+    minimums and scales (a traced pack holds their one allocation: codecs/library.py)."""
     return (
         type(packed) is Packed
         and isinstance(packed.codec, AverageQuantCodec)
+        and len(packed.tensors) == 3
         and packed.dtype == like.dtype
         and not packed.shape[-1] % packed.codec.group_size
     )

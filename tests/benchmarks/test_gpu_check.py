@@ -170,3 +170,18 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
     verdicts = runs["new"]["fused few-bit forward"]
     assert verdicts == {"gelu float32": "PyTorch's output", "silu float32": "PyTorch's output"}
     assert "- gelu float32: PyTorch's output" in table
+
+
+def test_the_graphed_step_times_each_recipe_against_the_unpatched_compiled_step(tmp_path):
+    """benchmarks/gpu/graphed.py on the CPU (--dry-run: tiny shapes, aot_eager): the unpatched
+    step and each recipe compiled alike in one run, ratios to the first, graph skips counted."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu/graphed.py", "--dry-run", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "graphed.json").read_text())["rows"]
+    assert [row["recipe"] for row in rows] == ["baseline", "fewbit", "uniform"]
+    assert rows[0]["time ratio"] == 1.0
+    assert all(row["step ms"] > 0 and "cudagraph skips" in row for row in rows)
+    assert "| uniform |" in (tmp_path / "graphed.md").read_text()

@@ -11,6 +11,7 @@ on the cheapest model that has it (under 2 minutes on two cores); ``-m slow`` ru
 and recipe.
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -384,3 +385,36 @@ def test_compiled_moe_experts_gradients_equal_the_eager_ones(monkeypatch):
     for name, grad in eager.items():
         if grad is not None:
             torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.needs_kernels
+@pytest.mark.parametrize(
+    "build,recipe",
+    [
+        pytest.param(_llama, "uniform", id="llama-uniform"),
+        pytest.param(_bert, "checkpoint", id="bert-checkpoint"),
+        pytest.param(_bert, "alam", id="bert-alam", marks=pytest.mark.slow),
+        pytest.param(_llama, "blpa", id="llama-blpa", marks=pytest.mark.slow),
+    ],
+)
+def test_a_compiled_step_runs_the_kernels_with_the_twins_gradients(build, recipe):
+    """The compiled graph on a GPU: the pack ops launch the kernels (here under the
+    interpreter), which read their seeds on the device, and give the twins' gradients. A custom
+    op's outputs may not alias, so a pack whose tensors are views of one allocation returns that
+    allocation (the kernels' packs are; torch refused them before, on any GPU)."""
+    from hf_actq.kernels.registry import kernels_on_cpu
+
+    config = RECIPES.get(recipe) or ActQConfig.from_recipe(recipe)
+    base, batch = build()
+    grads = []
+    for kernels in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # the step seed starts from torch's seed
+        model = copy.deepcopy(base)
+        hf_actq.apply(model, config)
+        with kernels_on_cpu() if kernels else contextlib.nullcontext():
+            torch.compile(model, backend="aot_eager")(**batch).loss.backward()
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)

@@ -200,6 +200,32 @@ def test_a_patched_training_step_reads_nothing_from_the_device(model_name, recip
     assert ours.device_ops <= stock.device_ops + extra_ops, (ours.device_ops, stock.device_ops)
 
 
+def test_a_compiled_patched_step_reads_no_seed_on_the_host():
+    """Under torch.compile the packs take their seeds as tensors on the model's device (the
+    step seed mixed per sharing group), and the codec kernels read them there: no host read in
+    the step, so "reduce-overhead" can capture it in a CUDA graph whose replays advance the
+    step seed and round with fresh noise. Before, each stochastic pack read its seed on the
+    host (``seed.item()`` in ``hf_actq::pack``): a sync where the seed is on a GPU, a value
+    frozen at capture where it is on the CPU."""
+    from hf_actq.ops import dedup
+
+    torch._dynamo.reset()
+    model, batch = tiny_model("bert", num_hidden_layers=1), tiny_batch("bert")
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    model.train()
+    compiled = torch.compile(model, backend="aot_eager")
+    with host_budget() as first:  # traces: the kernels and the device seeds as a GPU has them
+        compiled(**batch).loss.backward()
+    seed = dedup.step_seed().clone()
+    with host_budget() as budget:
+        compiled(**batch).loss.backward()
+    assert first.triton_launches["aq_quantize_kernel"] > 0, first
+    assert budget.triton_launches == first.triton_launches, (budget, first)
+    assert budget.host_reads == 0, budget
+    assert budget.seeds == 0  # none drawn on the host
+    assert dedup.step_seed() == seed + 1  # advanced inside the compiled forward
+
+
 @pytest.mark.parametrize("model_name", ["bert", "llama-lora"])
 def test_each_pack_is_unpacked_once_a_step_with_the_gradients_of_one_unpack_per_op(
     model_name, monkeypatch

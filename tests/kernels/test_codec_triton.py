@@ -77,6 +77,25 @@ def test_aq_stochastic_kernel_packs_the_twins_codes_bit_for_bit(bits):
         assert torch.equal(got_buffer, expected_buffer)
 
 
+@pytest.mark.parametrize("seed", [0, 987654, 2**31 - 2])
+def test_aq_kernel_reads_a_seed_on_the_device_as_the_host_seed(seed):
+    """A compiled step passes its seed as a tensor on the device (read there, a CUDA graph
+    replays it fresh): the kernel mixes it in-kernel into the key the host's ``mix_seed``
+    gives, so the codes are the twin's for that seed as an int."""
+    generator = torch.Generator(torch.get_default_device()).manual_seed(seed % 97)
+    source = (torch.randn(9001, generator=generator) * 2).to(torch.bfloat16)
+    device_seed = torch.tensor([seed], dtype=torch.int64)
+    got = aq_quantize_triton(source, 2, 3, 64, True, 0, device_seed)
+    expected = aq_quantize_reference(source, 2, 3, 64, True, seed)
+    twin = aq_quantize_reference(source, 2, 3, 64, True, 0, device_seed)
+    for got_buffer, expected_buffer, twin_buffer in zip(got, expected, twin):
+        assert torch.equal(got_buffer, expected_buffer) and torch.equal(
+            twin_buffer, expected_buffer
+        )
+    other = aq_quantize_triton(source, 2, 3, 64, True, 0, device_seed + 1)
+    assert not torch.equal(other[0], got[0])
+
+
 def test_aq_quantize_keeps_codes_and_metadata_in_one_allocation():
     mins_storage = aq_quantize_triton(torch.randn(1000), 1, 4, 128, False)
     pointers = {t.untyped_storage().data_ptr() for t in mins_storage}
@@ -193,3 +212,17 @@ def test_smaq_stochastic_kernel_is_unbiased():
             *packed, stats, torch.Size([64]), torch.float32, 64, 24
         ).double()
     assert (total / trials - target).abs().max() < 5 * (2 / 31 * std) / math.sqrt(trials)
+
+
+def test_smaq_kernel_reads_a_seed_on_the_device_as_the_host_seed():
+    from hf_actq.codecs.smaq import _mean_std
+    from hf_actq.kernels.smaq import smaq_quantize_triton
+
+    generator = torch.Generator(torch.get_default_device()).manual_seed(3)
+    source = torch.randn(512, generator=generator)
+    stats = _mean_std(source)
+    device_seed = torch.tensor([123457], dtype=torch.int64)
+    got = smaq_quantize_triton(source, stats, 64, 24, True, 0, device_seed)
+    expected = smaq_quantize_triton(source, stats, 64, 24, True, 123457)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    assert not torch.equal(smaq_quantize_triton(source, stats, 64, 24, True, 1)[0], got[0])

@@ -74,8 +74,8 @@ def test_smaq_quantize_kernel_at_its_default_capacity_keeps_its_tile_in_register
 
     codec = SmaQCodec()
     pad = extension_bytes_pad(codec.slots)
-    label = f"smaq_quantize_kernel BLOCK={codec.block_size} BYTES_PAD={pad} src_ptr:*bf16"
-    results = _compile(tmp_path, "--match", label)
+    kernel = f"smaq_quantize_kernel BLOCK={codec.block_size} BYTES_PAD={pad}"
+    results = _compile(tmp_path, "--match", kernel, "SEED_IN_MEMORY=False src_ptr:*bf16")
     assert len(results) == 2 * len(INDEX_TYPES)
     assert all(r["stack_bytes"] == 0 for r in results), results
 
@@ -93,18 +93,19 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     assert {group for _, group, _ in shapes} == {1, 2, 4, 8, 16}
     # fewbit forward: codes only (every code mode at 1 bit, table and symmetric at 2..4 bits)
     # and with the output of each activation it reproduces (at 1 and 3 bits); fewbit backward
-    # per width; seeded dropout; aq quantize (deterministic and stochastic) and dequantize per
-    # codec shape, blpa's two per shape of group 1; smaq
+    # per width; seeded dropout; aq quantize (deterministic, stochastic with the seed as an
+    # argument and read from memory) and dequantize per codec shape, blpa's two per shape of
+    # group 1; smaq
     per_float_type = len(CODE_MODES) + 2 * (MAX_BITS - 1) + 2 * len(FUSED_ACTIVATIONS)
     per_float_type += MAX_BITS + 1
     # gated backward (few-bit 1 and 3 bits, with and without the product) and forward (few-bit
     # 1 and 3 bits, silu and gelu) per layout
     # and the forward on the halves of one projection's output (1 bit, silu) per layout
     per_float_type += len(GATED_LAYOUTS) * (2 * (2 + 2) + 1)
-    per_float_type += 3 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
+    per_float_type += 4 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
-    # from 1 to block // 4 bytes)
-    per_float_type += sum(1 + (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
+    # from 1 to block // 4 bytes), the seed as an argument and read from memory
+    per_float_type += sum(1 + 2 * (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
     per_mask_type = 2
     expected = len(INDEX_TYPES) * (
         len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
