@@ -48,9 +48,11 @@ from hf_actq.codecs.packed import (
     check_floating,
     draw_seed,
     numel_of,
+    seed_arguments,
     validate_int,
 )
 from hf_actq.kernels import aq_dequantize, aq_quantize
+from hf_actq.kernels.average_quant import aq_layout
 from hf_actq.kernels.packing import packed_nbytes
 
 ROTATION = 128
@@ -99,6 +101,17 @@ class RotatedSampleCodec(Codec):
         # Sampled coefficients take their signs from a seed even without stochastic rounding.
         return self.stochastic or self.group_size > 1
 
+    @property
+    def takes_device_seed(self) -> bool:
+        # Every coefficient kept: the seed only rounds (AQ's kernel reads it on the device).
+        # Sampled: the signs come from a generator seeded on the host.
+        return self.group_size == 1
+
+    def layout(self, shape):
+        if self.group_size > 1:
+            return None  # the signs' seed is a CPU tensor of its own
+        return aq_layout(self._rows(shape) * ROTATION, self.bits, self.block_size)
+
     def __post_init__(self):
         validate_int("bits", self.bits, range(1, 9))
         validate_int("group_size", self.group_size, GROUP_SIZES)
@@ -120,7 +133,7 @@ class RotatedSampleCodec(Codec):
         )
         return codes if self.group_size == 1 else (*codes, (1, torch.int64))
 
-    def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
+    def pack(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> Packed:
         check_floating(x, self)
         if seed is None and self.uses_rng:
             seed = draw_seed()
@@ -149,7 +162,7 @@ class RotatedSampleCodec(Codec):
         seed_tensor = torch.tensor([seed], dtype=torch.int64, device="cpu")  # cpu_buffers
         return Packed(self, x.shape, x.dtype, (data, mins, scales, seed_tensor))
 
-    def _pack_whole(self, x: torch.Tensor, seed: int | None) -> Packed:
+    def _pack_whole(self, x: torch.Tensor, seed: int | torch.Tensor | None) -> Packed:
         """Every coefficient kept: ``x @ D H^T`` in slabs, then AQ's rounding."""
         flat = x.detach().reshape(-1)
         rows, whole = self._rows(x.shape), flat.numel() // ROTATION
@@ -165,7 +178,12 @@ class RotatedSampleCodec(Codec):
             tail = torch.nn.functional.pad(tail, (0, ROTATION - tail.numel()))
             coeffs[whole] = tail @ rotation
         data, mins, scales = aq_quantize(
-            coeffs.reshape(-1), 1, self.bits, self.block_size, self.stochastic, seed or 0
+            coeffs.reshape(-1),
+            1,
+            self.bits,
+            self.block_size,
+            self.stochastic,
+            *seed_arguments(seed),
         )
         return Packed(self, x.shape, x.dtype, (data, mins, scales))
 

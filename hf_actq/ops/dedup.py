@@ -472,9 +472,9 @@ def traced_pack(x: torch.Tensor, codec: Codec, seed_key: str | None = None) -> P
     patched model advances the step seed (ops used on their own), each pack draws its own.
 
     Seeds stay on ``x``'s device for codecs whose kernels read them there (no host read; a
-    CUDA graph replays them fresh). A codec that needs its seed on the host (rotated) draws its
-    own on the CPU where the step seed is on a GPU (reading that one would sync), so its
-    consumers of a shared input keep a pack each there.
+    CUDA graph replays them fresh). A codec that needs its seed on the host (the sampled
+    rotated codec's signs) draws its own on the CPU where the step seed is on a GPU (reading
+    that one would sync), so its consumers of a shared input keep a pack each there.
     """
     from hf_actq.codecs.library import compiled_pack
 

@@ -200,7 +200,8 @@ def test_a_patched_training_step_reads_nothing_from_the_device(model_name, recip
     assert ours.device_ops <= stock.device_ops + extra_ops, (ours.device_ops, stock.device_ops)
 
 
-def test_a_compiled_patched_step_reads_no_seed_on_the_host():
+@pytest.mark.parametrize("recipe", ["uniform", "checkpoint"])
+def test_a_compiled_patched_step_reads_no_seed_on_the_host(recipe):
     """Under torch.compile the packs take their seeds as tensors on the model's device (the
     step seed mixed per sharing group), and the codec kernels read them there: no host read in
     the step, so "reduce-overhead" can capture it in a CUDA graph whose replays advance the
@@ -211,7 +212,7 @@ def test_a_compiled_patched_step_reads_no_seed_on_the_host():
 
     torch._dynamo.reset()
     model, batch = tiny_model("bert", num_hidden_layers=1), tiny_batch("bert")
-    hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    hf_actq.apply(model, ActQConfig.from_recipe(recipe))
     model.train()
     compiled = torch.compile(model, backend="aot_eager")
     with host_budget() as first:  # traces: the kernels and the device seeds as a GPU has them
