@@ -135,7 +135,7 @@ def variants() -> list[Variant]:
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
     from hf_actq.fewbit.dp import MAX_BITS
-    from hf_actq.kernels import average_quant, dropout, fewbit, mask, norm, sign_preserving
+    from hf_actq.kernels import average_quant, dropout, fewbit, mask, norm, sign_preserving, smaq
     from hf_actq.kernels.smaq import extension_bytes_pad
 
     out = []
@@ -287,6 +287,19 @@ def variants() -> list[Variant]:
                             blpa,
                         )
                     )
+            out.append(
+                _variant(
+                    "smaq",
+                    "smaq_stats_kernel",
+                    {
+                        "src_ptr": f"*{dtype}",
+                        "partials_ptr": "*fp32",
+                        "n_elements": index,
+                        "n_tiles": index,
+                    },
+                    {"ROWS": smaq.STATS_ROWS, "COLS": smaq.STATS_COLS},
+                )
+            )
             for block in SMAQ_BLOCK_SIZES:
                 # Every tile a capacity in [0, 1] can ask for: slots // 4 runs 0..block // 4.
                 pads = sorted({extension_bytes_pad(4 * n) for n in range(block // 4 + 1)})
@@ -420,6 +433,7 @@ BANDWIDTH_KERNELS = {
     "mask_pack_kernel": "LDG.E.128",
     "mask_unpack_kernel": "STG.E.128",
     "norm_pack_kernel": "LDG.E.128",
+    "smaq_stats_kernel": "LDG.E.128",
 }
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 

@@ -29,7 +29,7 @@ from hf_actq.codecs.packed import (
     seed_arguments,
     validate_int,
 )
-from hf_actq.kernels import smaq_dequantize, smaq_quantize
+from hf_actq.kernels import smaq_dequantize, smaq_quantize, smaq_stats
 from hf_actq.kernels.packing import packed_nbytes
 
 BLOCK_SIZES = (64, 128, 256)
@@ -70,7 +70,7 @@ class SmaQCodec(Codec):
         flat = x.reshape(-1)
         if self.stochastic and seed is None:
             seed = draw_seed()
-        stats = _mean_std(flat)
+        stats = smaq_stats(flat)
         main, extension = smaq_quantize(
             flat, stats, self.block_size, self.slots, self.stochastic, *seed_arguments(seed)
         )
@@ -81,17 +81,3 @@ class SmaQCodec(Codec):
         return smaq_dequantize(
             main, extension, stats, packed.shape, packed.dtype, self.block_size, self.slots
         )
-
-
-def _mean_std(flat: torch.Tensor) -> torch.Tensor:
-    """fp32 [mean, std] of a tensor, accumulated in fp64 chunk by chunk (no fp32 copy)."""
-    total = torch.zeros((), dtype=torch.float64, device=flat.device)
-    squares = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), 1 << 20):
-        chunk = flat[start : start + (1 << 20)].double()
-        total += chunk.sum()
-        squares += (chunk * chunk).sum()
-    n = max(flat.numel(), 1)
-    mean = total / n
-    var = (squares / n - mean * mean).clamp_min(0.0)
-    return torch.stack([mean, var.sqrt()]).float()

@@ -14,7 +14,7 @@ from hf_actq.kernels.norm import norm_backward, norm_backward_packed, norm_pack
 from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 from hf_actq.kernels.registry import FAILED, KERNELS, kernels_on_cpu, triton_available
 from hf_actq.kernels.sign_preserving import blpa_dequantize, blpa_quantize
-from hf_actq.kernels.smaq import smaq_dequantize, smaq_quantize
+from hf_actq.kernels.smaq import smaq_dequantize, smaq_quantize, smaq_stats
 
 __all__ = [
     "FAILED",
@@ -38,6 +38,7 @@ __all__ = [
     "seeded_dropout",
     "smaq_dequantize",
     "smaq_quantize",
+    "smaq_stats",
     "triton_available",
     "unpack_codes",
 ]

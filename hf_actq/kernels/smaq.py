@@ -1,8 +1,10 @@
-"""SmaQ (``codecs/smaq.py``): ``hf_actq::smaq_quantize`` (z-score, stochastic rounding, 6-bit main
-codes, per-block 2-bit extension slots filled in element order by a block-local cumsum) and
-``hf_actq::smaq_dequantize``, each a PyTorch twin and a Triton kernel. The two are bit-exact with
-deterministic rounding, equal in distribution with stochastic rounding (the kernel's noise is
-Philox, the twin's torch's generator).
+"""SmaQ (``codecs/smaq.py``): ``hf_actq::smaq_stats`` (the tensor's mean and standard deviation,
+one read of it), ``hf_actq::smaq_quantize`` (z-score, stochastic rounding, 6-bit main codes,
+per-block 2-bit extension slots filled in element order by a block-local cumsum) and
+``hf_actq::smaq_dequantize``, each a PyTorch twin and a Triton kernel. Quantize and dequantize
+are bit-exact with deterministic rounding, equal in distribution with stochastic rounding (the
+kernel's noise is Philox, the twin's torch's generator); the statistics agree to fp32 rounding
+(the kernel sums a tile as a tree, the twin as PyTorch does).
 """
 
 from __future__ import annotations
@@ -22,15 +24,60 @@ from hf_actq.kernels.packing import (
 from hf_actq.kernels.registry import FLOATS, register, seed_beside
 from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
+    TILE_ELEMENTS,
     cdiv,
     jit,
     load_codes,
     store_packed,
+    tile,
     tl,
     to_dtype,
 )
 
 CHUNK_BLOCKS = 256
+# Rows of TILE_ELEMENTS values the statistics twin reduces at a time (16 Mi values), and the
+# statistics kernel's tile: 32 rows of 128 values (32 a thread at 4 warps, 128-bit loads).
+STATS_CHUNK_TILES = 4096
+STATS_ROWS, STATS_COLS = 32, TILE_ELEMENTS // 32
+
+
+def smaq_stats_reference(source: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[mean, std]`` (population) of flat ``source``: per tile of
+    :data:`TILE_ELEMENTS` values, fp32 sums of ``x - k`` and ``(x - k)**2`` about the tile's
+    first value ``k`` (no cancellation against a large mean), combined in fp64 by
+    :func:`combined_stats`, as the kernel does."""
+    n = source.numel()
+    tiles = cdiv(n, TILE_ELEMENTS)
+    partials = torch.empty(3, tiles, dtype=torch.float32, device=source.device)
+    step = STATS_CHUNK_TILES * TILE_ELEMENTS
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        rows = cdiv(stop - start, TILE_ELEMENTS)
+        chunk = pad_to(source[start:stop].float(), rows * TILE_ELEMENTS, 0.0)
+        chunk = chunk.view(rows, TILE_ELEMENTS)
+        valid = torch.arange(rows * TILE_ELEMENTS, device=source.device) < stop - start
+        shift = chunk[:, 0]
+        deviation = torch.where(valid.view(rows, -1), chunk - shift[:, None], 0.0)
+        first = start // TILE_ELEMENTS
+        partials[0, first : first + rows] = deviation.sum(dim=1)
+        partials[1, first : first + rows] = (deviation * deviation).sum(dim=1)
+        partials[2, first : first + rows] = shift
+    return combined_stats(partials, n)
+
+
+def combined_stats(partials: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 ``[mean, std]`` from per-tile ``[sum(x - k), sum((x - k)**2), k]`` (Chan et al.'s
+    pairwise combination, in fp64; every tile holds TILE_ELEMENTS values but the last)."""
+    if n == 0:
+        return torch.zeros(2, dtype=torch.float32, device=partials.device)
+    sums, squares, shifts = partials.double()
+    counts = torch.full_like(sums, TILE_ELEMENTS)
+    counts[-1] = n - (sums.numel() - 1) * TILE_ELEMENTS
+    tile_means = shifts + sums / counts
+    spread = (squares - sums * sums / counts).clamp_min(0.0)  # each tile's sum of squares
+    mean = (counts * tile_means).sum() / n
+    spread = spread.sum() + (counts * (tile_means - mean) ** 2).sum()
+    return torch.stack([mean, (spread / n).sqrt()]).float()
 
 
 def smaq_quantize_reference(
@@ -120,6 +167,24 @@ def smaq_dequantize_reference(
     z = torch.where(outlier, sign * (1.0 + magnitude), divided(codes.float(), 15.5) - 1.0)
     values = z.view(-1)[:n] * stats[1] + stats[0]
     return values.to(dtype).view(shape)
+
+
+@jit
+def smaq_stats_kernel(
+    src_ptr, partials_ptr, n_elements, n_tiles, ROWS: tl.constexpr, COLS: tl.constexpr
+):
+    # One tile of ROWS * COLS values a program (128-bit loads); the sums about the tile's first
+    # value, as the twin takes them.
+    first, count, local = tile(n_elements, ROWS, COLS)
+    valid = local < count
+    x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
+    shift = tl.load(src_ptr + first).to(tl.float32)
+    deviation = tl.where(valid, x - shift, 0.0)
+    program = tl.program_id(0)
+    tl.store(partials_ptr + program, tl.sum(tl.sum(deviation, axis=1), axis=0))
+    squares = tl.sum(tl.sum(deviation * deviation, axis=1), axis=0)
+    tl.store(partials_ptr + n_tiles + program, squares)
+    tl.store(partials_ptr + 2 * n_tiles + program, shift)
 
 
 @jit(do_not_specialize=["slots", "stochastic", "seed"])
@@ -213,6 +278,19 @@ def extension_bytes_pad(slots: int) -> int:
     return 1 << (max(slots // 4, 1) - 1).bit_length()
 
 
+def smaq_stats_triton(source):
+    """The Triton side of :func:`smaq_stats_reference`: one read of ``source``."""
+    source = source.contiguous()
+    n = source.numel()
+    tiles = cdiv(n, TILE_ELEMENTS)
+    partials = torch.empty(3, tiles, dtype=torch.float32, device=source.device)
+    if n:
+        smaq_stats_kernel[(tiles,)](
+            source, partials, n, tiles, ROWS=STATS_ROWS, COLS=STATS_COLS, **LAUNCH_OPTIONS
+        )
+    return combined_stats(partials, n)
+
+
 def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0, device_seed=None):
     """The Triton side of :func:`smaq_quantize_reference`."""
     source = source.contiguous()
@@ -268,6 +346,13 @@ def _smaq_quantize_fake(source, stats, block, slots, stochastic, seed=0, device_
     )
 
 
+smaq_stats = register(
+    "smaq_stats",
+    smaq_stats_reference,
+    smaq_stats_triton,
+    fake=lambda source: source.new_empty(2, dtype=torch.float32),
+    takes=lambda source: source.dtype in FLOATS,
+)
 smaq_quantize = register(
     "smaq_quantize",
     smaq_quantize_reference,

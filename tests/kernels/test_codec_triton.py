@@ -33,7 +33,12 @@ from hf_actq.kernels.sign_preserving import (  # noqa: E402  # noqa: E402
     blpa_quantize_reference,
     blpa_quantize_triton,
 )
-from hf_actq.kernels.smaq import smaq_dequantize_reference, smaq_quantize_reference  # noqa: E402
+from hf_actq.kernels.smaq import (  # noqa: E402
+    smaq_dequantize_reference,
+    smaq_quantize_reference,
+    smaq_stats_reference,
+    smaq_stats_triton,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -178,14 +183,13 @@ def test_block_sizes_are_the_compiled_ones():
 @pytest.mark.parametrize("block,capacity", [(64, 0.375), (128, 0.0), (256, 0.375), (64, 1.0)])
 def test_smaq_deterministic_kernels_match_twin(block, capacity, dtype):
     from hf_actq.codecs import SmaQCodec
-    from hf_actq.codecs.smaq import _mean_std
     from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
 
     torch.manual_seed(block)
     source = (torch.randn(1000) * 2 + 0.5).to(dtype)
     source[:70] = 4.0  # a crowded block overflows its extension slots
     slots = SmaQCodec(block_size=block, capacity=capacity).slots
-    stats = _mean_std(source)
+    stats = smaq_stats_reference(source)
     got = smaq_quantize_triton(source, stats, block, slots, False)
     expected = smaq_quantize_reference(source, stats, block, slots, False)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -195,13 +199,12 @@ def test_smaq_deterministic_kernels_match_twin(block, capacity, dtype):
 
 
 def test_smaq_stochastic_kernel_is_unbiased():
-    from hf_actq.codecs.smaq import _mean_std
     from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
 
     # One block: the interpreter's time grows with the programs launched, not with the trials.
     torch.manual_seed(0)
     source = torch.randn(64)
-    stats = _mean_std(source)
+    stats = smaq_stats_reference(source)
     std = stats[1].item()
     target = source.double().clamp(stats[0] - 2 * std, stats[0] + 2 * std)
     trials = 200
@@ -215,14 +218,35 @@ def test_smaq_stochastic_kernel_is_unbiased():
 
 
 def test_smaq_kernel_reads_a_seed_on_the_device_as_the_host_seed():
-    from hf_actq.codecs.smaq import _mean_std
     from hf_actq.kernels.smaq import smaq_quantize_triton
 
     generator = torch.Generator(torch.get_default_device()).manual_seed(3)
     source = torch.randn(512, generator=generator)
-    stats = _mean_std(source)
+    stats = smaq_stats_reference(source)
     device_seed = torch.tensor([123457], dtype=torch.int64)
     got = smaq_quantize_triton(source, stats, 64, 24, True, 0, device_seed)
     expected = smaq_quantize_triton(source, stats, 64, 24, True, 123457)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert not torch.equal(smaq_quantize_triton(source, stats, 64, 24, True, 1)[0], got[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 4095, 4096 * 3 + 17])
+def test_smaq_stats_kernel_matches_twin_and_fp64(n, dtype):
+    """One read of the tensor: per tile, sums about the tile's first value (no cancellation
+    against a large mean), combined in fp64. Kernel and twin agree to fp32 rounding, and both
+    give fp64's mean and standard deviation, here of values far from zero."""
+    generator = torch.Generator(torch.get_default_device()).manual_seed(n)
+    source = (torch.randn(n, generator=generator) * 0.5 + 300.0).to(dtype)
+    got, twin = smaq_stats_triton(source), smaq_stats_reference(source)
+    exact = source.double()
+    expected = torch.stack([exact.mean(), exact.std(correction=0)]).float()
+    torch.testing.assert_close(got, twin, rtol=2e-6, atol=0)
+    torch.testing.assert_close(twin, expected, rtol=2e-6, atol=1e-7)
+
+
+def test_smaq_stats_of_nothing_and_of_a_nan():
+    assert torch.equal(smaq_stats_triton(torch.empty(0)), torch.zeros(2))
+    source = torch.ones(5000)
+    source[4500] = float("nan")
+    assert smaq_stats_triton(source).isnan().all() and smaq_stats_reference(source).isnan().all()
