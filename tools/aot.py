@@ -226,7 +226,8 @@ def variants() -> list[Variant]:
                                 "n_means": index,
                                 "n_bytes": index,
                                 "noise_key": "i32",
-                                "seed_ptr": "*i64",
+                                # Without a seed in memory the launcher passes the source.
+                                "seed_ptr": "*i64" if seed_in_memory else f"*{dtype}",
                             },
                             {
                                 "STOCHASTIC": stochastic,
@@ -317,7 +318,8 @@ def variants() -> list[Variant]:
                             "slots": "i32",
                             "stochastic": "i32",
                             "seed": "i32",
-                            "seed_ptr": "*i64",
+                            # Without a seed in memory the launcher passes the statistics.
+                            "seed_ptr": "*i64" if seed_in_memory else "*fp32",
                         },
                         {"BLOCK": block, "BYTES_PAD": pad, "SEED_IN_MEMORY": seed_in_memory},
                     )
