@@ -435,6 +435,8 @@ BANDWIDTH_KERNELS = {
     "mask_pack_kernel": "LDG.E.128",
     "mask_unpack_kernel": "STG.E.128",
     "norm_pack_kernel": "LDG.E.128",
+    "norm_row_means_kernel": "LDG.E.128",
+    "norm_backward_kernel": "STG.E.128",
     "smaq_stats_kernel": "LDG.E.128",
 }
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
@@ -443,12 +445,15 @@ _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 def aligned_arguments(variant: Variant) -> dict:
     """The attributes the JIT gives a launch on PyTorch's allocations: 16-byte aligned pointers
     and sizes that are multiples of 16 (the common case, and the one whose code the JIT runs at
-    scale). Without them a cubin shows scalar loads where the JIT's has 128-bit ones."""
+    scale): element counts and a norm's row width (every real hidden size). Without them a
+    cubin shows scalar loads where the JIT's has 128-bit ones."""
     names = list(variant.signature)
     return {
         (names.index(name),): [["tt.divisibility", 16]]
         for name, kind in variant.signature.items()
-        if kind.startswith("*") or (kind in INDEX_TYPES and name.startswith("n_"))
+        if kind.startswith("*")
+        or (kind in INDEX_TYPES and name.startswith("n_"))
+        or (kind == "i32" and name == "width")
     }
 
 

@@ -227,3 +227,19 @@ def test_the_gated_kernels_stream(tmp_path):
     assert kernels == ["gated_backward_kernel"] * 4 + ["gated_forward_kernel"] * 2, kernels
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
+
+
+def test_the_norm_backward_kernels_stream(tmp_path):
+    """Both norm backward kernels, on x_hat and on its 4-bit pack, bf16, with the row width a
+    multiple of 16 as the JIT specializes it at every real hidden size: 128-bit loads of the
+    gradient (and x_hat), 128-bit stores of the input's gradient, no software division, no
+    stack. (aot.py compiled them without the width's alignment before: scalar accesses.)"""
+    from aot import BANDWIDTH_KERNELS
+
+    results = _compile(tmp_path, "--match", "norm_", "_kernel PACKED=", "bf16", ccs=(90,))
+    results = [r for r in results if "BITS=8 " in r["variant"] or "BITS=4 " in r["variant"]]
+    kernels = sorted(r["kernel"] for r in results)
+    assert kernels == ["norm_backward_kernel"] * 2 + ["norm_row_means_kernel"] * 2, kernels
+    assert all(not r["problems"] for r in results)
+    assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
+    assert all(r["sass"].get("LDG.E.128", 0) > 0 for r in results)
