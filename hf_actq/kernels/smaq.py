@@ -35,9 +35,10 @@ from hf_actq.kernels.triton_common import (
 )
 
 CHUNK_BLOCKS = 256
-# Rows of TILE_ELEMENTS values the statistics twin reduces at a time (16 Mi values), and the
-# statistics kernel's tile: 32 rows of 128 values (32 a thread at 4 warps, 128-bit loads).
-STATS_CHUNK_TILES = 4096
+# Rows of TILE_ELEMENTS values the statistics twin reduces at a time (1 Mi values: a few fp32
+# transients of 4 MiB), and the statistics kernel's tile: 32 rows of 128 values (32 a thread at
+# 4 warps, 128-bit loads).
+STATS_CHUNK_TILES = 256
 STATS_ROWS, STATS_COLS = 32, TILE_ELEMENTS // 32
 
 

@@ -250,3 +250,15 @@ def test_smaq_stats_of_nothing_and_of_a_nan():
     source = torch.ones(5000)
     source[4500] = float("nan")
     assert smaq_stats_triton(source).isnan().all() and smaq_stats_reference(source).isnan().all()
+
+
+def test_smaq_stats_twin_reduces_chunk_by_chunk(monkeypatch):
+    """The twin's transients are bounded by its chunk: a tensor of several chunks gives what
+    one chunk over all of it gives."""
+    from hf_actq.kernels import smaq
+
+    generator = torch.Generator(torch.get_default_device()).manual_seed(5)
+    source = torch.randn(4096 * 5 + 3, generator=generator) + 7.0
+    whole = smaq_stats_reference(source)
+    monkeypatch.setattr(smaq, "STATS_CHUNK_TILES", 2)
+    assert torch.equal(smaq_stats_reference(source), whole)
