@@ -60,7 +60,7 @@ def aq_quantize_reference(
     ``device_seed`` (one int64 on ``source``'s device), where given, is the seed instead: the
     kernel reads it from memory (a CUDA graph replays it fresh); the twin reads it on the host.
     """
-    if device_seed is not None:
+    if device_seed is not None and stochastic:  # a host read, where a kernel reads memory
         seed = int(device_seed.item())
     m = source.numel() // group
     packed, mins, scales = aq_buffers(m, bits, block, source.device)

@@ -94,7 +94,7 @@ def smaq_quantize_reference(
     ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout.
     ``device_seed`` (one int64 on ``source``'s device), where given, is the seed instead: the
     kernel reads it from memory (a CUDA graph replays it fresh); the twin reads it on the host."""
-    if device_seed is not None:
+    if device_seed is not None and stochastic:  # a host read, where a kernel reads memory
         seed = int(device_seed.item())
     n = source.numel()
     device = source.device
