@@ -65,6 +65,13 @@ class Packed:
             return torch.ops.hf_actq.unpack(
                 list(self.tensors), self.codec.op_key, list(self.shape), self.dtype
             )
+        layout = self.codec.layout(self.shape) if len(self.tensors) == 1 else None
+        if layout is not None and len(layout) > 1:
+            # Made in a trace (the pack op's one allocation), unpacked outside one: a compiled
+            # forward's pack that an eager backward reads (packed checkpointing's).
+            from hf_actq.kernels.packing import views_of
+
+            return self.codec.unpack(self.with_tensors(views_of(self.tensors[0], layout)))
         return self.codec.unpack(self)
 
 

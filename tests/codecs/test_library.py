@@ -71,3 +71,18 @@ def test_fewbit_ops_pass_torch_library_opcheck():
     _, packed, nan_flag = forward_op(x, "gelu", borders, 3, [])
     backward_op = torch.ops.hf_actq.fewbit_backward.default
     torch.library.opcheck(backward_op, (torch.randn(5, 24), packed, levels, nan_flag, 3))
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if c.layout((3, 7, 30))], ids=repr)
+def test_a_traced_pack_unpacks_outside_a_trace(codec):
+    """A compiled forward's pack holds the pack op's one allocation; a backward that runs
+    eagerly (packed checkpointing's, after a graph break) unpacks it as the codec's own pack."""
+    from hf_actq.codecs.library import compiled_pack
+
+    x = torch.randn(3, 7, 30)
+    seed = draw_seed_tensor() if codec.uses_rng else None
+    traced = compiled_pack(x, codec, seed)
+    assert len(traced.tensors) == 1
+    direct = codec.pack(x, None if seed is None else int(seed.item()))
+    assert torch.equal(traced.unpack(), direct.unpack())
+    assert traced.nbytes == direct.nbytes
