@@ -21,7 +21,6 @@ loop needs the logits.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import typing
@@ -71,7 +70,7 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         return state.plain(*args, **kwargs)  # training computes every position's loss
     output_class = _output_class(type(self))
     router_loss = None
-    if "aux_loss" in {field.name for field in dataclasses.fields(output_class)}:
+    if "aux_loss" in _field_names(output_class):
         router_loss = _router_loss(self, arguments)
         if router_loss is False:  # an auxiliary loss the fused path does not know: stock
             return state.plain(*args, **kwargs)
@@ -104,12 +103,18 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
     # Every other field (cache, hidden states, router logits, a vision-language model's image
     # outputs) is the base model's, as in the stock forward.
     passed = {
-        field.name: getattr(outputs, field.name, None)
-        for field in dataclasses.fields(output_class)
-        if field.name not in ("loss", "logits", *extra_fields)
+        name: getattr(outputs, name, None)
+        for name in _field_names(output_class)
+        if name not in ("loss", "logits", *extra_fields)
     }
     output = output_class(loss=loss, logits=None, **extra_fields, **passed)
     return output.to_tuple() if return_dict is False else output
+
+
+def _field_names(output_class) -> tuple[str, ...]:
+    # The class's own field table: dynamo fails on ``dataclasses.fields`` of a class (a graph
+    # break at each of its calls in a compiled step). A ModelOutput has no pseudo-fields.
+    return tuple(output_class.__dataclass_fields__)
 
 
 def _router_loss(model, arguments: dict):
@@ -145,10 +150,12 @@ def _output_class(cls) -> type[ModelOutput]:
     """The output class the stock forward returns (from its annotation, ``tuple | ...``)."""
     annotation = inspect.signature(cls.forward).return_annotation
     for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, ModelOutput):
-            names = {field.name for field in dataclasses.fields(candidate)}
-            if {"loss", "logits"} <= names:
-                return candidate
+        if (
+            isinstance(candidate, type)
+            and issubclass(candidate, ModelOutput)
+            and {"loss", "logits"} <= set(_field_names(candidate))
+        ):
+            return candidate
     return CausalLMOutputWithPast
 
 

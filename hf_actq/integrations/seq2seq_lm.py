@@ -13,7 +13,8 @@ stand-in for the logits, then computes the loss from that input, the head's weig
 the model's ``final_logits_bias`` (BART adds it to the stand-in, which allocates one [tokens,
 vocab] tensor without gradient, freed as the forward returns). "For this call only": the head's
 own forward (bound at apply) asks a context variable, which each thread has its own of, so the
-model used from another thread at the same time computes its logits as usual. The loss is
+model used from another thread at the same time computes its logits as usual (under
+torch.compile, which traces no context variable, an attribute of the head for the call). The loss is
 computed in fp32 (the stock loss takes the model's dtype): equal in fp32, closer to exact in half
 precision. In training with labels the output's ``logits`` is None; everywhere else (eval,
 ``no_grad``, no labels, heads that are not a plain ``nn.Linear``, heads with hooks or an
@@ -47,6 +48,17 @@ class _HeadInput:
 
 
 _RECORDING: ContextVar[_HeadInput | None] = ContextVar("hf_actq_head_input", default=None)
+# Under torch.compile the recorder is the head's attribute instead: dynamo traces no ContextVar
+# (each get and set was a graph break, three a step).
+_RECORDING_ATTRIBUTE = "_hf_actq_head_input"
+
+
+def _recording(head: nn.Module) -> _HeadInput | None:
+    if not torch.compiler.is_compiling():
+        recording = _RECORDING.get()
+        if recording is not None:
+            return recording
+    return head.__dict__.get(_RECORDING_ATTRIBUTE)
 
 
 def _recording_head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
@@ -54,7 +66,7 @@ def _recording_head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tens
     context), record the input and return zeros of the logits' shape without allocating them
     (the stock forward only passes them on, or adds BART's ``final_logits_bias``); elsewhere the
     stock linear."""
-    recording = _RECORDING.get()
+    recording = _recording(head)
     if recording is None or recording.head is not head:
         return nn.Linear.forward(head, hidden)
     recording.hidden = hidden
@@ -93,12 +105,19 @@ def fused_seq2seq_lm_forward(self, *args, head_name: str, **kwargs):
     if arguments.get("use_cache") is None:
         arguments["use_cache"] = False
     catcher = _HeadInput(head)
-    token = _RECORDING.set(catcher)
-    try:
-        # A ModelOutput whatever the config's return_dict (its fields are read below).
-        output = state.plain(**arguments, **extra, return_dict=True)
-    finally:
-        _RECORDING.reset(token)
+    # A ModelOutput whatever the config's return_dict (its fields are read below).
+    if torch.compiler.is_compiling():
+        setattr(head, _RECORDING_ATTRIBUTE, catcher)
+        try:
+            output = state.plain(**arguments, **extra, return_dict=True)
+        finally:
+            delattr(head, _RECORDING_ATTRIBUTE)
+    else:
+        token = _RECORDING.set(catcher)
+        try:
+            output = state.plain(**arguments, **extra, return_dict=True)
+        finally:
+            _RECORDING.reset(token)
     bias = head.bias
     final_bias = getattr(self, "final_logits_bias", None)  # BART: [1, vocab], not trained
     if final_bias is not None:
