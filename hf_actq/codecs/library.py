@@ -21,7 +21,7 @@ import torch
 
 from hf_actq.codecs.named import make_codec
 from hf_actq.codecs.packed import Codec, Packed
-from hf_actq.kernels.packing import allocation_bytes, views_of
+from hf_actq.kernels.packing import allocation_bytes
 
 
 @functools.cache
@@ -77,12 +77,10 @@ def _(x, codec, seed):
 def unpack_op(
     buffers: list[torch.Tensor], codec: str, shape: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    instance = codec_from_key(codec)
-    layout = instance.layout(shape)
-    if layout is not None and len(buffers) == 1:  # pack_op's one allocation
-        buffers = views_of(buffers[0], layout)
-    header = Packed(instance, torch.Size(shape), dtype, tuple(buffers))
-    return instance.unpack(header)  # always a new tensor: no codec returns its buffers
+    header = Packed(codec_from_key(codec), torch.Size(shape), dtype, tuple(buffers))
+    # Run eagerly (the op is opaque to the trace); takes pack_op's one allocation apart. Always
+    # a new tensor: no codec returns its buffers.
+    return header._unpack()
 
 
 @unpack_op.register_fake

@@ -66,9 +66,9 @@ class Packed:
                 list(self.tensors), self.codec.op_key, list(self.shape), self.dtype
             )
         layout = self.codec.layout(self.shape) if len(self.tensors) == 1 else None
-        if layout is not None and len(layout) > 1:
-            # Made in a trace (the pack op's one allocation), unpacked outside one: a compiled
-            # forward's pack that an eager backward reads (packed checkpointing's).
+        if layout is not None:
+            # The pack op's one allocation (a traced pack), unpacked by the unpack op or outside
+            # a trace: a compiled forward's pack that an eager backward reads.
             from hf_actq.kernels.packing import views_of
 
             return self.codec.unpack(self.with_tensors(views_of(self.tensors[0], layout)))
