@@ -114,6 +114,54 @@ def _fewbit_forward(signature, activation, code_mode, num_borders, bits, options
     return _variant("fewbit", "fewbit_forward_kernel", signature, constexprs, options)
 
 
+def rotated_shapes(block_sizes) -> list[tuple[int, int]]:
+    """(bits, block) of the rotated codec's kernels compiled ahead of time: every width at
+    block 128, every block at 4 bits (the "checkpoint" recipe's)."""
+    return [(bits, 128) for bits in range(1, 9)] + [(4, b) for b in block_sizes if b != 128]
+
+
+def _rotated(dtype, index, block_sizes) -> list[Variant]:
+    """The rotated pack (deterministic, stochastic with the seed as an argument and read from
+    memory) and unpack per shape: bf16 only (other dtypes take AQ's kernels)."""
+    import triton.language as tl
+
+    from hf_actq.kernels import rotated
+
+    if dtype != "bf16":
+        return []
+    out = []
+    for bits, block in rotated_shapes(block_sizes):
+        shape = {"BITS": bits, "BLOCK": block, "ROWS": rotated.ROWS, "DOT_DTYPE": tl.bfloat16}
+        shape |= {"ROW_STRIDE": 1, "COLUMN_STRIDE": 128}  # the codec's matrix: column-major
+        for stochastic, seed_in_memory in ((False, False), (True, False), (True, True)):
+            signature = {
+                "src_ptr": "*bf16",
+                "rotation_ptr": "*bf16",
+                "packed_ptr": "*u8",
+                "mins_ptr": "*fp32",
+                "scales_ptr": "*fp32",
+                "n_elements": index,
+                "n_bytes": index,
+                "noise_key": "i32",
+                "seed_ptr": "*i64" if seed_in_memory else "*bf16",
+                "tiles": "i32",
+            }
+            flags = {"STOCHASTIC": stochastic, "SEED_IN_MEMORY": seed_in_memory}
+            out.append(_variant("rotated", "rotated_quantize_kernel", signature, flags | shape))
+        signature = {
+            "packed_ptr": "*u8",
+            "mins_ptr": "*fp32",
+            "scales_ptr": "*fp32",
+            "rotation_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "n_elements": index,
+            "n_bytes": index,
+            "tiles": "i32",
+        }
+        out.append(_variant("rotated", "rotated_dequantize_kernel", signature, shape))
+    return out
+
+
 def codec_shapes(block_sizes) -> list[tuple[int, int, int]]:
     """(bits, group, block) of the codec kernels compiled ahead of time: every width at group 1
     and every block size; every group at ALAM's 2 bits and at 3 (the width packed byte by
@@ -288,6 +336,7 @@ def variants() -> list[Variant]:
                             blpa,
                         )
                     )
+            out += _rotated(dtype, index, BLOCK_SIZES)
             out.append(
                 _variant(
                     "smaq",
@@ -438,6 +487,8 @@ BANDWIDTH_KERNELS = {
     "norm_row_means_kernel": "LDG.E.128",
     "norm_backward_kernel": "STG.E.128",
     "smaq_stats_kernel": "LDG.E.128",
+    "rotated_quantize_kernel": "LDG.E.128",
+    "rotated_dequantize_kernel": "STG.E.128",
 }
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 

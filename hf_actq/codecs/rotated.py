@@ -51,11 +51,11 @@ from hf_actq.codecs.packed import (
     seed_arguments,
     validate_int,
 )
-from hf_actq.kernels import aq_dequantize, aq_quantize
+from hf_actq.kernels import aq_dequantize, aq_quantize, rotated_dequantize, rotated_quantize
 from hf_actq.kernels.average_quant import aq_layout
 from hf_actq.kernels.packing import packed_nbytes
+from hf_actq.kernels.rotated import ROTATION, coefficient_dtype
 
-ROTATION = 128
 GROUP_SIZES = (1, 2, 4, 8, 16)
 # Rows of ROTATION values rotated at a time: bounds the fp32 transients to 8 MiB.
 _SLAB_ROWS = 1 << 14
@@ -146,9 +146,7 @@ class RotatedSampleCodec(Codec):
         flat = x.detach().reshape(-1)
         rows, keep = self._rows(x.shape), ROTATION // self.group_size
         rotation = _hadamard_rows(keep, x.device)
-        # bf16 coefficients for a bf16 input (they are rounded to a few bits next, and this
-        # halves the transient); fp32 otherwise (fp16's range is too short for rotated sums).
-        coeffs = torch.empty(rows, keep, dtype=_coeff_dtype(x.dtype), device=x.device)
+        coeffs = torch.empty(rows, keep, dtype=coefficient_dtype(x.dtype), device=x.device)
         generator = torch.Generator(device=x.device).manual_seed(seed)
         for start in range(0, rows, _SLAB_ROWS):
             stop = min(rows, start + _SLAB_ROWS)
@@ -163,48 +161,19 @@ class RotatedSampleCodec(Codec):
         return Packed(self, x.shape, x.dtype, (data, mins, scales, seed_tensor))
 
     def _pack_whole(self, x: torch.Tensor, seed: int | torch.Tensor | None) -> Packed:
-        """Every coefficient kept: ``x @ D H^T`` in slabs, then AQ's rounding."""
-        flat = x.detach().reshape(-1)
-        rows, whole = self._rows(x.shape), flat.numel() // ROTATION
-        dtype = _coeff_dtype(x.dtype)
-        rotation = _fixed_rotation(x.device, dtype)
-        coeffs = torch.empty(rows, ROTATION, dtype=dtype, device=x.device)
-        for start in range(0, whole, _SLAB_ROWS):
-            stop = min(whole, start + _SLAB_ROWS)
-            slab = flat[start * ROTATION : stop * ROTATION].view(-1, ROTATION).to(dtype)
-            torch.matmul(slab, rotation, out=coeffs[start:stop])
-        if rows > whole:  # a last partial row, zero-padded
-            tail = flat[whole * ROTATION :].to(dtype)
-            tail = torch.nn.functional.pad(tail, (0, ROTATION - tail.numel()))
-            coeffs[whole] = tail @ rotation
-        data, mins, scales = aq_quantize(
-            coeffs.reshape(-1),
-            1,
-            self.bits,
-            self.block_size,
-            self.stochastic,
-            *seed_arguments(seed),
+        """Every coefficient kept: ``x @ D H^T`` and AQ's rounding (one kernel for bf16)."""
+        rotation = _fixed_rotation(x.device, coefficient_dtype(x.dtype))
+        data, mins, scales = rotated_quantize(
+            x, rotation, self.bits, self.block_size, self.stochastic, *seed_arguments(seed)
         )
         return Packed(self, x.shape, x.dtype, (data, mins, scales))
 
     def _unpack_whole(self, packed: Packed) -> torch.Tensor:
         data, mins, scales = packed.tensors
-        rows, dtype = self._rows(packed.shape), _coeff_dtype(packed.dtype)
-        coeffs = aq_dequantize(
-            data, mins, scales, torch.Size((rows, ROTATION)), dtype, self.bits, 1, self.block_size
-        )
-        rotation = _fixed_rotation(data.device, dtype).T
-        out = torch.empty(packed.shape, dtype=packed.dtype, device=data.device).reshape(-1)
-        numel = out.numel()
-        direct = dtype == packed.dtype and numel % ROTATION == 0  # no cast, no partial row
-        for start in range(0, rows, _SLAB_ROWS):
-            stop = min(rows, start + _SLAB_ROWS)
-            piece = out[start * ROTATION : min(numel, stop * ROTATION)]
-            if direct:
-                torch.matmul(coeffs[start:stop], rotation, out=piece.view(-1, ROTATION))
-            else:
-                piece.copy_((coeffs[start:stop] @ rotation).view(-1)[: piece.numel()])
-        return out.view(packed.shape)
+        rotation = _fixed_rotation(data.device, coefficient_dtype(packed.dtype))
+        shape = list(packed.shape)
+        args = (packed.dtype, self.bits, self.block_size)
+        return rotated_dequantize(data, mins, scales, rotation, shape, *args)
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         with _exact_products(packed.tensors[0].device):
@@ -221,7 +190,7 @@ class RotatedSampleCodec(Codec):
             mins,
             scales,
             torch.Size((rows, keep)),
-            _coeff_dtype(packed.dtype),
+            coefficient_dtype(packed.dtype),
             self.bits,
             1,
             self.block_size,
@@ -243,7 +212,3 @@ def _exact_products(device: torch.device):
     """Autocast off around the rotations: it would run them in bf16 or fp16 whatever the
     coefficients' dtype, and rotate back with other rounding than the forward's."""
     return torch.autocast(device.type, enabled=False)
-
-
-def _coeff_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

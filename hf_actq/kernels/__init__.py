@@ -13,6 +13,7 @@ from hf_actq.kernels.mask import mask_pack, mask_unpack
 from hf_actq.kernels.norm import norm_backward, norm_backward_packed, norm_pack
 from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 from hf_actq.kernels.registry import FAILED, KERNELS, kernels_on_cpu, triton_available
+from hf_actq.kernels.rotated import rotated_dequantize, rotated_quantize
 from hf_actq.kernels.sign_preserving import blpa_dequantize, blpa_quantize
 from hf_actq.kernels.smaq import smaq_dequantize, smaq_quantize, smaq_stats
 
@@ -35,6 +36,8 @@ __all__ = [
     "norm_pack",
     "pack_codes",
     "packed_nbytes",
+    "rotated_dequantize",
+    "rotated_quantize",
     "seeded_dropout",
     "smaq_dequantize",
     "smaq_quantize",

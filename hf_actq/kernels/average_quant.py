@@ -36,6 +36,7 @@ from hf_actq.kernels.triton_common import (
     noise_stream_key,
     pack_tile,
     tile,
+    tile_at,
     tl,
     to_dtype,
     unpack_tile,
@@ -193,6 +194,7 @@ def aq_quantize_kernel(
         key = noise_key
     aq_quantize_tile(
         values.to(tl.float32),
+        tl.program_id(0),
         packed_ptr,
         mins_ptr,
         scales_ptr,
@@ -211,6 +213,7 @@ def aq_quantize_kernel(
 @jit
 def aq_quantize_tile(
     values,
+    tile_index,
     packed_ptr,
     mins_ptr,
     scales_ptr,
@@ -224,10 +227,10 @@ def aq_quantize_tile(
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """Quantize this program's ROWS blocks of BLOCK means: ``values`` ([ROWS, BLOCK * GROUP]
-    fp32 holding DTYPE values) are the tensor's consecutive elements from the tile's first (past
-    its end: anything finite). Stores the codes, mins and scales."""
-    first, count, local = tile(n_means, ROWS, BLOCK)
+    """Quantize tile ``tile_index``'s ROWS blocks of BLOCK means: ``values`` ([ROWS, BLOCK *
+    GROUP] fp32 holding DTYPE values) are the tensor's consecutive elements from the tile's
+    first (past its end: anything finite). Stores the codes, mins and scales."""
+    first, count, local = tile_at(tile_index, n_means, ROWS, BLOCK)
     valid = local < count
     if GROUP == 1:
         mean = values
@@ -261,6 +264,7 @@ def aq_quantize_tile(
 
 @jit
 def aq_values_tile(
+    tile_index,
     packed_ptr,
     mins_ptr,
     scales_ptr,
@@ -272,10 +276,10 @@ def aq_values_tile(
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    """This program's ROWS blocks of BLOCK means, dequantized and rounded to DTYPE, each
+    """Tile ``tile_index``'s ROWS blocks of BLOCK means, dequantized and rounded to DTYPE, each
     repeated over its GROUP elements: ``[ROWS, BLOCK * GROUP]`` consecutive elements of the
     tensor (past its end: garbage for the caller to mask)."""
-    first, count, local = tile(n_means, ROWS, BLOCK)
+    first, count, local = tile_at(tile_index, n_means, ROWS, BLOCK)
     byte_start = first * BITS // 8
     code = unpack_tile(packed_ptr + byte_start, n_bytes - byte_start, ROWS, BLOCK, BITS)
     code = code.to(tl.float32)
@@ -308,6 +312,7 @@ def aq_dequantize_kernel(
     # multiple of the group, or group 1), as rows of BLOCK * GROUP contiguous elements (vector
     # stores).
     value = aq_values_tile(
+        tl.program_id(0),
         packed_ptr,
         mins_ptr,
         scales_ptr,

@@ -162,6 +162,7 @@ def gated_forward_kernel(
                 CODE_MODE, NUM_BORDERS, BITS, ROWS)  # fmt: skip
     aq_quantize_tile(
         tl.reshape(a, [A_ROWS, A_BLOCK * A_GROUP]),
+        tl.program_id(0),
         a_data_ptr,
         a_mins_ptr,
         a_scales_ptr,
@@ -177,6 +178,7 @@ def gated_forward_kernel(
     )
     aq_quantize_tile(
         tl.reshape(up, [UP_ROWS, UP_BLOCK * UP_GROUP]),
+        tl.program_id(0),
         up_data_ptr,
         up_mins_ptr,
         up_scales_ptr,
@@ -361,6 +363,7 @@ def gated_backward_kernel(
     valid = local < count
     dtype = grad_ptr.dtype.element_ty
     a = aq_values_tile(
+        tl.program_id(0),
         a_data_ptr,
         a_mins_ptr,
         a_scales_ptr,
@@ -374,6 +377,7 @@ def gated_backward_kernel(
     )
     a = tl.reshape(a, [ROWS, 256]).to(tl.float32)
     up = aq_values_tile(
+        tl.program_id(0),
         up_data_ptr,
         up_mins_ptr,
         up_scales_ptr,

@@ -144,6 +144,7 @@ def norm_pack_kernel(
         tl.store(y_ptr + first + local, to_dtype(y, y_ptr.dtype.element_ty), mask=valid)
     aq_quantize_tile(
         tl.reshape(x_hat, [CODEC_ROWS, BLOCK * GROUP]),
+        tl.program_id(0),
         data_ptr,
         mins_ptr,
         scales_ptr,

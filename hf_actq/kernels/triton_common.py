@@ -52,7 +52,13 @@ def tile(n_elements, ROWS: tl.constexpr, COLS: tl.constexpr):
     """This program's tile of ``ROWS * COLS`` consecutive elements of ``n_elements``: the first
     (int64), how many of them exist (int32), and each one's int32 offset from the first
     (``[ROWS, COLS]``). Per-element arithmetic stays 32-bit at any tensor size."""
-    first = tl.program_id(0).to(tl.int64) * (ROWS * COLS)
+    return tile_at(tl.program_id(0), n_elements, ROWS, COLS)
+
+
+@jit
+def tile_at(index, n_elements, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """:func:`tile` of tile ``index``: a program that loops over several tiles."""
+    first = index.to(tl.int64) * (ROWS * COLS)
     count = tl.minimum(n_elements - first, ROWS * COLS).to(tl.int32)
     local = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     return first, count, local

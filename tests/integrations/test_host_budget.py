@@ -11,6 +11,7 @@ from torch import nn
 import hf_actq
 from hf_actq import ActQConfig
 from hf_actq.codecs import AverageQuantCodec, MaskCodec, SignPreservingCodec
+from hf_actq.codecs.rotated import RotatedSampleCodec
 from hf_actq.ops import FewBitActivation
 from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.linear import CompressedLinear
@@ -42,6 +43,25 @@ def test_a_pack_and_an_unpack_are_one_launch_and_one_allocation_each(name, dtype
         assert budget.host_reads == 0, budget
     # Stochastic rounding still draws its seed on the host (not a device read).
     assert pack.seeds == int(codec.uses_rng)
+
+
+def test_a_bf16_rotated_pack_and_unpack_are_one_launch_and_one_allocation_each():
+    """The rotated codec with every coefficient kept ("checkpoint"'s layer inputs): in bf16 the
+    rotation runs inside the pack and unpack kernels (the matrix product and its full-size
+    coefficients before: 3 allocations and a matrix product per pack)."""
+    codec = RotatedSampleCodec(bits=4, group_size=1)
+    x = torch.randn(96, 512).to(torch.bfloat16)
+    codec.unpack(codec.pack(x))  # the rotation matrix, made once per device and dtype
+    with host_budget() as pack:
+        packed = codec.pack(x)
+    with host_budget() as unpack:
+        codec.unpack(packed)
+    assert pack.triton_launches == {"rotated_quantize_kernel": 1}, pack
+    assert unpack.triton_launches == {"rotated_dequantize_kernel": 1}, unpack
+    for budget in (pack, unpack):
+        assert budget.device_ops == 0 and budget.allocations == 1, budget
+        assert budget.host_reads == 0, budget
+    assert pack.seeds == 1
 
 
 def _fwd_bwd(module, x):

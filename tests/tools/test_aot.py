@@ -81,7 +81,14 @@ def test_smaq_quantize_kernel_at_its_default_capacity_keeps_its_tile_in_register
 
 
 def test_the_variants_are_every_launchable_kernel_configuration():
-    from aot import FLOAT_TYPES, GATED_LAYOUTS, INDEX_TYPES, codec_shapes, variants
+    from aot import (
+        FLOAT_TYPES,
+        GATED_LAYOUTS,
+        INDEX_TYPES,
+        codec_shapes,
+        rotated_shapes,
+        variants,
+    )
 
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
@@ -107,9 +114,11 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     # from 1 to block // 4 bytes), the seed as an argument and read from memory
     per_float_type += sum(1 + 2 * (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
     per_float_type += 1  # SmaQ's statistics
+    # The rotated pack (three seed forms) and unpack per rotated shape, bf16 only
+    rotated = 4 * len(rotated_shapes(BLOCK_SIZES))
     per_mask_type = 2
     expected = len(INDEX_TYPES) * (
-        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
+        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type + rotated
     )
     # The norm kernels: the two backward kernels (i32 indices) on x_hat and on three pack
     # layouts; the forward per form (LayerNorm, LLaMA's and Gemma's RMSNorm) and three layouts.
@@ -133,7 +142,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 17
+    assert len(defined) == 19
 
 
 @pytest.mark.slow
@@ -194,6 +203,21 @@ def test_the_codec_kernels_stream(tmp_path):
     results = _compile(tmp_path, "--match", "aq_", "BLOCK=128", "n_means:i32", "bf16", ccs=(90,))
     assert {r["kernel"] for r in results} == {"aq_quantize_kernel", "aq_dequantize_kernel"}
     assert {int(r["variant"].split("GROUP=")[1].split()[0]) for r in results} == {1, 2, 4, 8, 16}
+    assert all(not r["problems"] for r in results)
+    assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
+
+
+def test_the_rotated_kernels_stream(tmp_path):
+    """The rotated pack and unpack (the rotation a tensor-core product inside each) at every
+    width, bf16, sm_90: no software division, 128-bit accesses to the tensor, no stack."""
+    from aot import BANDWIDTH_KERNELS
+
+    results = _compile(tmp_path, "--match", "rotated_", "BLOCK=128", "n_elements:i32", ccs=(90,))
+    assert {r["kernel"] for r in results} == {
+        "rotated_quantize_kernel",
+        "rotated_dequantize_kernel",
+    }
+    assert {int(r["variant"].split("BITS=")[1].split()[0]) for r in results} == set(range(1, 9))
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
 
