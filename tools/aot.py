@@ -122,43 +122,47 @@ def rotated_shapes(block_sizes) -> list[tuple[int, int]]:
 
 def _rotated(dtype, index, block_sizes) -> list[Variant]:
     """The rotated pack (deterministic, stochastic with the seed as an argument and read from
-    memory) and unpack per shape: bf16 only (other dtypes take AQ's kernels)."""
+    memory) and unpack per shape, with the tile the launcher picks for the coefficients'
+    dtype, the codec's (column-major) matrix."""
+    import torch
     import triton.language as tl
 
     from hf_actq.kernels import rotated
 
-    if dtype != "bf16":
-        return []
+    coeff = "bf16" if dtype == "bf16" else "fp32"
+    rows, parts, options = rotated.tile_shape(torch.bfloat16 if coeff == "bf16" else torch.float32)
     out = []
     for bits, block in rotated_shapes(block_sizes):
-        shape = {"BITS": bits, "BLOCK": block, "ROWS": rotated.ROWS, "DOT_DTYPE": tl.bfloat16}
-        shape |= {"ROW_STRIDE": 1, "COLUMN_STRIDE": 128}  # the codec's matrix: column-major
+        shape = {"BITS": bits, "BLOCK": block, "ROWS": rows, "DOT_DTYPE": tl.bfloat16}
+        shape |= {"ROW_STRIDE": 1, "COLUMN_STRIDE": 128, "PARTS": parts}
         for stochastic, seed_in_memory in ((False, False), (True, False), (True, True)):
             signature = {
-                "src_ptr": "*bf16",
-                "rotation_ptr": "*bf16",
+                "src_ptr": f"*{dtype}",
+                "rotation_ptr": f"*{coeff}",
                 "packed_ptr": "*u8",
                 "mins_ptr": "*fp32",
                 "scales_ptr": "*fp32",
                 "n_elements": index,
                 "n_bytes": index,
                 "noise_key": "i32",
-                "seed_ptr": "*i64" if seed_in_memory else "*bf16",
+                "seed_ptr": "*i64" if seed_in_memory else f"*{dtype}",
                 "tiles": "i32",
             }
             flags = {"STOCHASTIC": stochastic, "SEED_IN_MEMORY": seed_in_memory}
-            out.append(_variant("rotated", "rotated_quantize_kernel", signature, flags | shape))
+            out.append(
+                _variant("rotated", "rotated_quantize_kernel", signature, flags | shape, options)
+            )
         signature = {
             "packed_ptr": "*u8",
             "mins_ptr": "*fp32",
             "scales_ptr": "*fp32",
-            "rotation_ptr": "*bf16",
-            "out_ptr": "*bf16",
+            "rotation_ptr": f"*{coeff}",
+            "out_ptr": f"*{dtype}",
             "n_elements": index,
             "n_bytes": index,
             "tiles": "i32",
         }
-        out.append(_variant("rotated", "rotated_dequantize_kernel", signature, shape))
+        out.append(_variant("rotated", "rotated_dequantize_kernel", signature, shape, options))
     return out
 
 

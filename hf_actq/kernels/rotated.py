@@ -1,21 +1,18 @@
 """Rotated uniform rounding (``codecs/rotated.py`` with every coefficient kept):
-``hf_actq::rotated_quantize`` rotates each run of 128 values by a fixed orthogonal matrix and
-quantizes the coefficients as AQ does with group 1; ``hf_actq::rotated_dequantize`` dequantizes
-them and rotates back. Each a PyTorch twin (a matrix product, then AQ's twin) and a launcher.
+``hf_actq::rotated_quantize`` rotates each run of 128 values by a fixed signed Hadamard matrix
+and quantizes the coefficients as AQ does with group 1; ``hf_actq::rotated_dequantize``
+dequantizes them and rotates back. Each a PyTorch twin (a matrix product, then AQ's twin) and a
+Triton kernel that does both in one pass: the rotation is a ``tl.dot`` of each tile in
+registers, on tensor cores, so the coefficients never reach memory (the composition wrote and
+read them in full, a transient the size of the tensor: about 13 bytes an element of bf16 for a
+pack and an unpack, where two plain copies move 8 and these kernels 5).
 
-For bf16 the launcher is one Triton kernel each way: the rotation is a ``tl.dot`` of the tile
-with the bf16 matrix on tensor cores, in registers, so the coefficients never reach memory (the
-composition wrote and read them in full: about 13 bytes an element for a pack and an unpack,
-where two plain copies move 8 and these kernels 5, and it allocated them: a transient the size
-of the tensor). Products of bf16 values are exact and summed in fp32 as the twin's matrix
-product sums them, in another order: a coefficient may differ from the twin's in its last bit,
-and its code by one where it sits on a rounding boundary. Sums that are exact in any order (the
-tests' inputs) give the twin's codes bit for bit.
-
-fp32 and fp16 tensors (fp32 coefficients) take the composition with AQ's kernels and the
-library's matrix product: on tensor cores in one kernel, fp32 operands keep fp32's precision
-only as three TF32 or bf16 parts, and those kernels spilled registers to the stack
-(``tools/aot.py``, sm_90).
+The products are exact and summed in fp32, as the twin's matrix product sums them, in another
+order: bf16 tiles times the bf16 matrix; fp32 tiles (fp32 and fp16 tensors) cut into three bf16
+parts that sum to them exactly, times the matrix's signs, then its scale (:func:`tile_shape`). A
+coefficient may differ from the twin's in its last bit, and its code by one where it sits on a
+rounding boundary. Sums that are exact in any order (the tests' inputs) give the twin's codes
+bit for bit.
 """
 
 from __future__ import annotations
@@ -27,10 +24,8 @@ import torch
 from hf_actq.kernels.average_quant import (
     aq_buffers,
     aq_dequantize_reference,
-    aq_dequantize_triton,
     aq_quantize_reference,
     aq_quantize_tile,
-    aq_quantize_triton,
     aq_values_tile,
 )
 from hf_actq.kernels.compiled import mix_seed
@@ -129,9 +124,18 @@ def rotated_dequantize_reference(
     return rotated_back(coeffs, rotation, shape, dtype)
 
 
-# Rows of ROTATION values a kernel's tile rotates (``tl.dot``'s M: 16 at least): 4,096 values, 32
-# a thread over 4 warps (about 150 registers at sm_90, no stack).
-ROWS = 32
+def tile_shape(coefficient_dtype: torch.dtype) -> tuple[int, int, dict]:
+    """``(ROWS, PARTS, launch options)``: the rows of ROTATION values a tile rotates
+    (``tl.dot``'s M: 16 at least), the bf16 parts its values are cut into, and the warps. bf16
+    coefficients: 32 rows in one part over 4 warps (at most 200 registers at sm_90, no stack).
+    fp32 coefficients: the signs of the matrix (exact in bf16) times three bf16 parts of the
+    tile, which sum to its fp32 values exactly: every product exact and fp32 sums, on tensor
+    cores (an fp32 product of fp32 operands there is TF32's 11 bits, and a SIMT one about 128
+    multiply-adds a value). 16 rows over 8 warps: with 32 rows, or 4 warps, the parts spilled
+    registers to the stack (``tools/aot.py``)."""
+    if coefficient_dtype == torch.bfloat16:
+        return 32, 1, LAUNCH_OPTIONS
+    return 16, 3, {**LAUNCH_OPTIONS, "num_warps": 8}
 
 
 def _tiles_per_program(n_tiles: int) -> int:
@@ -147,6 +151,38 @@ def _dot_dtype():
     from triton.runtime.interpreter import InterpretedFunction  # (not imported by triton's own)
 
     return tl.float32 if isinstance(rotated_quantize_kernel, InterpretedFunction) else tl.bfloat16
+
+
+@jit
+def load_rotation(rotation_ptr, ROW_STRIDE: tl.constexpr, COLUMN_STRIDE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+    """The 128 x 128 matrix at ``rotation_ptr`` as the products take it, and the scale after
+    them: itself in DOT_DTYPE and 1 (bf16, one part), or its signs (exact in bf16) and the
+    magnitude ``c`` of its ``+-c`` entries (fp32, in parts)."""
+    index = tl.arange(0, 128)
+    entries = tl.load(rotation_ptr + index[:, None] * ROW_STRIDE + index[None, :] * COLUMN_STRIDE)
+    if PARTS == 1:
+        return entries.to(DOT_DTYPE), 1.0
+    else:
+        signs = tl.where(entries > 0, 1.0, -1.0).to(DOT_DTYPE)
+        return signs, tl.abs(tl.load(rotation_ptr).to(tl.float32))
+
+
+@jit
+def rotated_tile(x, rotation, scale, DOT_DTYPE: tl.constexpr, PARTS: tl.constexpr):
+    """``x @ rotation * scale`` in fp32 (``x``: fp32 ``[ROWS, 128]``): in one part, or ``x`` cut
+    into PARTS bf16 parts whose products with the signs are exact (fp32 sums)."""
+    if PARTS == 1:
+        return tl.dot(x.to(DOT_DTYPE), rotation)
+    else:
+        part = x.to(tl.bfloat16).to(tl.float32)
+        total = tl.dot(part.to(DOT_DTYPE), rotation)
+        rest = x - part  # exact: what the part's rounding left
+        for _ in tl.static_range(PARTS - 1):
+            part = rest.to(tl.bfloat16).to(tl.float32)
+            total = tl.dot(part.to(DOT_DTYPE), rotation, total)
+            rest = rest - part
+        return total * scale
 
 
 @jit(do_not_specialize=["noise_key", "tiles"])
@@ -169,12 +205,11 @@ def rotated_quantize_kernel(
     DOT_DTYPE: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     COLUMN_STRIDE: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    # `tiles` consecutive tiles of ROWS x 128 bf16 elements a program, each rotated in registers
-    # by the matrix loaded once, its coefficients quantized as AQ's kernel quantizes them.
-    index = tl.arange(0, 128)
-    entry = index[:, None] * ROW_STRIDE + index[None, :] * COLUMN_STRIDE
-    rotation = tl.load(rotation_ptr + entry).to(DOT_DTYPE)
+    # `tiles` consecutive tiles of ROWS x 128 elements a program, each rotated in registers by
+    # the matrix loaded once, its coefficients quantized as AQ's kernel quantizes them.
+    rotation, scale = load_rotation(rotation_ptr, ROW_STRIDE, COLUMN_STRIDE, DOT_DTYPE, PARTS)
     coeff_dtype = rotation_ptr.dtype.element_ty
     if STOCHASTIC:
         key = noise_stream_key(noise_key, seed_ptr, SEED_IN_MEMORY).to(tl.int32, bitcast=True)
@@ -185,7 +220,7 @@ def rotated_quantize_kernel(
         tile_index = tl.program_id(0) * tiles + t
         first, count, element = tile_at(tile_index, n_elements, ROWS, 128)
         x = tl.load(src_ptr + first + element, mask=element < count, other=0.0)
-        coeffs = tl.dot(x.to(DOT_DTYPE), rotation)
+        coeffs = rotated_tile(x.to(tl.float32), rotation, scale, DOT_DTYPE, PARTS)
         coeffs = to_dtype(coeffs, coeff_dtype).to(tl.float32)
         aq_quantize_tile(
             tl.reshape(coeffs, [ROWS * 128 // BLOCK, BLOCK]),
@@ -221,11 +256,10 @@ def rotated_dequantize_kernel(
     DOT_DTYPE: tl.constexpr,
     ROW_STRIDE: tl.constexpr,
     COLUMN_STRIDE: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    index = tl.arange(0, 128)
     # The transpose, read with the strides swapped: rotates the coefficients back.
-    back = tl.load(rotation_ptr + index[:, None] * COLUMN_STRIDE + index[None, :] * ROW_STRIDE)
-    back = back.to(DOT_DTYPE)
+    back, scale = load_rotation(rotation_ptr, COLUMN_STRIDE, ROW_STRIDE, DOT_DTYPE, PARTS)
     coeff_dtype = rotation_ptr.dtype.element_ty
     n_coeffs = tl.cdiv(n_elements, 128) * 128
     for t in range(tiles):
@@ -243,24 +277,21 @@ def rotated_dequantize_kernel(
             BLOCK,
             ROWS * 128 // BLOCK,
         )
-        coeffs = tl.reshape(coeffs, [ROWS, 128]).to(DOT_DTYPE)
-        value = to_dtype(tl.dot(coeffs, back), out_ptr.dtype.element_ty)
+        coeffs = tl.reshape(coeffs, [ROWS, 128]).to(tl.float32)
+        value = rotated_tile(coeffs, back, scale, DOT_DTYPE, PARTS)
+        value = to_dtype(to_dtype(value, coeff_dtype).to(tl.float32), out_ptr.dtype.element_ty)
         first, count, element = tile_at(tile_index, n_elements, ROWS, 128)
         tl.store(out_ptr + first + element, value, mask=element < count)
 
 
 def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, device_seed=None):
-    """The Triton side of :func:`rotated_quantize_reference`: one launch and one allocation for
-    bf16; else the rotation, then AQ's kernel."""
-    seeds = (seed, device_seed)
-    if rotation.dtype != torch.bfloat16:
-        coeffs = rotated_rows(source, rotation).view(-1)
-        return aq_quantize_triton(coeffs, 1, bits, block, stochastic, *seeds)
+    """The Triton side of :func:`rotated_quantize_reference`: one launch, one allocation."""
     source = source.contiguous()
     n = source.numel()
     packed, mins, scales = aq_buffers(cdiv(n, ROTATION) * ROTATION, bits, block, source.device)
     if n:
-        n_tiles = cdiv(n, ROWS * ROTATION)
+        rows, parts, options = tile_shape(rotation.dtype)
+        n_tiles = cdiv(n, rows * ROTATION)
         tiles = _tiles_per_program(n_tiles)
         rotated_quantize_kernel[(cdiv(n_tiles, tiles),)](
             source,
@@ -277,28 +308,23 @@ def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, d
             SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
             BITS=bits,
             BLOCK=block,
-            ROWS=ROWS,
+            ROWS=rows,
             DOT_DTYPE=_dot_dtype(),
             ROW_STRIDE=rotation.stride(0),
             COLUMN_STRIDE=rotation.stride(1),
-            **LAUNCH_OPTIONS,
+            PARTS=parts,
+            **options,
         )
     return packed, mins, scales
 
 
 def rotated_dequantize_triton(data, mins, scales, rotation, shape, dtype, bits, block):
-    """The Triton side of :func:`rotated_dequantize_reference`: one launch and one allocation
-    for bf16; else AQ's kernel, then the rotation back."""
+    """The Triton side of :func:`rotated_dequantize_reference`: one launch, one allocation."""
     n = math.prod(shape)
-    if rotation.dtype != torch.bfloat16:
-        coeff_shape = [cdiv(n, ROTATION), ROTATION]
-        coeffs = aq_dequantize_triton(
-            data, mins, scales, coeff_shape, rotation.dtype, bits, 1, block
-        )
-        return rotated_back(coeffs, rotation, shape, dtype)
     out = torch.empty(shape, dtype=dtype, device=data.device)
     if n:
-        n_tiles = cdiv(n, ROWS * ROTATION)
+        rows, parts, options = tile_shape(rotation.dtype)
+        n_tiles = cdiv(n, rows * ROTATION)
         tiles = _tiles_per_program(n_tiles)
         rotated_dequantize_kernel[(cdiv(n_tiles, tiles),)](
             data,
@@ -311,11 +337,12 @@ def rotated_dequantize_triton(data, mins, scales, rotation, shape, dtype, bits, 
             tiles,
             BITS=bits,
             BLOCK=block,
-            ROWS=ROWS,
+            ROWS=rows,
             DOT_DTYPE=_dot_dtype(),
             ROW_STRIDE=rotation.stride(0),
             COLUMN_STRIDE=rotation.stride(1),
-            **LAUNCH_OPTIONS,
+            PARTS=parts,
+            **options,
         )
     return out
 

@@ -36,9 +36,10 @@ def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
     kernels = parts["kernels"]["rows"]
     assert len(kernels) == 10 and {r["dtype"] for r in kernels} == {"fp32"}
     # Under the interpreter every kernel gives its twin's bits, but the norm backward, whose
-    # reductions sum in another order (one fp32 rounding).
+    # reductions sum in another order (one fp32 rounding), and the rotated codec, whose fp32
+    # tiles are rotated in three bf16 parts (fp32 sums in another order than the twin's).
     for row in kernels:
-        bound = 1e-6 if row["kernel"].startswith("LayerNorm") else 0.0
+        bound = {"LayerNorm": 1e-6, "rotated": 1e-5}.get(row["kernel"].split()[0], 0.0)
         assert row["max |kernel - twin|"] <= bound, row
         assert row["ms"] > 0 and row["reference ms"] > 0 and row["host ms"] > 0
     steps = parts["steps"]["rows"]
@@ -51,7 +52,7 @@ def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
     gelu = (tmp_path / "profile-kernel-few-bit-gelu-3-bit-fwd-bwd-vs-torch.txt").read_text()
     assert "hf_actq::fewbit_forward" in gelu and "hf_actq::fewbit_backward" in gelu
     summary = (tmp_path / "summary.md").read_text()
-    assert "kernels bit-identical with their twins: 9 of 10" in summary
+    assert "kernels bit-identical with their twins: 8 of 10" in summary  # see the bounds above
     assert "# GPU check: steps" in summary and "Dry run" in summary
 
 

@@ -45,12 +45,13 @@ def test_a_pack_and_an_unpack_are_one_launch_and_one_allocation_each(name, dtype
     assert pack.seeds == int(codec.uses_rng)
 
 
-def test_a_bf16_rotated_pack_and_unpack_are_one_launch_and_one_allocation_each():
-    """The rotated codec with every coefficient kept ("checkpoint"'s layer inputs): in bf16 the
-    rotation runs inside the pack and unpack kernels (the matrix product and its full-size
-    coefficients before: 3 allocations and a matrix product per pack)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_rotated_pack_and_unpack_are_one_launch_and_one_allocation_each(dtype):
+    """The rotated codec with every coefficient kept ("checkpoint"'s layer inputs): the rotation
+    runs inside the pack and unpack kernels (a matrix product into full-size coefficients
+    before, then AQ's kernel: two allocations a pack)."""
     codec = RotatedSampleCodec(bits=4, group_size=1)
-    x = torch.randn(96, 512).to(torch.bfloat16)
+    x = torch.randn(96, 512).to(dtype)
     codec.unpack(codec.pack(x))  # the rotation matrix, made once per device and dtype
     with host_budget() as pack:
         packed = codec.pack(x)

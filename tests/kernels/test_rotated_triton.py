@@ -70,9 +70,9 @@ def _integer_pack(n, bits, block):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("bits,block,n", SHAPES)
 def test_fp32_coefficients_match_the_twin_to_rounding(bits, block, n, dtype):
-    """fp32 coefficients (fp32 and fp16 inputs): the library's matrix product (on a GPU another
-    one than the twin's, whose sums may round otherwise), then AQ's kernel: a code differs only
-    where a coefficient sits on a rounding boundary."""
+    """fp32 coefficients (fp32 and fp16 inputs): three bf16 parts of each tile times the
+    matrix's signs, fp32 sums in another order than the twin's: a code differs only where a
+    coefficient sits on a rounding boundary."""
     generator = torch.Generator(torch.get_default_device()).manual_seed(bits)
     x = (torch.randn(n, generator=generator) * 3).to(dtype)
     rotation = _rotation(dtype)
@@ -92,6 +92,15 @@ def test_fp32_coefficients_match_the_twin_to_rounding(bits, block, n, dtype):
     # either way, one fp16 step).
     rtol = 1e-5 if dtype == torch.float32 else 2**-10
     torch.testing.assert_close(unpacked, reference, rtol=rtol, atol=1e-5 * x.abs().max().item())
+
+
+def test_three_bf16_parts_keep_fp32_tiles_fp32(monkeypatch):
+    """Two parts keep 16 bits of each value: not fp32's coefficients (the check above fails);
+    three keep all 24."""
+    shape = rotated.tile_shape(torch.float32)
+    monkeypatch.setattr(rotated, "tile_shape", lambda dtype: (shape[0], 2, shape[2]))
+    with pytest.raises(AssertionError, match="not close"):
+        test_fp32_coefficients_match_the_twin_to_rounding(8, 64, 5000, torch.float32)
 
 
 def test_programs_that_rotate_several_tiles(monkeypatch):

@@ -114,11 +114,11 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     # from 1 to block // 4 bytes), the seed as an argument and read from memory
     per_float_type += sum(1 + 2 * (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
     per_float_type += 1  # SmaQ's statistics
-    # The rotated pack (three seed forms) and unpack per rotated shape, bf16 only
-    rotated = 4 * len(rotated_shapes(BLOCK_SIZES))
+    # The rotated pack (three seed forms) and unpack per rotated shape
+    per_float_type += 4 * len(rotated_shapes(BLOCK_SIZES))
     per_mask_type = 2
     expected = len(INDEX_TYPES) * (
-        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type + rotated
+        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
     )
     # The norm kernels: the two backward kernels (i32 indices) on x_hat and on three pack
     # layouts; the forward per form (LayerNorm, LLaMA's and Gemma's RMSNorm) and three layouts.
