@@ -354,6 +354,11 @@ def variants() -> list[Variant]:
                     {"ROWS": smaq.STATS_ROWS, "COLS": smaq.STATS_COLS},
                 )
             )
+            if dtype == "fp32":  # the partials are fp32 whatever the tensor's dtype
+                signature = {"partials_ptr": "*fp32", "stats_ptr": "*fp32"}
+                signature |= {"n_elements": index, "n_tiles": index}
+                chunk = {"TILE": smaq.TILE_ELEMENTS, "CHUNK": smaq.COMBINE_CHUNK}
+                out.append(_variant("smaq", "smaq_combine_kernel", signature, chunk))
             for block in SMAQ_BLOCK_SIZES:
                 # Every tile a capacity in [0, 1] can ask for: slots // 4 runs 0..block // 4.
                 pads = sorted({extension_bytes_pad(4 * n) for n in range(block // 4 + 1)})

@@ -40,6 +40,8 @@ CHUNK_BLOCKS = 256
 # 4 warps, 128-bit loads).
 STATS_CHUNK_TILES = 256
 STATS_ROWS, STATS_COLS = 32, TILE_ELEMENTS // 32
+# Tiles' partials the combining program reads at a time (16 Mi values are 4,096 tiles).
+COMBINE_CHUNK = 1024
 
 
 def smaq_stats_reference(source: torch.Tensor) -> torch.Tensor:
@@ -188,6 +190,42 @@ def smaq_stats_kernel(
     tl.store(partials_ptr + 2 * n_tiles + program, shift)
 
 
+@jit
+def smaq_combine_kernel(
+    partials_ptr, stats_ptr, n_elements, n_tiles, TILE: tl.constexpr, CHUNK: tl.constexpr
+):
+    # One program: combined_stats's arithmetic, in fp64, CHUNK tiles' partials at a time (the
+    # sums in another order than the twin's; its dozen small launches made one).
+    index = tl.arange(0, CHUNK)
+    last_count = (n_elements - (n_tiles - 1) * TILE).to(tl.float64)
+    weighted = tl.zeros([CHUNK], dtype=tl.float64)
+    for start in range(0, n_tiles, CHUNK):
+        tile_index = start + index
+        valid = tile_index < n_tiles
+        sums = tl.load(partials_ptr + tile_index, mask=valid, other=0.0).to(tl.float64)
+        shifts = tl.load(partials_ptr + 2 * n_tiles + tile_index, mask=valid, other=0.0)
+        counts = tl.where(tile_index == n_tiles - 1, last_count, TILE * 1.0)
+        tile_means = shifts.to(tl.float64) + sums / counts
+        weighted += tl.where(valid, counts * tile_means, 0.0)
+    mean = tl.sum(weighted, axis=0) / n_elements.to(tl.float64)
+    spread = tl.zeros([CHUNK], dtype=tl.float64)
+    for start in range(0, n_tiles, CHUNK):
+        tile_index = start + index
+        valid = tile_index < n_tiles
+        sums = tl.load(partials_ptr + tile_index, mask=valid, other=0.0).to(tl.float64)
+        squares = tl.load(partials_ptr + n_tiles + tile_index, mask=valid, other=0.0)
+        shifts = tl.load(partials_ptr + 2 * n_tiles + tile_index, mask=valid, other=0.0)
+        counts = tl.where(tile_index == n_tiles - 1, last_count, TILE * 1.0)
+        tile_means = shifts.to(tl.float64) + sums / counts
+        within = squares.to(tl.float64) - sums * sums / counts
+        within = tl.where(within < 0.0, 0.0, within)  # clamped, a NaN kept
+        between = counts * (tile_means - mean) * (tile_means - mean)
+        spread += tl.where(valid, within + between, 0.0)
+    std = tl.sqrt(tl.sum(spread, axis=0) / n_elements.to(tl.float64))
+    tl.store(stats_ptr, mean.to(tl.float32))
+    tl.store(stats_ptr + 1, std.to(tl.float32))
+
+
 @jit(do_not_specialize=["slots", "stochastic", "seed"])
 def smaq_quantize_kernel(
     src_ptr,
@@ -280,16 +318,23 @@ def extension_bytes_pad(slots: int) -> int:
 
 
 def smaq_stats_triton(source):
-    """The Triton side of :func:`smaq_stats_reference`: one read of ``source``."""
+    """The Triton side of :func:`smaq_stats_reference`: one read of ``source``, then one
+    program combines the tiles' partials."""
     source = source.contiguous()
     n = source.numel()
+    if n == 0:
+        return torch.zeros(2, dtype=torch.float32, device=source.device)
     tiles = cdiv(n, TILE_ELEMENTS)
-    partials = torch.empty(3, tiles, dtype=torch.float32, device=source.device)
-    if n:
-        smaq_stats_kernel[(tiles,)](
-            source, partials, n, tiles, ROWS=STATS_ROWS, COLS=STATS_COLS, **LAUNCH_OPTIONS
-        )
-    return combined_stats(partials, n)
+    partials = torch.empty(3 * tiles, dtype=torch.float32, device=source.device)
+    # Its own allocation: the pack keeps it, and a view would keep the partials alive with it.
+    stats = torch.empty(2, dtype=torch.float32, device=source.device)
+    smaq_stats_kernel[(tiles,)](
+        source, partials, n, tiles, ROWS=STATS_ROWS, COLS=STATS_COLS, **LAUNCH_OPTIONS
+    )
+    smaq_combine_kernel[(1,)](
+        partials, stats, n, tiles, TILE=TILE_ELEMENTS, CHUNK=COMBINE_CHUNK, **LAUNCH_OPTIONS
+    )
+    return stats
 
 
 def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0, device_seed=None):

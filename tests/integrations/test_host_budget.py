@@ -10,7 +10,7 @@ from torch import nn
 
 import hf_actq
 from hf_actq import ActQConfig
-from hf_actq.codecs import AverageQuantCodec, MaskCodec, SignPreservingCodec
+from hf_actq.codecs import AverageQuantCodec, MaskCodec, SignPreservingCodec, SmaQCodec
 from hf_actq.codecs.rotated import RotatedSampleCodec
 from hf_actq.ops import FewBitActivation
 from hf_actq.ops.dedup import PackCache
@@ -63,6 +63,21 @@ def test_a_rotated_pack_and_unpack_are_one_launch_and_one_allocation_each(dtype)
         assert budget.device_ops == 0 and budget.allocations == 1, budget
         assert budget.host_reads == 0, budget
     assert pack.seeds == 1
+
+
+def test_a_smaq_pack_is_three_launches_and_no_other_device_op():
+    """SmaQ's statistics (one read of the tensor, then one program combining the tiles'
+    partials: a dozen small PyTorch ops before) and its quantize kernel."""
+    codec = SmaQCodec()
+    x = torch.randn(3 * 4096 + 5).to(torch.bfloat16)
+    with host_budget() as pack:
+        codec.pack(x)
+    assert pack.triton_launches == {
+        "smaq_stats_kernel": 1,
+        "smaq_combine_kernel": 1,
+        "smaq_quantize_kernel": 1,
+    }, pack
+    assert pack.device_ops == 0 and pack.host_reads == 0, pack
 
 
 def _fwd_bwd(module, x):

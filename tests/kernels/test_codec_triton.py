@@ -245,6 +245,19 @@ def test_smaq_stats_kernel_matches_twin_and_fp64(n, dtype):
     torch.testing.assert_close(twin, expected, rtol=2e-6, atol=1e-7)
 
 
+def test_smaq_stats_kernel_combines_its_partials_chunk_by_chunk(monkeypatch):
+    """One program combines the tiles' partials (fp64, as the twin), a chunk of tiles at a time:
+    chunks of 2 over 7 tiles (a partial last chunk, a partial last tile) give the twin's."""
+    from hf_actq.kernels import smaq
+
+    monkeypatch.setattr(smaq, "COMBINE_CHUNK", 2)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(11)
+    source = torch.randn(4096 * 6 + 5, generator=generator) * 3 - 40.0
+    torch.testing.assert_close(
+        smaq_stats_triton(source), smaq_stats_reference(source), rtol=2e-6, atol=0
+    )
+
+
 def test_smaq_stats_of_nothing_and_of_a_nan():
     assert torch.equal(smaq_stats_triton(torch.empty(0)), torch.zeros(2))
     source = torch.ones(5000)

@@ -117,8 +117,9 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     # The rotated pack (three seed forms) and unpack per rotated shape
     per_float_type += 4 * len(rotated_shapes(BLOCK_SIZES))
     per_mask_type = 2
+    per_index_type = 1  # SmaQ's combination of its statistics' partials (fp32)
     expected = len(INDEX_TYPES) * (
-        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type
+        len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type + per_index_type
     )
     # The norm kernels: the two backward kernels (i32 indices) on x_hat and on three pack
     # layouts; the forward per form (LayerNorm, LLaMA's and Gemma's RMSNorm) and three layouts.
@@ -142,7 +143,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 19
+    assert len(defined) == 20
 
 
 @pytest.mark.slow
