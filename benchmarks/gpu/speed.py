@@ -167,6 +167,29 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
         packed = codec.pack(source).nbytes
         cases.append((f"{label} pack+unpack", ours, two_copies, 2 * n * size + 2 * packed,
                       4 * n * size))  # fmt: skip
+
+    # The rotated codec as the composition it was (the library's matrix product into full-size
+    # coefficients, AQ's kernel; and back), beside its fused kernels above: per dtype, the GPU
+    # says which is faster (fp32 tiles take three bf16 products in the fused kernels).
+    try:
+        from hf_actq.codecs.rotated import RotatedSampleCodec, _fixed_rotation
+        from hf_actq.kernels import aq_dequantize, aq_quantize
+        from hf_actq.kernels.rotated import coefficient_dtype, rotated_back, rotated_rows
+    except ImportError:
+        pass
+    else:
+        rotation = _fixed_rotation(device, coefficient_dtype(dtype))
+
+        def composed():
+            coeffs = rotated_rows(x, rotation)
+            data, mins, scales = aq_quantize(coeffs.view(-1), 1, 4, 128, True, 1234)
+            shape, coeff_dtype = list(coeffs.shape), rotation.dtype
+            back = aq_dequantize(data, mins, scales, shape, coeff_dtype, 4, 1, 128)
+            rotated_back(back, rotation, x.shape, dtype)
+
+        packed = RotatedSampleCodec(bits=4, group_size=1).pack(x).nbytes
+        cases.append(("rotated 4-bit pack+unpack, rotation outside the kernels", composed,
+                      two_copies, 2 * n * size + 2 * packed, 4 * n * size))  # fmt: skip
     return cases
 
 

@@ -164,6 +164,9 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
         cases = {row["case"] for row in data["kernels"]}
         assert {"few-bit gelu 3-bit fwd+bwd", "uniform 4-bit pack+unpack"} <= cases
         assert "RMSNorm, 4-bit x_hat, fwd+bwd" in cases
+        # The rotated codec both ways: its fused kernels and the composition they replace.
+        assert {"rotated 4-bit pack+unpack", "rotated 4-bit pack+unpack, rotation outside "
+                "the kernels"} <= cases  # fmt: skip
         assert all(row["device us"] > 0 and row["host us"] > 0 for row in data["kernels"])
     table = (tmp_path / "out" / "speed.md").read_text()
     assert "| uniform 4-bit pack+unpack | fp32 |" in table and "nan" not in table
