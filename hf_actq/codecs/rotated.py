@@ -29,7 +29,8 @@ smaller: a block's range is set by its largest value, and rotated, an outlier fe
 thin over 128 coefficients instead of widening its block's step for the 127 values beside it
 (QuaRot's observation, here for stored activations). Nothing is sampled, so the signs need not
 be random per pack: one fixed sign vector, folded into the rotation, makes pack and unpack one
-matrix product each, and no seed is stored. On the pretrained MiniLM's layer inputs (CoLA
+matrix product each (inside the pack and unpack kernels on a GPU: ``kernels/rotated.py``), and
+no seed is stored. On the pretrained MiniLM's layer inputs (CoLA
 sentences) 4-bit codes lose 6.5% of the energy unrotated and 1.6% rotated.
 """
 

@@ -124,31 +124,33 @@ def rotated_dequantize_reference(
     return rotated_back(coeffs, rotation, shape, dtype)
 
 
-def tile_shape(coefficient_dtype: torch.dtype) -> tuple[int, int, dict]:
-    """``(ROWS, PARTS, launch options)``: the rows of ROTATION values a tile rotates
-    (``tl.dot``'s M: 16 at least), the bf16 parts its values are cut into, and the warps. bf16
-    coefficients: 32 rows in one part over 4 warps (at most 200 registers at sm_90, no stack).
-    fp32 coefficients: the signs of the matrix (exact in bf16) times three bf16 parts of the
-    tile, which sum to its fp32 values exactly: every product exact and fp32 sums, on tensor
-    cores (an fp32 product of fp32 operands there is TF32's 11 bits, and a SIMT one about 128
-    multiply-adds a value). 16 rows over 8 warps: with 32 rows, or 4 warps, the parts spilled
-    registers to the stack (``tools/aot.py``)."""
-    if coefficient_dtype == torch.bfloat16:
+def tile_shape(dtype: torch.dtype) -> tuple[int, int, dict]:
+    """``(ROWS, PARTS, launch options)`` for coefficients of ``dtype``: the rows of ROTATION
+    values a tile rotates (``tl.dot``'s M: 16 at least), the bf16 parts its values are cut
+    into, and the warps. bf16 coefficients: 32 rows in one part over 4 warps (at most 200
+    registers at sm_90, no stack). fp32 coefficients: the signs of the matrix (exact in bf16)
+    times three bf16 parts of the tile, which sum to its fp32 values exactly: every product
+    exact and fp32 sums, on tensor cores (an fp32 product of fp32 operands there is TF32's 11
+    bits, and a SIMT one about 128 multiply-adds a value). 16 rows over 8 warps: with 32 rows,
+    or 4 warps, the parts spilled registers to the stack (``tools/aot.py``)."""
+    if dtype == torch.bfloat16:
         return 32, 1, LAUNCH_OPTIONS
     return 16, 3, {**LAUNCH_OPTIONS, "num_warps": 8}
 
 
 def _tiles_per_program(n_tiles: int) -> int:
-    """Tiles each program rotates with the matrix it loaded once (32 KiB): up to 8 on large tensors, where reloading it per 8 KiB tile would read it from L2
-    several times the bytes of the tensor; 1 on small ones, whose few programs would leave SMs
-    idle. Keeps at least 1,024 programs where it loops."""
+    """Tiles each program rotates with the matrix it loaded once (32 or 64 KiB): up to 8 on
+    large tensors, where reloading it per tile would read several times the tensor's bytes
+    from L2; 1 on small ones, whose few programs would leave SMs idle. Keeps at least 1,024
+    programs where it loops."""
     return max(1, min(8, n_tiles // 1024))
 
 
 def _dot_dtype():
     """The products' operand dtype: bf16 on tensor cores; fp32 in the interpreter, which
     multiplies bf16 in ``tl.dot`` wrongly (bf16 values, so the same exact products)."""
-    from triton.runtime.interpreter import InterpretedFunction  # (not imported by triton's own)
+    # Imported here: Triton imports its interpreter module only in interpreter mode.
+    from triton.runtime.interpreter import InterpretedFunction
 
     return tl.float32 if isinstance(rotated_quantize_kernel, InterpretedFunction) else tl.bfloat16
 
@@ -357,7 +359,8 @@ def _rotated_quantize_fake(source, rotation, bits, block, stochastic, seed=0, de
 
 
 def _takes_rotation(rotation: torch.Tensor, dtype: torch.dtype) -> bool:
-    """The rotation the kernels multiply by: ``[128, 128]`` in the coefficients' dtype for
+    """The rotation the kernels multiply by (a signed Hadamard matrix, entries ``+-c``: an fp32
+    one is applied as its signs and ``c``): ``[128, 128]`` in the coefficients' dtype for
     ``dtype``, row- or column-major (the codec's is the transpose of a row-major matrix: the
     layout its twin's matrix products were always given, whose sums the library orders by it)."""
     return (
