@@ -17,6 +17,7 @@ bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -24,8 +25,10 @@ import torch
 from hf_actq.kernels.average_quant import (
     aq_buffers,
     aq_dequantize_reference,
+    aq_dequantize_triton,
     aq_quantize_reference,
     aq_quantize_tile,
+    aq_quantize_triton,
     aq_values_tile,
 )
 from hf_actq.kernels.compiled import mix_seed
@@ -144,6 +147,18 @@ def _tiles_per_program(n_tiles: int) -> int:
     from L2; 1 on small ones, whose few programs would leave SMs idle. Keeps at least 1,024
     programs where it loops."""
     return max(1, min(8, n_tiles // 1024))
+
+
+def fused_on(device: torch.device) -> bool:
+    """Whether the fused kernels run on ``device``: tensor cores that multiply bf16 (sm_80 and
+    later, and the interpreter's CPU). Older GPUs (T4, V100) take the composition with the AQ
+    kernels, as all did before."""
+    return device.type != "cuda" or _capability(device.index) >= (8, 0)
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _dot_dtype():
@@ -288,6 +303,9 @@ def rotated_dequantize_kernel(
 
 def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, device_seed=None):
     """The Triton side of :func:`rotated_quantize_reference`: one launch, one allocation."""
+    if not fused_on(source.device):
+        coeffs = rotated_rows(source, rotation).view(-1)
+        return aq_quantize_triton(coeffs, 1, bits, block, stochastic, seed, device_seed)
     source = source.contiguous()
     n = source.numel()
     packed, mins, scales = aq_buffers(cdiv(n, ROTATION) * ROTATION, bits, block, source.device)
@@ -323,6 +341,12 @@ def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, d
 def rotated_dequantize_triton(data, mins, scales, rotation, shape, dtype, bits, block):
     """The Triton side of :func:`rotated_dequantize_reference`: one launch, one allocation."""
     n = math.prod(shape)
+    if not fused_on(data.device):
+        coeff_shape = [cdiv(n, ROTATION), ROTATION]
+        coeffs = aq_dequantize_triton(
+            data, mins, scales, coeff_shape, rotation.dtype, bits, 1, block
+        )
+        return rotated_back(coeffs, rotation, shape, dtype)
     out = torch.empty(shape, dtype=dtype, device=data.device)
     if n:
         rows, parts, options = tile_shape(rotation.dtype)

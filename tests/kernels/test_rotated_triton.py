@@ -120,6 +120,28 @@ def test_programs_that_rotate_several_tiles(monkeypatch):
         assert torch.equal(unpacked, rotated_dequantize_reference(*pack, *args))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpus_before_sm80_take_the_composition_with_the_aq_kernels(monkeypatch, dtype):
+    """No bf16 tensor-core products before sm_80 (T4, V100): the matrix product, then the AQ
+    kernels, as before the fused kernels; the twin's codes and values on the same products."""
+    from hf_actq.kernels import average_quant
+
+    monkeypatch.setattr(rotated, "fused_on", lambda device: False)
+    launched = []
+    for name in ("aq_quantize_triton", "aq_dequantize_triton"):
+        kernel = getattr(average_quant, name)
+        monkeypatch.setattr(rotated, name, lambda *a, k=kernel: launched.append(k) or k(*a))
+    x, rotation = (_small_integers(5000, 3) * 0.37).to(dtype), _rotation(dtype)
+    got = rotated_quantize_triton(x, rotation, 4, 64, True, 5)
+    expected = rotated_quantize_reference(x, rotation, 4, 64, True, 5)
+    for got_buffer, expected_buffer in zip(got, expected):
+        assert torch.equal(got_buffer, expected_buffer)
+    args = (rotation, [5000], dtype, 4, 64)
+    unpacked = rotated_dequantize_triton(*expected, *args)
+    assert torch.equal(unpacked, rotated_dequantize_reference(*expected, *args))
+    assert len(launched) == 2
+
+
 @pytest.mark.parametrize("seed", [0, 987654, 2**31 - 2])
 def test_the_kernel_reads_a_seed_on_the_device_as_the_host_seed(seed):
     x, rotation = _small_integers(5000, seed % 89), _rotation(torch.bfloat16)
