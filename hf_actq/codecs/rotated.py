@@ -162,7 +162,7 @@ class RotatedSampleCodec(Codec):
         return Packed(self, x.shape, x.dtype, (data, mins, scales, seed_tensor))
 
     def _pack_whole(self, x: torch.Tensor, seed: int | torch.Tensor | None) -> Packed:
-        """Every coefficient kept: ``x @ D H^T`` and AQ's rounding (one kernel for bf16)."""
+        """Every coefficient kept: ``x @ D H^T`` and AQ's rounding (one kernel on a GPU)."""
         rotation = _fixed_rotation(x.device, coefficient_dtype(x.dtype))
         data, mins, scales = rotated_quantize(
             x, rotation, self.bits, self.block_size, self.stochastic, *seed_arguments(seed)

@@ -301,6 +301,17 @@ def rotated_dequantize_kernel(
         tl.store(out_ptr + first + element, value, mask=element < count)
 
 
+def _launch(n: int, rotation: torch.Tensor) -> tuple[tuple[int], int, dict]:
+    """The grid, the tiles a program rotates and the constants and options both kernels take
+    for ``n`` values and ``rotation``."""
+    rows, parts, options = tile_shape(rotation.dtype)
+    n_tiles = cdiv(n, rows * ROTATION)
+    tiles = _tiles_per_program(n_tiles)
+    constants = {"ROWS": rows, "DOT_DTYPE": _dot_dtype(), "PARTS": parts, **options}
+    constants |= {"ROW_STRIDE": rotation.stride(0), "COLUMN_STRIDE": rotation.stride(1)}
+    return (cdiv(n_tiles, tiles),), tiles, constants
+
+
 def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, device_seed=None):
     """The Triton side of :func:`rotated_quantize_reference`: one launch, one allocation."""
     if not fused_on(source.device):
@@ -310,10 +321,8 @@ def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, d
     n = source.numel()
     packed, mins, scales = aq_buffers(cdiv(n, ROTATION) * ROTATION, bits, block, source.device)
     if n:
-        rows, parts, options = tile_shape(rotation.dtype)
-        n_tiles = cdiv(n, rows * ROTATION)
-        tiles = _tiles_per_program(n_tiles)
-        rotated_quantize_kernel[(cdiv(n_tiles, tiles),)](
+        grid, tiles, constants = _launch(n, rotation)
+        rotated_quantize_kernel[grid](
             source,
             rotation,
             packed,
@@ -328,12 +337,7 @@ def rotated_quantize_triton(source, rotation, bits, block, stochastic, seed=0, d
             SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
             BITS=bits,
             BLOCK=block,
-            ROWS=rows,
-            DOT_DTYPE=_dot_dtype(),
-            ROW_STRIDE=rotation.stride(0),
-            COLUMN_STRIDE=rotation.stride(1),
-            PARTS=parts,
-            **options,
+            **constants,
         )
     return packed, mins, scales
 
@@ -349,10 +353,8 @@ def rotated_dequantize_triton(data, mins, scales, rotation, shape, dtype, bits, 
         return rotated_back(coeffs, rotation, shape, dtype)
     out = torch.empty(shape, dtype=dtype, device=data.device)
     if n:
-        rows, parts, options = tile_shape(rotation.dtype)
-        n_tiles = cdiv(n, rows * ROTATION)
-        tiles = _tiles_per_program(n_tiles)
-        rotated_dequantize_kernel[(cdiv(n_tiles, tiles),)](
+        grid, tiles, constants = _launch(n, rotation)
+        rotated_dequantize_kernel[grid](
             data,
             mins,
             scales,
@@ -363,12 +365,7 @@ def rotated_dequantize_triton(data, mins, scales, rotation, shape, dtype, bits, 
             tiles,
             BITS=bits,
             BLOCK=block,
-            ROWS=rows,
-            DOT_DTYPE=_dot_dtype(),
-            ROW_STRIDE=rotation.stride(0),
-            COLUMN_STRIDE=rotation.stride(1),
-            PARTS=parts,
-            **options,
+            **constants,
         )
     return out
 
