@@ -498,6 +498,7 @@ BANDWIDTH_KERNELS = {
     "smaq_stats_kernel": "LDG.E.128",
     "rotated_quantize_kernel": "LDG.E.128",
     "rotated_dequantize_kernel": "STG.E.128",
+    "seeded_dropout_kernel": "LDG.E.128",
 }
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 

@@ -154,6 +154,15 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
                   functools.partial(normed, rms_norm), 4 * n * size + 2 * packed,
                   4 * n * size))  # fmt: skip
 
+    # Dropout that keeps its seed (the default mode, in every BERT recipe): one kernel draws the
+    # mask forward and again backward, against nn.Dropout, which writes and reads a bool mask.
+    from hf_actq.ops.dropout import CompressedDropout
+
+    # floor: x read, y written; grad read, grad_x written
+    cases.append(("dropout 0.1, seed kept, fwd+bwd", functools.partial(normed, CompressedDropout(0.1)),
+                  functools.partial(normed, nn.Dropout(0.1)), 4 * n * size,
+                  4 * n * size + 2 * n))  # fmt: skip
+
     def two_copies():
         x.clone()
         x.clone()

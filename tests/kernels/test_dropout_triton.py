@@ -48,3 +48,16 @@ def test_seeded_dropout_kernel_keeps_nan_of_dropped_infinities_as_torch_does():
     out = seeded_dropout_triton(x, 0.5, seed=7)
     assert out.isnan().any() and out.isinf().any() and not (out == 0).any()
     assert seeded_dropout_reference(x, 0.5, 7).isnan().any()
+
+
+def test_each_value_of_a_philox_call_keeps_independently():
+    # Element e takes output e % 4 of Philox counter e // 4, 8 elements (two calls) a thread:
+    # each of the 8 lanes keeps at 1 - p, and two lanes, of one call or of two, keep together at
+    # (1 - p)**2, as independent draws do.
+    n, p = 8 * 20_000, 0.5
+    kept = (seeded_dropout_triton(torch.ones(n), p, seed=99) != 0).view(-1, 8).float()
+    tolerance = 4 * (0.25 / (n // 8)) ** 0.5
+    for lane in range(8):
+        assert abs(kept[:, lane].mean().item() - (1 - p)) < tolerance
+    for a, b in [(0, 1), (2, 3), (3, 4), (6, 7), (0, 7), (1, 5)]:
+        assert abs((kept[:, a] * kept[:, b]).mean().item() - (1 - p) ** 2) < tolerance
