@@ -362,6 +362,7 @@ def variants() -> list[Variant]:
             for block in SMAQ_BLOCK_SIZES:
                 # Every tile a capacity in [0, 1] can ask for: slots // 4 runs 0..block // 4.
                 pads = sorted({extension_bytes_pad(4 * n) for n in range(block // 4 + 1)})
+                rows = {"BLOCK": block, "ROWS": smaq._rows_per_tile(block)}
                 out.extend(
                     _variant(
                         "smaq",
@@ -374,15 +375,16 @@ def variants() -> list[Variant]:
                             "n_elements": index,
                             "n_main_bytes": index,
                             "slots": "i32",
-                            "stochastic": "i32",
-                            "seed": "i32",
+                            "noise_key": "i32",
                             # Without a seed in memory the launcher passes the statistics.
                             "seed_ptr": "*i64" if seed_in_memory else "*fp32",
                         },
-                        {"BLOCK": block, "BYTES_PAD": pad, "SEED_IN_MEMORY": seed_in_memory},
+                        rows
+                        | {"BYTES_PAD": pad, "STOCHASTIC": stochastic}
+                        | {"SEED_IN_MEMORY": seed_in_memory},
                     )
                     for pad in pads
-                    for seed_in_memory in (False, True)
+                    for stochastic, seed_in_memory in ((False, False), (True, False), (True, True))
                 )
                 out.append(
                     _variant(
@@ -395,10 +397,9 @@ def variants() -> list[Variant]:
                             "out_ptr": f"*{dtype}",
                             "n_elements": index,
                             "n_main_bytes": index,
-                            "n_ext_bytes": index,
                             "slots": "i32",
                         },
-                        {"BLOCK": block},
+                        rows,
                     )
                 )
     # The norm backward kernels index rows and columns separately: both fit i32 at any real
@@ -496,6 +497,8 @@ BANDWIDTH_KERNELS = {
     "norm_row_means_kernel": "LDG.E.128",
     "norm_backward_kernel": "STG.E.128",
     "smaq_stats_kernel": "LDG.E.128",
+    "smaq_quantize_kernel": "LDG.E.128",
+    "smaq_dequantize_kernel": "STG.E.128",
     "rotated_quantize_kernel": "LDG.E.128",
     "rotated_dequantize_kernel": "STG.E.128",
     "seeded_dropout_kernel": "LDG.E.128",

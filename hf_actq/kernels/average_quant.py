@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from hf_actq.kernels.compiled import mix_seed, run, uniform_noise, use_compiled
+from hf_actq.kernels.compiled import as_int32, mix_seed, run, uniform_noise, use_compiled
 from hf_actq.kernels.packing import (
     CODEC_CHUNK,
     COMPILED_CHUNK,
@@ -76,7 +76,7 @@ def aq_quantize_reference(
         if count < rows * block:  # the last block is partial: repeat the last mean's run
             repeat = chunk[-group:].repeat(rows * block - count)
             chunk = torch.cat([chunk, repeat])
-        offset = torch.tensor(_as_int32(start), dtype=torch.int32)
+        offset = torch.tensor(as_int32(start), dtype=torch.int32)
         rows_view = chunk.view(rows, block, group)
         codes, lo, scale = run(
             compiled, _aq_codes, key, rows_view, bits, noise_key, offset, group, stochastic
@@ -151,12 +151,6 @@ def aq_dequantize_reference(
 def _aq_values(codes, lo, scale, dtype: torch.dtype):
     """``lo[r] + code * scale[r]`` in fp32, rounded to ``dtype``, for uint8 ``codes`` [R, block]."""
     return (codes.float() * scale[:, None] + lo[:, None]).to(dtype)
-
-
-def _as_int32(value: int) -> int:
-    """``value`` modulo 2**32 as a signed int32 (noise counters wrap)."""
-    value &= 0xFFFFFFFF
-    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 @functools.cache

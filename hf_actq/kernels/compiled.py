@@ -86,6 +86,12 @@ def mix_seed(seed: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
+def as_int32(value: int) -> int:
+    """``value`` modulo 2**32 as a signed int32 (the noise's counters wrap)."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
 def uniform_noise(index: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """fp32 noise in [0, 1) with 24 random bits, a hash of each int32 ``index`` and the int32
     stream ``key`` (lowbias32 by C. Wellons): no generator state, any chunking gives the same

@@ -1,10 +1,10 @@
 """SmaQ (``codecs/smaq.py``): ``hf_actq::smaq_stats`` (the tensor's mean and standard deviation,
-one read of it), ``hf_actq::smaq_quantize`` (z-score, stochastic rounding, 6-bit main codes,
-per-block 2-bit extension slots filled in element order by a block-local cumsum) and
-``hf_actq::smaq_dequantize``, each a PyTorch twin and a Triton kernel. Quantize and dequantize
-are bit-exact with deterministic rounding, equal in distribution with stochastic rounding (the
-kernel's noise is Philox, the twin's torch's generator); the statistics agree to fp32 rounding
-(the kernel sums a tile as a tree, the twin as PyTorch does).
+one read of it), ``hf_actq::smaq_quantize`` (z-score, rounding, 6-bit main codes, per-block 2-bit
+extension slots filled in element order by a block-local cumsum) and ``hf_actq::smaq_dequantize``,
+each a PyTorch twin and a Triton kernel. Quantize and dequantize are bit-exact with their twins,
+stochastic rounding included (the noise is the hash the AQ kernels draw,
+``kernels/compiled.py:uniform_noise``); the statistics agree to fp32 rounding (the kernel sums a
+tile as a tree, the twin as PyTorch does).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from hf_actq.kernels.compiled import as_int32, mix_seed, uniform_noise
 from hf_actq.kernels.packing import (
     divided,
     pack_chunk_into,
@@ -26,12 +27,14 @@ from hf_actq.kernels.triton_common import (
     LAUNCH_OPTIONS,
     TILE_ELEMENTS,
     cdiv,
+    hashed_noise,
     jit,
-    load_codes,
-    store_packed,
+    noise_stream_key,
+    pack_tile,
     tile,
     tl,
     to_dtype,
+    unpack_tile,
 )
 
 CHUNK_BLOCKS = 256
@@ -42,6 +45,10 @@ STATS_CHUNK_TILES = 256
 STATS_ROWS, STATS_COLS = 32, TILE_ELEMENTS // 32
 # Tiles' partials the combining program reads at a time (16 Mi values are 4,096 tiles).
 COMBINE_CHUNK = 1024
+# Values a quantize or dequantize program handles: whole blocks, 16 a thread at 4 warps. At 32 a
+# thread, as the AQ kernels take, the quantize kernel held 154-229 registers a thread (sm_90: two
+# programs an SM at most); at 16, 80-145.
+CODE_TILE_ELEMENTS = 2048
 
 
 def smaq_stats_reference(source: torch.Tensor) -> torch.Tensor:
@@ -93,19 +100,18 @@ def smaq_quantize_reference(
     device_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed 6-bit main codes and packed 2-bit extension slots (``slots`` per block) of flat
-    ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout.
-    ``device_seed`` (one int64 on ``source``'s device), where given, is the seed instead: the
-    kernel reads it from memory (a CUDA graph replays it fresh); the twin reads it on the host."""
+    ``source`` given its fp32 ``[mean, std]``; see ``codecs/smaq.py`` for the layout. Stochastic
+    rounding adds :func:`uniform_noise` of each element's index keyed by ``seed``, deterministic
+    rounding adds 0.5 before the floor. ``device_seed`` (one int64 on ``source``'s device), where
+    given, is the seed instead: the kernel reads it from memory (a CUDA graph replays it fresh);
+    the twin reads it on the host."""
     if device_seed is not None and stochastic:  # a host read, where a kernel reads memory
         seed = int(device_seed.item())
     n = source.numel()
     device = source.device
     mean, std = stats[0], stats[1]
     inv_std = torch.where(std > 0, 1.0 / std, torch.zeros_like(std))
-    generator = None
-    if stochastic:
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
+    noise_key = torch.tensor(mix_seed(seed), dtype=torch.int32)  # 0-dim: a scalar on any device
     blocks = -(-n // block)
     main = torch.empty(packed_nbytes(n, 6), dtype=torch.uint8, device=device)
     extension = torch.zeros(blocks, max(slots, 1), dtype=torch.float32, device=device)
@@ -116,7 +122,8 @@ def smaq_quantize_reference(
         chunk = pad_to(source[start:stop].float(), rows * block, 0.0)
         z = ((chunk - mean) * inv_std).clamp_(-2.0, 2.0).view(rows, block)
         if stochastic:
-            u = torch.rand(z.shape, device=device, generator=generator)
+            index = torch.arange(rows * block, dtype=torch.int32, device=device) + as_int32(start)
+            u = uniform_noise(index, noise_key).view(z.shape)
         else:
             u = torch.full_like(z, 0.5)
         valid = (torch.arange(rows * block, device=device) < stop - start).view(rows, block)
@@ -226,7 +233,14 @@ def smaq_combine_kernel(
     tl.store(stats_ptr + 1, std.to(tl.float32))
 
 
-@jit(do_not_specialize=["slots", "stochastic", "seed"])
+@jit
+def _segment_sum(left, right):
+    # Sums restarted at each flagged value: bit 16 flags a segment's first value, the low bits
+    # hold sums (at most 255: one extension byte). Associative, so a scan can take it.
+    return tl.where((right >> 16) != 0, right, left + right)
+
+
+@jit(do_not_specialize=["slots", "noise_key"])
 def smaq_quantize_kernel(
     src_ptr,
     stats_ptr,
@@ -235,51 +249,56 @@ def smaq_quantize_kernel(
     n_elements,
     n_main_bytes,
     slots,
-    stochastic,
-    seed,
+    noise_key,
     seed_ptr,
-    BLOCK: tl.constexpr,
-    BYTES_PAD: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     SEED_IN_MEMORY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTES_PAD: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK + tl.arange(0, BLOCK)
-    valid = offsets < n_elements
-    x = tl.load(src_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    # ROWS blocks of BLOCK values a program, a block a row (128-bit loads; a row's cumsum stays
+    # within a warp).
+    first, count, local = tile(n_elements, ROWS, BLOCK)
+    valid = local < count
+    x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
     mean = tl.load(stats_ptr)
     std = tl.load(stats_ptr + 1)
     inv_std = tl.where(std > 0, tl.math.div_rn(1.0, std), 0.0)
     z = tl.minimum(tl.maximum((x - mean) * inv_std, -2.0), 2.0)
-    if stochastic != 0:  # noqa: SIM108 (a runtime branch inside a Triton kernel)
-        u = tl.rand(tl.load(seed_ptr) if SEED_IN_MEMORY else seed, offsets)
+    if STOCHASTIC:
+        key = noise_stream_key(noise_key, seed_ptr, SEED_IN_MEMORY)
+        u = hashed_noise(first.to(tl.uint32) + local.to(tl.uint32), key)  # index mod 2**32
     else:
-        u = tl.full([BLOCK], 0.5, tl.float32)
+        u = tl.full([ROWS, BLOCK], 0.5, tl.float32)
     outlier = (tl.abs(z) > 1.0) & valid
     inlier_code = tl.minimum(tl.maximum(tl.floor((z + 1.0) * 15.5 + u), 0.0), 31.0)
     magnitude = tl.abs(z) - 1.0
-    fine = tl.minimum(tl.maximum(tl.floor(magnitude * 63.0 + u), 0.0), 63.0)
-    coarse = tl.minimum(tl.maximum(tl.floor(magnitude * 15.0 + u), 0.0), 15.0)
-    rank = tl.cumsum(outlier.to(tl.int32), axis=0) - 1
+    fine = tl.minimum(tl.maximum(tl.floor(magnitude * 63.0 + u), 0.0), 63.0).to(tl.int32)
+    coarse = tl.minimum(tl.maximum(tl.floor(magnitude * 15.0 + u), 0.0), 15.0).to(tl.int32)
+    rank = tl.cumsum(outlier.to(tl.int32), axis=1) - 1
     extended = outlier & (rank < slots)
-    top = tl.where(extended, tl.floor(tl.math.div_rn(fine, 4.0)), coarse)
-    sign = tl.where(z < 0, 16.0, 0.0)
-    code = tl.where(outlier, 32.0 + sign + top, inlier_code)
-    code = tl.where(valid, code, 0.0).to(tl.uint32)
-    groups8 = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-    store_packed(main_ptr, groups8, tl.reshape(code, (BLOCK // 8, 8)), 6, n_main_bytes)
+    top = tl.where(extended, fine >> 2, coarse)
+    code = tl.where(outlier, 32 + tl.where(z < 0, 16, 0) + top, inlier_code.to(tl.int32))
+    byte_start = first * 6 // 8  # a tile starts on a whole byte: it holds 8k values
+    code = tl.where(valid, code, 0)
+    pack_tile(main_ptr + byte_start, code, n_main_bytes - byte_start, ROWS, BLOCK, 6)
 
-    # Slot j of this block holds the low 2 magnitude bits of its outlier of rank j, at bits
-    # 2 (j % 4) of byte j // 4. Each outlier is matched against the block's bytes, not its slots:
-    # a BLOCK x BYTES_PAD tile (256 x 32 at the default capacity) where a BLOCK x BLOCK one
-    # spilled registers (the H200 check: 300-1400x two copies).
-    low = (fine - 4.0 * tl.floor(tl.math.div_rn(fine, 4.0))).to(tl.uint32)
-    shifted = low << ((tl.maximum(rank, 0) % 4) * 2).to(tl.uint32)
-    byte_index = tl.arange(0, BYTES_PAD)
-    match = ((rank // 4)[:, None] == byte_index[None, :]) & extended[:, None]
-    byte = tl.sum(tl.where(match, shifted[:, None], 0), axis=0)  # disjoint fields: sum is OR
-    tl.store(
-        ext_ptr + pid * (slots // 4) + byte_index, byte.to(tl.uint8), mask=byte_index < slots // 4
-    )
+    # Slot j of a block holds the low 2 magnitude bits of its outlier of rank j, at bits
+    # 2 (j % 4) of byte j // 4: a scan sums each 4 ranks' fields (disjoint: the sum is their OR)
+    # and the last of them stores the byte; bytes no outlier reaches store 0. Every byte is
+    # stored once.
+    field = tl.where(extended, (fine & 3) << ((rank & 3) * 2), 0)
+    starts = extended & ((rank & 3) == 0)
+    byte = tl.associative_scan(field | (starts.to(tl.int32) << 16), 1, _segment_sum) & 0xFF
+    used = tl.minimum(tl.sum(outlier.to(tl.int32), axis=1), slots)  # filled slots a block
+    last = extended & (((rank & 3) == 3) | (rank == used[:, None] - 1))
+    row = tl.arange(0, ROWS)
+    row_bytes = ext_ptr + (first // BLOCK + row)[:, None] * (slots >> 2)
+    tl.store(row_bytes + (rank >> 2), byte.to(tl.uint8), mask=last)
+    index = tl.arange(0, BYTES_PAD)[None, :]
+    empty = (index < (slots >> 2)) & (4 * index >= used[:, None]) & (row * BLOCK < count)[:, None]
+    tl.store(row_bytes + index, tl.zeros([ROWS, BYTES_PAD], tl.uint8), mask=empty)
 
 
 @jit(do_not_specialize=["slots"])
@@ -290,25 +309,30 @@ def smaq_dequantize_kernel(
     out_ptr,
     n_elements,
     n_main_bytes,
-    n_ext_bytes,
     slots,
     BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    offsets = pid * BLOCK + tl.arange(0, BLOCK)
-    valid = offsets < n_elements
-    code = load_codes(main_ptr, offsets, valid, 6, n_main_bytes)
+    first, count, local = tile(n_elements, ROWS, BLOCK)
+    valid = local < count
+    byte_start = first * 6 // 8
+    code = unpack_tile(main_ptr + byte_start, n_main_bytes - byte_start, ROWS, BLOCK, 6)
     outlier = (code >= 32) & valid
-    top = (code & 15).to(tl.float32)
-    rank = tl.cumsum(outlier.to(tl.int32), axis=0) - 1
+    top = code & 15
+    rank = tl.cumsum(outlier.to(tl.int32), axis=1) - 1
     extended = outlier & (rank < slots)
-    slot_index = pid * slots + tl.maximum(rank, 0).to(tl.int64)
-    low = load_codes(ext_ptr, slot_index, extended, 2, n_ext_bytes).to(tl.float32)
-    magnitude = tl.where(extended, tl.math.div_rn(4.0 * top + low, 63.0), tl.math.div_rn(top, 15.0))
+    row_bytes = ext_ptr + (first // BLOCK + tl.arange(0, ROWS))[:, None] * (slots >> 2)
+    byte = tl.load(row_bytes + (rank >> 2), mask=extended, other=0).to(tl.int32)
+    low = (byte >> ((rank & 3) * 2)) & 3
+    # One IEEE division an element, of the numerator and divisor its kind of code takes (the
+    # twin's three divisions, each rounded once).
+    numerator = tl.where(extended, 4 * top + low, tl.where(outlier, top, code)).to(tl.float32)
+    divisor = tl.where(extended, 63.0, tl.where(outlier, 15.0, 15.5))
+    quotient = tl.math.div_rn(numerator, divisor)
     sign = tl.where((code & 16) > 0, -1.0, 1.0)
-    z = tl.where(outlier, sign * (1.0 + magnitude), tl.math.div_rn(code.to(tl.float32), 15.5) - 1.0)
+    z = tl.where(outlier, sign * (1.0 + quotient), quotient - 1.0)
     value = z * tl.load(stats_ptr + 1) + tl.load(stats_ptr)
-    tl.store(out_ptr + offsets, to_dtype(value, out_ptr.dtype.element_ty), mask=valid)
+    tl.store(out_ptr + first + local, to_dtype(value, out_ptr.dtype.element_ty), mask=valid)
 
 
 def extension_bytes_pad(slots: int) -> int:
@@ -337,15 +361,19 @@ def smaq_stats_triton(source):
     return stats
 
 
+def _rows_per_tile(block: int) -> int:
+    return CODE_TILE_ELEMENTS // block
+
+
 def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0, device_seed=None):
-    """The Triton side of :func:`smaq_quantize_reference`."""
+    """The Triton side of :func:`smaq_quantize_reference`: one launch."""
     source = source.contiguous()
     n = source.numel()
-    blocks = cdiv(n, block)
     main = torch.empty(packed_nbytes(n, 6), dtype=torch.uint8, device=source.device)
-    extension = torch.empty(blocks * slots // 4, dtype=torch.uint8, device=source.device)
+    extension = torch.empty(cdiv(n, block) * slots // 4, dtype=torch.uint8, device=source.device)
     if n:
-        smaq_quantize_kernel[(blocks,)](
+        rows = _rows_per_tile(block)
+        smaq_quantize_kernel[(cdiv(n, rows * block),)](
             source,
             stats,
             main,
@@ -353,34 +381,28 @@ def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0, device
             n,
             main.numel(),
             slots,
-            int(stochastic),
-            seed,  # deterministic rounding: unused
+            mix_seed(seed) if stochastic and device_seed is None else 0,
             stats if device_seed is None else device_seed,  # an unread pointer without one
+            STOCHASTIC=bool(stochastic),
+            SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
             BLOCK=block,
+            ROWS=rows,
             BYTES_PAD=extension_bytes_pad(slots),
-            SEED_IN_MEMORY=device_seed is not None,
             **LAUNCH_OPTIONS,
         )
     return main, extension
 
 
 def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
-    """The Triton side of :func:`smaq_dequantize_reference`."""
+    """The Triton side of :func:`smaq_dequantize_reference`: one launch."""
     n = math.prod(shape)
     out = torch.empty(n, dtype=dtype, device=stats.device)
     if n:
-        smaq_dequantize_kernel[(cdiv(n, block),)](
-            main,
-            extension,
-            stats,
-            out,
-            n,
-            main.numel(),
-            extension.numel(),
-            slots,
-            BLOCK=block,
+        rows = _rows_per_tile(block)
+        smaq_dequantize_kernel[(cdiv(n, rows * block),)](
+            main, extension, stats, out, n, main.numel(), slots, BLOCK=block, ROWS=rows,
             **LAUNCH_OPTIONS,
-        )
+        )  # fmt: skip
     return out.view(shape)
 
 

@@ -66,7 +66,7 @@ def test_every_kernel_compiles_with_each_of_its_argument_types(tmp_path):
 
 def test_smaq_quantize_kernel_at_its_default_capacity_keeps_its_tile_in_registers(tmp_path):
     """Its outliers were matched against all BLOCK slots (a 256 x 256 tile): 3.5 KB of stack
-    per thread, 300-1400x two copies on an H200. Now against the block's extension bytes."""
+    per thread, 300-1400x two copies on an H200. Now a scan over each block's outliers."""
     from aot import INDEX_TYPES
 
     from hf_actq.codecs.smaq import SmaQCodec
@@ -74,8 +74,9 @@ def test_smaq_quantize_kernel_at_its_default_capacity_keeps_its_tile_in_register
 
     codec = SmaQCodec()
     pad = extension_bytes_pad(codec.slots)
-    kernel = f"smaq_quantize_kernel BLOCK={codec.block_size} BYTES_PAD={pad}"
-    results = _compile(tmp_path, "--match", kernel, "SEED_IN_MEMORY=False src_ptr:*bf16")
+    kernel = f"smaq_quantize_kernel BLOCK={codec.block_size} "
+    rounding = f"BYTES_PAD={pad} STOCHASTIC=True SEED_IN_MEMORY=False src_ptr:*bf16"
+    results = _compile(tmp_path, "--match", kernel, rounding)
     assert len(results) == 2 * len(INDEX_TYPES)
     assert all(r["stack_bytes"] == 0 for r in results), results
 
@@ -111,8 +112,9 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     per_float_type += len(GATED_LAYOUTS) * (2 * (2 + 2) + 1)
     per_float_type += 4 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
-    # from 1 to block // 4 bytes), the seed as an argument and read from memory
-    per_float_type += sum(1 + 2 * (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
+    # from 1 to block // 4 bytes), deterministic and stochastic with the seed as an argument and
+    # read from memory
+    per_float_type += sum(1 + 3 * (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
     per_float_type += 1  # SmaQ's statistics
     # The rotated pack (three seed forms) and unpack per rotated shape
     per_float_type += 4 * len(rotated_shapes(BLOCK_SIZES))
