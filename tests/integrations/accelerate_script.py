@@ -21,7 +21,7 @@ import torch
 import hf_actq
 from hf_actq.codecs import uniform
 from hf_actq.ops.dedup import PackCache
-from hf_actq.testing import CausalRows, short_training, tiny_llama
+from hf_actq.testing import CausalRows, leave_launched_process, short_training, tiny_llama
 
 STEPS = 3
 GLOBAL_BATCH = 4
@@ -115,9 +115,7 @@ def main(out_dir, mode, when, recipe="uniform"):
         "codes": rounding_codes(),
     }
     torch.save(record, f"{out_dir}/rank{accelerator.process_index}.pt")
-    # Tear the gloo group down while both ranks are alive: left to interpreter exit, its
-    # threads can be destroyed still joinable and abort the process ("terminate called
-    # without an active exception"), failing a run whose results are already written.
+    # Tear the gloo group down while both ranks are alive (then leave_launched_process).
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
 
@@ -151,3 +149,4 @@ if __name__ == "__main__":
         trainer_main(sys.argv[1], *sys.argv[3:])
     else:
         main(*sys.argv[1:5])
+    leave_launched_process()

@@ -26,7 +26,7 @@ import hf_actq
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.ops.packed_checkpoint import packed_checkpoint
 from hf_actq.ops.state import STATE
-from hf_actq.testing import CausalRows, short_training, tiny_llama
+from hf_actq.testing import CausalRows, leave_launched_process, short_training, tiny_llama
 
 GLOBAL_BATCH = 4
 # (recipe, checkpointing the user turns on besides): HF's reentrant checkpointing runs its first
@@ -202,3 +202,4 @@ def main(out_dir: str, mode: str, *rest: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    leave_launched_process()

@@ -14,7 +14,7 @@ import sys
 import torch
 
 import hf_actq
-from hf_actq.testing import tiny_bert
+from hf_actq.testing import leave_launched_process, tiny_bert
 
 
 def main(out_dir):
@@ -57,3 +57,4 @@ def main(out_dir):
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    leave_launched_process()
