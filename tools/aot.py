@@ -9,6 +9,7 @@ development check, outside the package: nothing in hf_actq imports it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -166,6 +167,12 @@ def _rotated(dtype, index, block_sizes) -> list[Variant]:
     return out
 
 
+# The strided pack (attention's q, k and v as they lie): "uniform" 4 bits, 3 bits and ALAM's
+# 2-bit groups, at the common head dims.
+STRIDED_CODECS = ((4, 1, 128), (3, 1, 64), (2, 4, 128))
+STRIDED_WIDTHS = (32, 64, 128)
+
+
 def codec_shapes(block_sizes) -> list[tuple[int, int, int]]:
     """(bits, group, block) of the codec kernels compiled ahead of time: every width at group 1
     and every block size; every group at ALAM's 2 bits and at 3 (the width packed byte by
@@ -291,6 +298,31 @@ def variants() -> list[Variant]:
                             },
                         )
                     )
+                if (bits, group, block) in STRIDED_CODECS:
+                    for width, (stochastic, seed_in_memory) in itertools.product(
+                        STRIDED_WIDTHS, ((False, False), (True, False), (True, True))
+                    ):
+                        signature = {
+                            "src_ptr": f"*{dtype}",
+                            "packed_ptr": "*u8",
+                            "mins_ptr": "*fp32",
+                            "scales_ptr": "*fp32",
+                            "n_bytes": index,
+                            "noise_key": "i32",
+                            "seed_ptr": "*i64" if seed_in_memory else f"*{dtype}",
+                            "n_heads": "i32",
+                            "n_rows": "i32",
+                        }
+                        signature |= dict.fromkeys(("stride_batch", "stride_head"), index)
+                        signature["stride_row"] = index
+                        constants = {"STOCHASTIC": stochastic, "SEED_IN_MEMORY": seed_in_memory}
+                        constants |= {"BITS": bits, "GROUP": group, "BLOCK": block}
+                        constants |= {"ROWS": rows, "WIDTH": width}
+                        out.append(
+                            _variant(
+                                "average_quant", "aq_quantize_strided_kernel", signature, constants
+                            )
+                        )
                 out.append(
                     _variant(
                         "average_quant",
@@ -488,6 +520,7 @@ BANDWIDTH_KERNELS = {
     "gated_backward_kernel": "STG.E.128",
     "gated_forward_kernel": "LDG.E.128",
     "aq_quantize_kernel": "LDG.E.128",
+    "aq_quantize_strided_kernel": "LDG.E.128",
     "aq_dequantize_kernel": "STG.E.128",
     "blpa_quantize_kernel": "LDG.E.128",
     "blpa_dequantize_kernel": "STG.E.128",
@@ -509,7 +542,8 @@ _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 def aligned_arguments(variant: Variant) -> dict:
     """The attributes the JIT gives a launch on PyTorch's allocations: 16-byte aligned pointers
     and sizes that are multiples of 16 (the common case, and the one whose code the JIT runs at
-    scale): element counts and a norm's row width (every real hidden size). Without them a
+    scale): element counts, a norm's row width (every real hidden size) and the strides of a
+    strided pack's rows. Without them a
     cubin shows scalar loads where the JIT's has 128-bit ones."""
     names = list(variant.signature)
     return {
@@ -518,6 +552,7 @@ def aligned_arguments(variant: Variant) -> dict:
         if kind.startswith("*")
         or (kind in INDEX_TYPES and name.startswith("n_"))
         or (kind == "i32" and name == "width")
+        or (kind in INDEX_TYPES and name.startswith("stride_"))  # q, k, v: heads x head dim
     }
 
 

@@ -177,6 +177,16 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
         cases.append((f"{label} pack+unpack", ours, two_copies, 2 * n * size + 2 * packed,
                       4 * n * size))  # fmt: skip
 
+    # Attention's q as it lies ([batch, heads, seq, dim] over [batch, seq, heads, dim]): packed
+    # in place, against the copy then the pack that every q, k and v took before.
+    q = x.view(2, 2, 2, 128) if dry else x.view(2, 2048, 32, 128)
+    q = q.transpose(1, 2)
+    uniform = check.timed_codecs(stochastic=True)["uniform 4-bit"]
+    packed = uniform.pack(q).nbytes
+    cases.append(("uniform 4-bit pack of a transposed q", functools.partial(uniform.pack, q),
+                  lambda: uniform.pack(q.contiguous()), n * size + packed,
+                  3 * n * size + packed))  # fmt: skip
+
     # The rotated codec as the composition it was (the library's matrix product into full-size
     # coefficients, AQ's kernel; and back), beside its fused kernels above: per dtype, the GPU
     # says which is faster (fp32 tiles take three bf16 products in the fused kernels).

@@ -81,7 +81,9 @@ class AverageQuantCodec(Codec):
         g = self.group_size
         last = x.shape[-1] if x.dim() else 1
         if g == 1 or last % g == 0:
-            source, group = x.reshape(-1), g  # groups are runs of the flat tensor
+            # Groups are runs of the flat tensor; the op flattens it (the kernel reads a
+            # transposed view where it lies).
+            source, group = x, g
         else:
             source, group = self._means(x), 1  # partial groups: average them here
         tensors = aq_quantize(

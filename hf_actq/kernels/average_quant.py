@@ -52,7 +52,7 @@ def aq_quantize_reference(
     seed: int = 0,
     device_seed: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize the means of consecutive ``group``-element runs of flat ``source``.
+    """Quantize the means of consecutive ``group``-element runs of ``source``, flattened.
 
     Returns packed ``bits``-bit codes and per-block fp32 minimums and scales. Means are fp32 sums
     in order, divided by ``group`` and rounded to ``source``'s dtype (as the Triton kernel does)
@@ -63,6 +63,7 @@ def aq_quantize_reference(
     """
     if device_seed is not None and stochastic:  # a host read, where a kernel reads memory
         seed = int(device_seed.item())
+    source = source.reshape(-1)
     m = source.numel() // group
     packed, mins, scales = aq_buffers(m, bits, block, source.device)
     compiled = use_compiled(source)
@@ -204,6 +205,65 @@ def aq_quantize_kernel(
     )
 
 
+@jit(do_not_specialize=["noise_key"])
+def aq_quantize_strided_kernel(
+    src_ptr,
+    packed_ptr,
+    mins_ptr,
+    scales_ptr,
+    n_bytes,
+    noise_key,
+    seed_ptr,
+    n_heads,
+    n_rows,
+    stride_batch,
+    stride_head,
+    stride_row,
+    STOCHASTIC: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    # aq_quantize_kernel on a [batch, heads, rows, WIDTH] view whose rows are contiguous but not
+    # each other's neighbours (attention's q, k and v: transposed views): the codes, mins and
+    # scales of its flat copy, without the copy. A program takes a tile's worth of one (batch,
+    # head)'s consecutive rows (its rows hold whole blocks: the launcher checks).
+    SPAN: tl.constexpr = ROWS * BLOCK * GROUP // WIDTH
+    start = tl.program_id(0) * SPAN
+    head, batch = tl.program_id(1), tl.program_id(2)
+    row = start + tl.arange(0, SPAN)
+    base = src_ptr + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+    offsets = row.to(tl.int64)[:, None] * stride_row + tl.arange(0, WIDTH)[None, :]
+    values = tl.load(base + offsets, mask=(row < n_rows)[:, None], other=0.0)
+    values = tl.reshape(values.to(tl.float32), [ROWS, BLOCK * GROUP])
+    first_row = (batch.to(tl.int64) * n_heads + head) * n_rows + start
+    first = first_row * (WIDTH // GROUP)
+    count = (tl.minimum(n_rows - start, SPAN) * (WIDTH // GROUP)).to(tl.int32)
+    if STOCHASTIC:
+        key = noise_stream_key(noise_key, seed_ptr, SEED_IN_MEMORY).to(tl.int32, bitcast=True)
+    else:
+        key = noise_key
+    aq_quantize_span(
+        values,
+        first,
+        count,
+        packed_ptr,
+        mins_ptr,
+        scales_ptr,
+        tl.minimum(n_bytes - first * BITS // 8, count * BITS // 8),
+        key,
+        src_ptr.dtype.element_ty,
+        STOCHASTIC,
+        BITS,
+        GROUP,
+        BLOCK,
+        ROWS,
+    )
+
+
 @jit
 def aq_quantize_tile(
     values,
@@ -224,7 +284,46 @@ def aq_quantize_tile(
     """Quantize tile ``tile_index``'s ROWS blocks of BLOCK means: ``values`` ([ROWS, BLOCK *
     GROUP] fp32 holding DTYPE values) are the tensor's consecutive elements from the tile's
     first (past its end: anything finite). Stores the codes, mins and scales."""
-    first, count, local = tile_at(tile_index, n_means, ROWS, BLOCK)
+    first, count, _ = tile_at(tile_index, n_means, ROWS, BLOCK)
+    aq_quantize_span(
+        values,
+        first,
+        count,
+        packed_ptr,
+        mins_ptr,
+        scales_ptr,
+        n_bytes - first * BITS // 8,
+        noise_key,
+        DTYPE,
+        STOCHASTIC,
+        BITS,
+        GROUP,
+        BLOCK,
+        ROWS,
+    )
+
+
+@jit
+def aq_quantize_span(
+    values,
+    first,
+    count,
+    packed_ptr,
+    mins_ptr,
+    scales_ptr,
+    byte_limit,
+    noise_key,
+    DTYPE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """:func:`aq_quantize_tile` of the ``count`` means from mean ``first`` on (a multiple of
+    ROWS * BLOCK or, in the strided kernel, of BLOCK), storing at most ``byte_limit`` bytes of
+    codes (a tile that ends before the tensor does must not zero its successor's codes)."""
+    local = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     valid = local < count
     if GROUP == 1:
         mean = values
@@ -248,8 +347,8 @@ def aq_quantize_tile(
         q = q + 0.5
     q = tl.minimum(tl.maximum(tl.floor(q), 0.0), (1 << BITS) - 1)
     code = tl.where(valid, q, 0.0).to(tl.int32)
-    byte_start = first * BITS // 8  # a tile starts on a whole byte: it holds 8k means
-    pack_tile(packed_ptr + byte_start, code, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    byte_start = first * BITS // 8  # a span starts on a whole byte: it holds 8k means
+    pack_tile(packed_ptr + byte_start, code, byte_limit, ROWS, BLOCK, BITS)
     row = tl.arange(0, ROWS)
     row_valid = row * BLOCK < count
     tl.store(mins_ptr + first // BLOCK + row, lo, mask=row_valid)
@@ -340,30 +439,58 @@ def aq_buffers(m: int, bits: int, block: int, device) -> tuple[torch.Tensor, ...
     return one_allocation(aq_layout(m, bits, block), device)
 
 
+def strided_rows(source: torch.Tensor, group: int, block: int) -> tuple | None:
+    """``(batch, heads, rows, width)`` and the first three's strides of a tensor that
+    :func:`aq_quantize_strided_kernel` packs as it is: at most 4 dims (fewer: leading 1s), the
+    last contiguous, a power of two in [8, TILE_ELEMENTS] wide, each (batch, head)'s rows
+    holding whole blocks, the grid's limits kept. None for every other tensor (it is copied)."""
+    if source.dim() < 2 or source.dim() > 4 or source.stride(-1) != 1:
+        return None
+    shape = (1,) * (4 - source.dim()) + tuple(source.shape)
+    strides = (0,) * (4 - source.dim()) + tuple(source.stride())
+    batch, heads, rows, width = shape
+    if (
+        width & (width - 1)
+        or not 8 <= width <= TILE_ELEMENTS
+        or (rows * width) % (block * group)
+        or max(batch, heads) > 65535
+    ):
+        return None
+    return shape, strides[:3]
+
+
 def aq_quantize_triton(source, group, bits, block, stochastic, seed=0, device_seed=None):
-    """The Triton side of :func:`aq_quantize_reference`: one launch, one allocation."""
-    source = source.contiguous()
+    """The Triton side of :func:`aq_quantize_reference`: one launch, one allocation. A
+    transposed view (attention's q, k and v) is read where it lies, not copied first."""
     m = source.numel() // group
     packed, mins, scales = aq_buffers(m, bits, block, source.device)
-    n_bytes = packed.numel()
-    if m:
-        rows = _rows_per_tile(block, group)
+    if m == 0:
+        return packed, mins, scales
+    layout = None if source.is_contiguous() else strided_rows(source, group, block)
+    rows = _rows_per_tile(block, group)
+    arguments = (
+        mix_seed(seed) if stochastic and device_seed is None else 0,
+        source if device_seed is None else device_seed,  # an unread pointer without one
+    )
+    constants = dict(
+        STOCHASTIC=bool(stochastic),
+        SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
+        BITS=bits,
+        GROUP=group,
+        BLOCK=block,
+        ROWS=rows,
+        **LAUNCH_OPTIONS,
+    )
+    if layout is not None:
+        (batch, heads, n_rows, width), strides = layout
+        span = rows * block * group // width
+        aq_quantize_strided_kernel[(cdiv(n_rows, span), heads, batch)](
+            source, packed, mins, scales, packed.numel(), *arguments, heads, n_rows, *strides,
+            WIDTH=width, **constants,
+        )  # fmt: skip
+    else:
         aq_quantize_kernel[(cdiv(m, rows * block),)](
-            source,
-            packed,
-            mins,
-            scales,
-            m,
-            n_bytes,
-            mix_seed(seed) if stochastic and device_seed is None else 0,
-            source if device_seed is None else device_seed,  # an unread pointer without one
-            STOCHASTIC=bool(stochastic),
-            SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
-            BITS=bits,
-            GROUP=group,
-            BLOCK=block,
-            ROWS=rows,
-            **LAUNCH_OPTIONS,
+            source.contiguous(), packed, mins, scales, m, packed.numel(), *arguments, **constants
         )
     return packed, mins, scales
 

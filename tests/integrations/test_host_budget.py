@@ -65,6 +65,19 @@ def test_a_rotated_pack_and_unpack_are_one_launch_and_one_allocation_each(dtype)
     assert pack.seeds == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_transposed_view_packs_in_one_launch_without_a_copy(dtype):
+    """Attention's q, k and v ([batch, heads, seq, dim] views of [batch, seq, heads, dim]): the
+    pack kernel reads them where they lie; ``reshape(-1)`` copied each one first."""
+    codec = AverageQuantCodec(4, 1)
+    q = torch.randn(2, 64, 4, 32).to(dtype).transpose(1, 2)
+    with host_budget() as pack:
+        packed = codec.pack(q)
+    assert pack.triton_launches == {"aq_quantize_strided_kernel": 1}, pack
+    assert pack.device_ops == 0 and pack.allocations == 1 and pack.host_reads == 0, pack
+    assert packed.shape == q.shape
+
+
 def test_a_smaq_pack_is_three_launches_and_no_other_device_op():
     """SmaQ's statistics (one read of the tensor, then one program combining the tiles'
     partials: a dozen small PyTorch ops before) and its quantize kernel."""

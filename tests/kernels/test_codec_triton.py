@@ -101,6 +101,56 @@ def test_aq_kernel_reads_a_seed_on_the_device_as_the_host_seed(seed):
     assert not torch.equal(other[0], got[0])
 
 
+def _strided(physical, permutation=(0, 2, 1, 3)):
+    torch.manual_seed(sum(physical))
+    return (torch.randn(physical) * 3).to(torch.bfloat16).permute(permutation)
+
+
+# (view, bits, group, block): attention's q, k and v are [batch, seq, heads, dim] tensors seen
+# as [batch, heads, seq, dim]; a program takes 4,096 values of one head's rows, so each head
+# ends in a partial tile here (the next head's codes must survive it).
+STRIDED_VIEWS = {
+    "head dim 32": (lambda: _strided((2, 200, 3, 32)), 4, 1, 128),
+    "head dim 128": (lambda: _strided((2, 48, 4, 128)), 3, 1, 64),
+    "groups of 4": (lambda: _strided((3, 70, 2, 64)), 2, 4, 32),
+    "a block of 4096": (lambda: _strided((1, 512, 2, 16)), 8, 16, 256),
+    "columns of a wider tensor": (lambda: _strided((5, 40, 96), (0, 1, 2))[:, :, :64], 4, 1, 128),
+}
+
+
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("name", list(STRIDED_VIEWS))
+def test_aq_kernel_packs_a_transposed_view_where_it_lies_as_its_flat_copy(name, stochastic):
+    from hf_actq.kernels.average_quant import strided_rows
+
+    make, bits, group, block = STRIDED_VIEWS[name]
+    view = make()
+    assert not view.is_contiguous() and strided_rows(view, group, block) is not None
+    got = aq_quantize_triton(view, group, bits, block, stochastic, 2024)
+    expected = aq_quantize_reference(view.reshape(-1), group, bits, block, stochastic, 2024)
+    # Means of groups are sums in the same order here: bit for bit at every group size.
+    for got_buffer, expected_buffer in zip(got, expected):
+        assert torch.equal(got_buffer, expected_buffer)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        _strided((2, 10, 3, 48)),  # a head dim that is not a power of two
+        _strided((1, 3, 2, 32)),  # a head's rows end inside a block
+        _strided((2, 10, 3, 4)),  # rows narrower than a 128-bit load
+    ],
+    ids=["dim 48", "rows inside a block", "dim 4"],
+)
+def test_aq_kernel_copies_other_strided_views_first(view):
+    from hf_actq.kernels.average_quant import strided_rows
+
+    assert strided_rows(view, 1, 128) is None
+    got = aq_quantize_triton(view, 1, 4, 128, True, 5)
+    for got_buffer, expected_buffer in zip(got, aq_quantize_reference(view, 1, 4, 128, True, 5)):
+        assert torch.equal(got_buffer, expected_buffer)
+
+
 def test_aq_quantize_keeps_codes_and_metadata_in_one_allocation():
     mins_storage = aq_quantize_triton(torch.randn(1000), 1, 4, 128, False)
     pointers = {t.untyped_storage().data_ptr() for t in mins_storage}
