@@ -149,3 +149,38 @@ def test_the_step_seed_follows_the_model_to_its_device():
     model.to("cuda")(input_ids=torch.tensor([[5, 6, 7]], device="cuda"))
     assert dedup.step_seed().device.type == "cuda"
     handle.revert()
+
+
+def test_eager_capture_keeps_dropout_random_and_warns_of_frozen_rounding_noise():
+    """In eager mode a seed drawn on the host would be frozen into a captured CUDA graph: the
+    dropouts then run stock (their masks come from the CUDA generator, fresh each replay), and
+    a patched model's captured forward warns that its rounding noise is the capture's."""
+    from hf_actq.ops import dedup
+    from hf_actq.ops.dropout import CompressedDropout
+    from hf_actq.testing import tiny_batch, tiny_model
+
+    dropout = CompressedDropout(0.5)
+    x = torch.ones(1 << 16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture stream, as torch's docs do
+        dropout(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dropout(x)
+    graph.replay()
+    first = out.clone()
+    graph.replay()
+    assert not torch.equal(first, out)
+
+    model = tiny_model("bert").cuda().train()
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    batch = {k: v.cuda() for k, v in tiny_batch("bert").items()}
+    with torch.cuda.stream(stream):
+        model(**batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    dedup._WARNED_EAGER_CAPTURE.clear()
+    warning = pytest.warns(UserWarning, match="captured into a CUDA graph in eager mode")
+    with warning, torch.cuda.graph(torch.cuda.CUDAGraph()):
+        model(**batch)

@@ -186,6 +186,13 @@ _SEED_MODULUS = 2**31 - 1
 _RANK_STRIDE = 0x9E3779B1
 
 
+def capturing_cuda_graph(device: torch.device | None) -> bool:
+    """Whether work on ``device`` is being captured into a CUDA graph in eager mode
+    (``torch.cuda.graph``, ``make_graphed_callables``). A seed drawn on the host is then frozen
+    into the graph: every replay rounds with the noise of the capture."""
+    return device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def draw_seed() -> int:
     """A seed from torch's CPU generator, salted with the process rank.
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_actq.codecs.packed import Codec, draw_seed
+from hf_actq.codecs.packed import Codec, capturing_cuda_graph, draw_seed
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.dropout import keep_mask
 from hf_actq.ops.state import STATE, OpState, keep_rng_stream, once_differentiable, wants_backward
@@ -74,6 +74,13 @@ def _slots(state: OpState, names) -> dict[str, _Slot]:
         name: _Slot(state.codecs.get(name), name == "k" and state.key_layout == "sequence")
         for name in names
     }
+
+
+def _dropout_stays_stock(query) -> bool:
+    """Attention with dropout runs stock under torch.compile (a trace cannot read the seed this
+    op keeps, nor capture and restore RNG states for the replay) and under eager CUDA-graph
+    capture (a seed drawn on the host would give every replay the capture's mask)."""
+    return torch.compiler.is_compiling() or capturing_cuda_graph(query.device)
 
 
 def _eager_forward(query, key, value, mask, scaling, dropout):
@@ -166,7 +173,7 @@ def compressed_eager_attention(
     state = _state(module, codecs, cache)
     training = module is not None and module.training
     p = dropout if module is None or training else 0.0
-    if p > 0.0 and torch.compiler.is_compiling():
+    if p > 0.0 and _dropout_stays_stock(query):
         # A trace cannot read the dropout seed this op keeps: the plain form, whose saved
         # tensors the compiler chooses.
         scores = torch.matmul(query, key.transpose(2, 3)) * scaling
@@ -321,7 +328,7 @@ def compressed_sdpa_attention(
         (codecs is None and cache is None and STATE not in getattr(module, "__dict__", {}))
         or kwargs.get("cache") is not None
         # A trace cannot capture and restore the RNG state for the dropout replay.
-        or (dropout > 0.0 and torch.compiler.is_compiling())
+        or (dropout > 0.0 and _dropout_stays_stock(query))
     ):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs

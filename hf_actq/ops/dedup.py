@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from hf_actq.codecs.packed import (
     Codec,
     Packed,
     UnpackShare,
+    capturing_cuda_graph,
     draw_seed,
     draw_seed_tensor,
     process_rank,
@@ -386,8 +388,29 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
 
 def advance_step_seed(module: torch.nn.Module | None = None, *hook_arguments) -> None:
     """A new step seed, once per forward of a patched model (also its forward pre-hook)."""
+    device = None if module is None else _device_of(module)
+    if capturing_cuda_graph(device) and not torch.compiler.is_compiling():
+        _warn_eager_capture()
     with torch.no_grad():
-        _step_seed_on(None if module is None else _device_of(module)).add_(1)
+        _step_seed_on(device).add_(1)
+
+
+_WARNED_EAGER_CAPTURE: list[bool] = []
+
+
+def _warn_eager_capture() -> None:
+    # Eager packs draw their rounding seeds on the host (and the fused kernels take them as
+    # arguments): a CUDA graph keeps the values of its capture. A compiled step reads them on
+    # the device, where each replay advances them.
+    if not _WARNED_EAGER_CAPTURE:
+        _WARNED_EAGER_CAPTURE.append(True)
+        warnings.warn(
+            "hf_actq: a patched model's forward is being captured into a CUDA graph in eager "
+            "mode; every replay will round the saved activations with the noise drawn at "
+            "capture (dropout stays stock and random). To capture with fresh noise each step, "
+            "compile the model: torch.compile(model, mode='reduce-overhead').",
+            stacklevel=3,
+        )
 
 
 INNER_FORWARD = "_hf_actq_embedding_forward"

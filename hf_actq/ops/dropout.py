@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_actq.codecs.packed import draw_seed
+from hf_actq.codecs.packed import capturing_cuda_graph, draw_seed
 from hf_actq.kernels import mask_pack, mask_unpack, seeded_dropout
 from hf_actq.kernels.dropout import dropout_keep_reference
 from hf_actq.ops.state import OpState, once_differentiable, set_state, state_of, wants_backward
@@ -69,9 +69,11 @@ class CompressedDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if self.p == 1.0 or torch.compiler.is_compiling():
+        if self.p == 1.0 or torch.compiler.is_compiling() or capturing_cuda_graph(x.device):
             # Under torch.compile the seed cannot be read in the trace: stock dropout, whose
-            # mask the compiler keeps (or regenerates, on CUDA) as it chooses.
+            # mask the compiler keeps (or regenerates, on CUDA) as it chooses. Captured into a
+            # CUDA graph, a seed drawn on the host would give every replay the capture's mask;
+            # stock dropout draws from the CUDA generator, which each replay advances.
             return state_of(self).plain(x)
         state = state_of(self)
         if not wants_backward(self, x):
