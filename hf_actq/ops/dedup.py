@@ -389,7 +389,8 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
 def advance_step_seed(module: torch.nn.Module | None = None, *hook_arguments) -> None:
     """A new step seed, once per forward of a patched model (also its forward pre-hook)."""
     device = None if module is None else _device_of(module)
-    if capturing_cuda_graph(device) and not torch.compiler.is_compiling():
+    # A trace checks nothing here (dynamo would trace the capture query).
+    if not torch.compiler.is_compiling() and capturing_cuda_graph(device):
         _warn_eager_capture()
     with torch.no_grad():
         _step_seed_on(device).add_(1)
