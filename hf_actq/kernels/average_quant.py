@@ -35,6 +35,8 @@ from hf_actq.kernels.triton_common import (
     jit,
     noise_stream_key,
     pack_tile,
+    row_max,
+    row_min,
     tile,
     tile_at,
     tl,
@@ -333,8 +335,8 @@ def aq_quantize_span(
         mean = tl.sum(tl.reshape(values, [ROWS, BLOCK, GROUP]), axis=2) * (1.0 / GROUP)
         mean = to_dtype(mean, DTYPE).to(tl.float32)
 
-    lo = tl.min(tl.where(valid, mean, float("inf")), axis=1)
-    hi = tl.max(tl.where(valid, mean, float("-inf")), axis=1)
+    lo = row_min(tl.where(valid, mean, float("inf")))
+    hi = row_max(tl.where(valid, mean, float("-inf")))
     top = tl.full([ROWS], (1 << BITS) - 1, tl.float32)
     # Per row, so IEEE divisions cost nothing: hi / top - lo / top as the twin computes it.
     scale = tl.math.div_rn(hi, top) - tl.math.div_rn(lo, top)

@@ -25,6 +25,7 @@ from hf_actq.kernels.triton_common import (
     cdiv,
     jit,
     pack_tile,
+    row_max,
     tile,
     tl,
     to_dtype,
@@ -95,7 +96,7 @@ def blpa_quantize_kernel(
     valid = local < count
     x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
     half = tl.full([ROWS], 1 << (BITS - 1), tl.float32)
-    step = tl.math.div_rn(tl.max(tl.abs(x), axis=1), half)
+    step = tl.math.div_rn(row_max(tl.abs(x)), half)
     inv = tl.where(step > 0, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), step), 0.0)
     # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
     HALF: tl.constexpr = 1 << (BITS - 1)

@@ -116,6 +116,30 @@ def unpack_tile(packed_ptr, n_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, BIT
 
 
 @jit
+def _minimum_keeping_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def _maximum_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@jit
+def row_min(values):
+    """The minimum of each row of ``values``, NaN where the row holds one, as torch's ``amin``:
+    ``tl.min`` drops NaN (minNum on a GPU), and a block's NaN would then round to a finite code
+    where the twin (and the stock model's saved tensor) keeps it non-finite."""
+    return tl.reduce(values, 1, _minimum_keeping_nan)
+
+
+@jit
+def row_max(values):
+    """:func:`row_min`'s maximum."""
+    return tl.reduce(values, 1, _maximum_keeping_nan)
+
+
+@jit
 def hashed_noise(index, key):
     """``kernels/compiled.py:uniform_noise`` bit for bit: fp32 noise in [0, 1) with 24 random
     bits, the lowbias32 hash of uint32 ``index`` and uint32 ``key``. About 10 integer

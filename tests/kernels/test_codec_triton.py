@@ -151,6 +151,79 @@ def test_aq_kernel_copies_other_strided_views_first(view):
         assert torch.equal(got_buffer, expected_buffer)
 
 
+def _with_non_finite(source: torch.Tensor) -> torch.Tensor:
+    """``source`` (flat order) with a NaN, an infinity of each sign, and both in one block."""
+    flat = source.reshape(-1)
+    for index, value in ((10, "nan"), (300, "inf"), (700, "-inf"), (1000, "inf"), (1001, "-inf")):
+        flat[index] = float(value)
+    return source
+
+
+def _assert_same_buffers_and_values(got, expected, unpack, codes=True):
+    for got_buffer, expected_buffer in zip(got, expected, strict=True):
+        if codes or got_buffer.is_floating_point():
+            torch.testing.assert_close(got_buffer, expected_buffer, rtol=0, atol=0, equal_nan=True)
+    values, twin_values = unpack(got, kernel=True), unpack(expected, kernel=False)
+    torch.testing.assert_close(values, twin_values, rtol=0, atol=0, equal_nan=True)
+    return values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "codec", ["aq nearest", "aq stochastic", "aq groups of 4", "aq strided", "blpa", "smaq"]
+)
+def test_codec_kernels_keep_nan_and_infinities_non_finite_as_their_twins(codec, dtype):
+    """A non-finite value makes its block's values non-finite in backward, in the kernel as in
+    the twin (the stock model's saved tensor holds it): a GPU's min/max reductions drop NaN,
+    and the block's other values would then round to finite codes."""
+    torch.manual_seed(1)
+    n = 3000
+    if codec == "smaq":
+        from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
+
+        source = _with_non_finite((torch.randn(n) * 2).to(dtype))
+        stats = smaq_stats_reference(source)
+        torch.testing.assert_close(smaq_stats_triton(source), stats, equal_nan=True)
+        quantize = (smaq_quantize_triton, smaq_quantize_reference)
+        got, expected = (f(source, stats, 64, 24, True, 77) for f in quantize)
+        dequantize = (smaq_dequantize_triton, smaq_dequantize_reference)
+        args = (stats, source.shape, dtype, 64, 24)
+        # NaN statistics make every value NaN; the codes, of NaN, are anything.
+        values = _assert_same_buffers_and_values(
+            got,
+            expected,
+            lambda buffers, kernel: dequantize[not kernel](*buffers, *args),
+            codes=False,
+        )
+        assert values.isnan().all()
+        return
+    group, block = (4, 32) if codec == "aq groups of 4" else (1, 128)
+    if codec == "aq strided":
+        source = _with_non_finite(torch.randn(2, 200, 3, 32).to(dtype)).permute(0, 2, 1, 3)
+        blocks = source.reshape(-1).view(-1, block)
+    else:
+        source = _with_non_finite((torch.randn(n) * 2).to(dtype))
+        blocks = source[: n // (block * group) * block * group].view(-1, block * group)
+    if codec == "blpa":
+        got = blpa_quantize_triton(source, 4, block)
+        expected = blpa_quantize_reference(source, 4, block)
+        dequantize = (blpa_dequantize_triton, blpa_dequantize_reference)
+        args = (source.shape, dtype, 4, block)
+    else:
+        stochastic = codec == "aq stochastic"
+        got = aq_quantize_triton(source, group, 4, block, stochastic, 9)
+        expected = aq_quantize_reference(source.reshape(-1), group, 4, block, stochastic, 9)
+        dequantize = (aq_dequantize_triton, aq_dequantize_reference)
+        args = (torch.Size([source.numel() // group, group]), dtype, 4, group, block)
+    values = _assert_same_buffers_and_values(
+        got, expected, lambda buffers, kernel: dequantize[not kernel](*buffers, *args)
+    )
+    values = values.reshape(-1)[: blocks.numel()].view(blocks.shape)
+    non_finite_blocks = ~blocks.isfinite().all(dim=1)
+    assert non_finite_blocks.sum() >= 3  # the NaN's, the infinities' (flat: 4 blocks)
+    assert torch.equal(~values.isfinite().all(dim=1), non_finite_blocks)
+
+
 def test_aq_quantize_keeps_codes_and_metadata_in_one_allocation():
     mins_storage = aq_quantize_triton(torch.randn(1000), 1, 4, 128, False)
     pointers = {t.untyped_storage().data_ptr() for t in mins_storage}
