@@ -12,6 +12,7 @@ import copy
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -151,11 +152,11 @@ def test_the_step_seed_follows_the_model_to_its_device():
     handle.revert()
 
 
-def test_eager_capture_keeps_dropout_random_and_warns_of_frozen_rounding_noise():
-    """In eager mode a seed drawn on the host would be frozen into a captured CUDA graph: the
-    dropouts then run stock (their masks come from the CUDA generator, fresh each replay), and
-    a patched model's captured forward warns that its rounding noise is the capture's."""
-    from hf_actq.ops import dedup
+def test_eager_capture_keeps_dropout_and_rounding_noise_fresh_on_every_replay():
+    """Captured into a CUDA graph in eager mode, a seed drawn on the host would be frozen: the
+    dropouts run stock (their masks come from the CUDA generator, fresh each replay), and the
+    packs draw their seeds on the device, so a captured training step's replays round with
+    fresh noise (the gradients differ from replay to replay; the loss, exact, does not)."""
     from hf_actq.ops.dropout import CompressedDropout
     from hf_actq.testing import tiny_batch, tiny_model
 
@@ -176,11 +177,21 @@ def test_eager_capture_keeps_dropout_random_and_warns_of_frozen_rounding_noise()
 
     model = tiny_model("bert").cuda().train()
     hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
-    batch = {k: v.cuda() for k, v in tiny_batch("bert").items()}
+    batch = {k: tiny_batch("bert")[k].cuda() for k in ("input_ids", "labels")}
     with torch.cuda.stream(stream):
-        model(**batch)
+        for _ in range(2):
+            model(**batch).loss.backward()
     torch.cuda.current_stream().wait_stream(stream)
-    dedup._WARNED_EAGER_CAPTURE.clear()
-    warning = pytest.warns(UserWarning, match="captured into a CUDA graph in eager mode")
-    with warning, torch.cuda.graph(torch.cuda.CUDAGraph()):
-        model(**batch)
+    model.zero_grad(set_to_none=True)  # the captured backward allocates the gradients
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.cuda.graph(graph):
+            loss = model(**batch).loss
+            loss.backward()
+    weight = model.bert.encoder.layer[0].attention.self.query.weight
+    graph.replay()
+    first_loss, first_grad = loss.clone(), weight.grad.clone()
+    graph.replay()
+    assert torch.equal(loss, first_loss)
+    assert not torch.equal(weight.grad, first_grad)

@@ -199,7 +199,7 @@ class PackCache:
             if source is not x:
                 packed = self.pack(source, codec, slot, linear_input)
                 return self._derived(packed, x, dropout)
-        seed = self.seed_for(codec, slot)
+        seed = self.seed_for(codec, slot, x.device)
         watcher = observer()
         if self._aliases and not x.is_inference():
             alias = self._aliases.get(_where(x))
@@ -229,11 +229,16 @@ class PackCache:
         return packed
 
     @staticmethod
-    def seed_for(codec: Codec, slot: str | None) -> int | None:
-        """The seed :meth:`pack` draws for ``slot`` (one per stochastic pack, found or not)."""
+    def seed_for(
+        codec: Codec, slot: str | None, device: torch.device | None = None
+    ) -> int | torch.Tensor | None:
+        """The seed :meth:`pack` draws for ``slot`` (one per stochastic pack, found or not); a
+        pack on ``device`` captured into a CUDA graph takes :func:`captured_seed`."""
         if not codec.uses_rng:
             return None
         seed = seed_override(slot)
+        if seed is None and capturing_cuda_graph(device):
+            return captured_seed(codec, device)
         return draw_seed() if seed is None else seed
 
     def holds(self, x: torch.Tensor) -> bool:
@@ -389,28 +394,35 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
 def advance_step_seed(module: torch.nn.Module | None = None, *hook_arguments) -> None:
     """A new step seed, once per forward of a patched model (also its forward pre-hook)."""
     device = None if module is None else _device_of(module)
-    # A trace checks nothing here (dynamo would trace the capture query).
-    if not torch.compiler.is_compiling() and capturing_cuda_graph(device):
-        _warn_eager_capture()
     with torch.no_grad():
         _step_seed_on(device).add_(1)
 
 
-_WARNED_EAGER_CAPTURE: list[bool] = []
+def captured_seed(codec: Codec, device: torch.device) -> int | torch.Tensor:
+    """The seed of a pack captured into a CUDA graph in eager mode (``torch.cuda.graph``,
+    ``make_graphed_callables``): drawn on the device from its generator, which each replay
+    advances, where the codec's kernels read it there (uniform, AQ, SmaQ, the rotated codec
+    keeping every coefficient), so every replay rounds with fresh noise. A seed drawn on the
+    host would be frozen into the graph: the sampled rotated codec's signs take one all the
+    same, and a warning says so, once."""
+    if codec.takes_device_seed:
+        return draw_seed_tensor(device)
+    _warn_frozen_noise(codec)
+    return draw_seed()
 
 
-def _warn_eager_capture() -> None:
-    # Eager packs draw their rounding seeds on the host (and the fused kernels take them as
-    # arguments): a CUDA graph keeps the values of its capture. A compiled step reads them on
-    # the device, where each replay advances them.
-    if not _WARNED_EAGER_CAPTURE:
-        _WARNED_EAGER_CAPTURE.append(True)
+_WARNED_FROZEN_NOISE: list[bool] = []
+
+
+def _warn_frozen_noise(codec: Codec) -> None:
+    if not _WARNED_FROZEN_NOISE:
+        _WARNED_FROZEN_NOISE.append(True)
         warnings.warn(
-            "hf_actq: a patched model's forward is being captured into a CUDA graph in eager "
-            "mode; every replay will round the saved activations with the noise drawn at "
-            "capture (dropout stays stock and random). To capture with fresh noise each step, "
-            "compile the model: torch.compile(model, mode='reduce-overhead').",
-            stacklevel=3,
+            f"hf_actq: a {codec!r} pack is being captured into a CUDA graph in eager mode; "
+            "its seed is drawn on the host, so every replay rounds it with the noise drawn at "
+            "capture. Codecs that read their seeds on the GPU (uniform, alam, SmaQ, rotated "
+            "with group_size=1) round with fresh noise on every replay.",
+            stacklevel=4,
         )
 
 

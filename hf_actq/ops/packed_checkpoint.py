@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hf_actq.codecs.packed import Codec
 from hf_actq.kernels.compiled import uniform_noise
-from hf_actq.ops.dedup import traced_pack
+from hf_actq.ops.dedup import PackCache, traced_pack
 from hf_actq.ops.state import once_differentiable
 
 REPLAY_KEY = "hf_actq_replay_key"
@@ -97,7 +97,9 @@ class PackedCheckpointFunction(torch.autograd.Function):
         kept = list(inputs)
         ctx.header = None
         if call.packed_index is not None:
-            packed = call.codec.pack(inputs[call.packed_index].detach())
+            source = inputs[call.packed_index].detach()
+            # The pack cache's seed: drawn on the device while a CUDA graph is captured.
+            packed = call.codec.pack(source, PackCache.seed_for(call.codec, None, source.device))
             ctx.header = packed.with_tensors(())
             ctx.n_packed = len(packed.tensors)
             kept[call.packed_index] = None

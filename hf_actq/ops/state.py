@@ -27,7 +27,7 @@ from torch import nn
 from torch._C import _functions
 
 from hf_actq.codecs import AverageQuantCodec
-from hf_actq.codecs.packed import Codec, Packed, skip_seeds
+from hf_actq.codecs.packed import Codec, Packed, capturing_cuda_graph, skip_seeds
 from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.slots import observer, per_slot_seeds
@@ -215,13 +215,16 @@ def packs_in_kernel(x: torch.Tensor, codecs) -> bool:
     """Whether a fused kernel may make the packs of tensors shaped as ``x`` itself, with the
     seeds and shares the pack cache would give: uniform/AQ ``codecs`` whose groups divide the
     last dim, kernels that run for ``x`` (CPU: the twin would be the composition), no observer
-    watching the packs (measurement and calibration see every tensor packed), no trace."""
+    watching the packs (measurement and calibration see every tensor packed), no trace, and no
+    stochastic codec while a CUDA graph is captured (the fused kernels take their seeds from
+    the host, which a graph would freeze; the packs' own kernels read them on the device)."""
     return (
         all(isinstance(codec, AverageQuantCodec) for codec in codecs)
         and not any(x.shape[-1] % codec.group_size for codec in codecs)
         and runs_kernels(x)
         and observer() is None
         and not torch.compiler.is_compiling()
+        and not (any(codec.stochastic for codec in codecs) and capturing_cuda_graph(x.device))
     )
 
 
