@@ -539,21 +539,24 @@ BANDWIDTH_KERNELS = {
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 
 
-def aligned_arguments(variant: Variant) -> dict:
+def aligned_arguments(variant: Variant, by_name: bool = False) -> dict | list[str]:
     """The attributes the JIT gives a launch on PyTorch's allocations: 16-byte aligned pointers
     and sizes that are multiples of 16 (the common case, and the one whose code the JIT runs at
     scale): element counts, a norm's row width (every real hidden size) and the strides of a
-    strided pack's rows. Without them a
-    cubin shows scalar loads where the JIT's has 128-bit ones."""
-    names = list(variant.signature)
-    return {
-        (names.index(name),): [["tt.divisibility", 16]]
+    strided pack's rows. Without them a cubin shows scalar loads where the JIT's has 128-bit
+    ones. ``by_name``: the arguments' names alone."""
+    names = [
+        name
         for name, kind in variant.signature.items()
         if kind.startswith("*")
         or (kind in INDEX_TYPES and name.startswith("n_"))
         or (kind == "i32" and name == "width")
         or (kind in INDEX_TYPES and name.startswith("stride_"))  # q, k, v: heads x head dim
-    }
+    ]
+    if by_name:
+        return names
+    positions = list(variant.signature)
+    return {(positions.index(name),): [["tt.divisibility", 16]] for name in names}
 
 
 def compile_variant(variant: Variant, cc: int) -> dict:
@@ -573,12 +576,7 @@ def compile_kernel(fn, variant: Variant, cc: int) -> dict:
     from hf_actq.kernels.triton_common import LAUNCH_OPTIONS
 
     start = time.perf_counter()
-    source = ASTSource(
-        fn=fn,
-        signature=variant.signature,
-        constexprs=variant.constexprs,
-        attrs=aligned_arguments(variant),
-    )
+    source = _source(ASTSource, fn, variant)
     options = variant.options or LAUNCH_OPTIONS
     compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32), options=options)
     result = {
@@ -592,6 +590,32 @@ def compile_kernel(fn, variant: Variant, cc: int) -> dict:
     }
     result["problems"] = bandwidth_problems(result)
     return result
+
+
+def _source(ast_source, fn, variant: Variant):
+    """``ASTSource`` of ``variant``, as the installed Triton takes it: by argument name with
+    constexprs and attribute lists (3.3 on), or, in the Triton that PyTorch 2.5 pins (3.1, the
+    floor of the ``triton`` extra), by argument index with constants and an AttrsDescriptor."""
+    import inspect
+
+    if "constexprs" in inspect.signature(ast_source).parameters:
+        return ast_source(
+            fn=fn,
+            signature=variant.signature,
+            constexprs=variant.constexprs,
+            attrs=aligned_arguments(variant),
+        )
+    from triton.compiler.compiler import AttrsDescriptor
+
+    index = {name: position for position, name in enumerate(fn.arg_names)}
+    signature = {index[name]: kind for name, kind in variant.signature.items()}
+    aligned = {index[name] for name in aligned_arguments(variant, by_name=True)}
+    return ast_source(
+        fn,
+        {position: kind for position, kind in signature.items() if kind != "constexpr"},
+        constants={index[name]: value for name, value in variant.constexprs.items()},
+        attrs=AttrsDescriptor(divisible_by_16=aligned, equal_to_1=set()),
+    )
 
 
 def bandwidth_problems(result: dict) -> list[str]:
