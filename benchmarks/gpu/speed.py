@@ -49,9 +49,9 @@ FLUSH_BYTES = 256 << 20  # over the 50 MiB L2 of an H100 or H200
 
 def device_seconds(fn, device: torch.device, calls: int = CALLS) -> float:
     """Device seconds per call of ``fn`` (see the module); wall seconds on the CPU."""
-    fn()  # compiles what it launches
-    if device.type != "cuda":
+    if device.type != "cuda":  # the dry run: one warm-up call and one timed, interpreted
         return check._timed(fn, device, 1)
+    fn()  # compiles what it launches
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -68,7 +68,7 @@ def device_seconds(fn, device: torch.device, calls: int = CALLS) -> float:
 
 
 def host_seconds(fn, device: torch.device) -> float:
-    return check._host_timed(fn, device, 5)
+    return check._host_timed(fn, device, 5 if device.type == "cuda" else 1)
 
 
 def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:

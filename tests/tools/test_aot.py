@@ -224,7 +224,8 @@ def test_the_rotated_kernels_stream(tmp_path):
     width, bf16, sm_90: no software division, 128-bit accesses to the tensor, no stack."""
     from aot import BANDWIDTH_KERNELS
 
-    results = _compile(tmp_path, "--match", "rotated_", "BLOCK=128", "n_elements:i32", ccs=(90,))
+    match = ("rotated_", "BLOCK=128", "ptr:*bf16", "n_elements:i32")  # bf16 in and out
+    results = _compile(tmp_path, "--match", *match, ccs=(90,))
     assert {r["kernel"] for r in results} == {
         "rotated_quantize_kernel",
         "rotated_dequantize_kernel",
