@@ -81,6 +81,7 @@ def test_a_captured_pack_seeded_on_the_host_warns_once(capturing, seeds):
     assert seeds == {"host": 2, "device": 0}
 
 
+@pytest.mark.needs_kernels  # the kernels' dispatch: Triton installed
 @pytest.mark.parametrize("recipe", ["uniform", "checkpoint"])
 @pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
 def test_a_captured_patched_step_draws_no_seed_on_the_host(monkeypatch, captured, recipe):
