@@ -594,8 +594,9 @@ def compile_kernel(fn, variant: Variant, cc: int) -> dict:
 
 def _source(ast_source, fn, variant: Variant):
     """``ASTSource`` of ``variant``, as the installed Triton takes it: by argument name with
-    constexprs and attribute lists (3.3 on), or, in the Triton that PyTorch 2.5 pins (3.1, the
-    floor of the ``triton`` extra), by argument index with constants and an AttrsDescriptor."""
+    constexprs and attribute lists (the newest, 3.9 when written), or by argument index with
+    constants and an AttrsDescriptor (3.1, the one PyTorch 2.5 pins, the ``triton`` extra's
+    floor). Versions between these two are not tried here."""
     import inspect
 
     if "constexprs" in inspect.signature(ast_source).parameters:
