@@ -171,6 +171,8 @@ def _rotated(dtype, index, block_sizes) -> list[Variant]:
 # 2-bit groups, at the common head dims.
 STRIDED_CODECS = ((4, 1, 128), (3, 1, 64), (2, 4, 128))
 STRIDED_WIDTHS = (32, 64, 128)
+# BLPA's (bits, block): its default and 2 bits.
+STRIDED_BLPA = ((4, 128), (2, 128))
 
 
 def codec_shapes(block_sizes) -> list[tuple[int, int, int]]:
@@ -372,6 +374,21 @@ def variants() -> list[Variant]:
                             blpa,
                         )
                     )
+                    if (bits, block) in STRIDED_BLPA:
+                        signature = {"src_ptr": f"*{dtype}", "packed_ptr": "*u8"}
+                        signature |= {"steps_ptr": "*fp32", "n_bytes": index}
+                        signature |= {"n_heads": "i32", "n_rows": "i32"}
+                        signature |= dict.fromkeys(("stride_batch", "stride_head"), index)
+                        signature["stride_row"] = index
+                        out += [
+                            _variant(
+                                "sign_preserving",
+                                "blpa_quantize_strided_kernel",
+                                signature,
+                                {**blpa, "WIDTH": width},
+                            )
+                            for width in STRIDED_WIDTHS
+                        ]
             out += _rotated(dtype, index, BLOCK_SIZES)
             out.append(
                 _variant(
@@ -523,6 +540,7 @@ BANDWIDTH_KERNELS = {
     "aq_quantize_strided_kernel": "LDG.E.128",
     "aq_dequantize_kernel": "STG.E.128",
     "blpa_quantize_kernel": "LDG.E.128",
+    "blpa_quantize_strided_kernel": "LDG.E.128",
     "blpa_dequantize_kernel": "STG.E.128",
     "mask_pack_kernel": "LDG.E.128",
     "mask_unpack_kernel": "STG.E.128",

@@ -50,7 +50,8 @@ class SignPreservingCodec(Codec):
 
     def pack(self, x: torch.Tensor, seed: int | None = None) -> Packed:
         check_floating(x, self)
-        tensors = blpa_quantize(x.reshape(-1), self.bits, self.block_size)
+        # The op flattens x (the kernel reads a transposed view where it lies).
+        tensors = blpa_quantize(x, self.bits, self.block_size)
         return Packed(self, x.shape, x.dtype, tensors)
 
     def unpack(self, packed: Packed) -> torch.Tensor:

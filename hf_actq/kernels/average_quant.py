@@ -37,6 +37,7 @@ from hf_actq.kernels.triton_common import (
     pack_tile,
     row_max,
     row_min,
+    strided_rows_tile,
     tile,
     tile_at,
     tl,
@@ -234,16 +235,12 @@ def aq_quantize_strided_kernel(
     # scales of its flat copy, without the copy. A program takes a tile's worth of one (batch,
     # head)'s consecutive rows (its rows hold whole blocks: the launcher checks).
     SPAN: tl.constexpr = ROWS * BLOCK * GROUP // WIDTH
-    start = tl.program_id(0) * SPAN
-    head, batch = tl.program_id(1), tl.program_id(2)
-    row = start + tl.arange(0, SPAN)
-    base = src_ptr + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
-    offsets = row.to(tl.int64)[:, None] * stride_row + tl.arange(0, WIDTH)[None, :]
-    values = tl.load(base + offsets, mask=(row < n_rows)[:, None], other=0.0)
-    values = tl.reshape(values.to(tl.float32), [ROWS, BLOCK * GROUP])
-    first_row = (batch.to(tl.int64) * n_heads + head) * n_rows + start
+    values, first_row, rows = strided_rows_tile(
+        src_ptr, n_heads, n_rows, stride_batch, stride_head, stride_row, SPAN, WIDTH
+    )
+    values = tl.reshape(values, [ROWS, BLOCK * GROUP])
     first = first_row * (WIDTH // GROUP)
-    count = (tl.minimum(n_rows - start, SPAN) * (WIDTH // GROUP)).to(tl.int32)
+    count = (rows * (WIDTH // GROUP)).to(tl.int32)
     if STOCHASTIC:
         key = noise_stream_key(noise_key, seed_ptr, SEED_IN_MEMORY).to(tl.int32, bitcast=True)
     else:

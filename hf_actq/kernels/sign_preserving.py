@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from hf_actq.kernels.average_quant import strided_rows
 from hf_actq.kernels.packing import (
     CODEC_CHUNK,
     Layout,
@@ -26,6 +27,7 @@ from hf_actq.kernels.triton_common import (
     jit,
     pack_tile,
     row_max,
+    strided_rows_tile,
     tile,
     tl,
     to_dtype,
@@ -36,7 +38,9 @@ from hf_actq.kernels.triton_common import (
 def blpa_quantize_reference(
     source: torch.Tensor, bits: int, block: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed codes and per-block fp32 steps; ``x > 0`` maps to the upper half of the codes."""
+    """Packed codes and per-block fp32 steps of ``source``'s flat copy; ``x > 0`` maps to the
+    upper half of the codes."""
+    source = source.reshape(-1)
     n = source.numel()
     half = 2 ** (bits - 1)
     packed, steps = one_allocation(blpa_layout(n, bits, block), source.device)
@@ -93,17 +97,65 @@ def blpa_quantize_kernel(
 ):
     # ROWS blocks per program, constant bits and block.
     first, count, local = tile(n_elements, ROWS, BLOCK)
+    x = tl.load(src_ptr + first + local, mask=local < count, other=0.0).to(tl.float32)
+    blpa_quantize_span(x, first, count, packed_ptr, steps_ptr, n_bytes - first * BITS // 8,
+                       BITS, BLOCK, ROWS)  # fmt: skip
+
+
+@jit
+def blpa_quantize_strided_kernel(
+    src_ptr,
+    packed_ptr,
+    steps_ptr,
+    n_bytes,
+    n_heads,
+    n_rows,
+    stride_batch,
+    stride_head,
+    stride_row,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    # blpa_quantize_kernel on a transposed view (attention's q, k and v), read where it lies:
+    # the codes and steps of its flat copy (aq_quantize_strided_kernel's way).
+    SPAN: tl.constexpr = ROWS * BLOCK // WIDTH
+    values, first_row, rows = strided_rows_tile(
+        src_ptr, n_heads, n_rows, stride_batch, stride_head, stride_row, SPAN, WIDTH
+    )
+    first = first_row * WIDTH
+    count = (rows * WIDTH).to(tl.int32)
+    byte_limit = tl.minimum(n_bytes - first * BITS // 8, count * BITS // 8)
+    blpa_quantize_span(tl.reshape(values, [ROWS, BLOCK]), first, count, packed_ptr, steps_ptr,
+                       byte_limit, BITS, BLOCK, ROWS)  # fmt: skip
+
+
+@jit
+def blpa_quantize_span(
+    x,
+    first,
+    count,
+    packed_ptr,
+    steps_ptr,
+    byte_limit,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """Quantize the ``count`` values ``x`` ([ROWS, BLOCK] fp32; past ``count``: 0) from value
+    ``first`` on (a multiple of BLOCK, 8k values), storing at most ``byte_limit`` bytes of
+    codes (a tile that ends before the tensor does must not zero its successor's codes)."""
+    local = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     valid = local < count
-    x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
     half = tl.full([ROWS], 1 << (BITS - 1), tl.float32)
     step = tl.math.div_rn(row_max(tl.abs(x)), half)
     inv = tl.where(step > 0, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), step), 0.0)
     # ceil(x / step) - 1: x in (0, step] -> 0 (upper half); x = 0 -> -1 (lower half).
     HALF: tl.constexpr = 1 << (BITS - 1)
     q = tl.minimum(tl.maximum(tl.ceil(x * inv[:, None]) - 1.0, -HALF), HALF - 1.0) + HALF
-    byte_start = first * BITS // 8
     code = tl.where(valid, q, 0.0).to(tl.int32)
-    pack_tile(packed_ptr + byte_start, code, n_bytes - byte_start, ROWS, BLOCK, BITS)
+    pack_tile(packed_ptr + first * BITS // 8, code, byte_limit, ROWS, BLOCK, BITS)
     row = tl.arange(0, ROWS)
     tl.store(steps_ptr + first // BLOCK + row, step, mask=row * BLOCK < count)
 
@@ -137,15 +189,24 @@ def blpa_layout(n: int, bits: int, block: int) -> Layout:
 
 
 def blpa_quantize_triton(source, bits, block):
-    """The Triton side of :func:`blpa_quantize_reference`: one launch, one allocation."""
-    source = source.contiguous()
+    """The Triton side of :func:`blpa_quantize_reference`: one launch, one allocation. A
+    transposed view (attention's q, k and v) is read where it lies, not copied first."""
     n = source.numel()
     packed, steps = one_allocation(blpa_layout(n, bits, block), source.device)
-    n_bytes = packed.numel()
-    if n:
-        rows = _rows_per_tile(block)
+    if n == 0:
+        return packed, steps
+    layout = None if source.is_contiguous() else strided_rows(source, 1, block)
+    rows = _rows_per_tile(block)
+    constants = dict(BITS=bits, BLOCK=block, ROWS=rows, **LAUNCH_OPTIONS)
+    if layout is not None:
+        (batch, heads, n_rows, width), strides = layout
+        blpa_quantize_strided_kernel[(cdiv(n_rows, rows * block // width), heads, batch)](
+            source, packed, steps, packed.numel(), heads, n_rows, *strides, WIDTH=width,
+            **constants,
+        )  # fmt: skip
+    else:
         blpa_quantize_kernel[(cdiv(n, rows * block),)](
-            source, packed, steps, n, n_bytes, BITS=bits, BLOCK=block, ROWS=rows, **LAUNCH_OPTIONS
+            source.contiguous(), packed, steps, n, packed.numel(), **constants
         )
     return packed, steps
 

@@ -116,6 +116,32 @@ def unpack_tile(packed_ptr, n_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, BIT
 
 
 @jit
+def strided_rows_tile(
+    src_ptr,
+    n_heads,
+    n_rows,
+    stride_batch,
+    stride_head,
+    stride_row,
+    SPAN: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    """This program's SPAN rows of one (batch, head) of a [batch, heads, n_rows, WIDTH] view whose
+    rows are contiguous but not each other's neighbours (attention's q, k and v: transposed
+    views; program ids: row tile, head, batch): the values as fp32 [SPAN, WIDTH] (0 past the
+    head's last row), the index of the first row in the view's flat copy (int64), and how many
+    of the SPAN rows exist."""
+    start = tl.program_id(0) * SPAN
+    head, batch = tl.program_id(1), tl.program_id(2)
+    row = start + tl.arange(0, SPAN)
+    base = src_ptr + batch.to(tl.int64) * stride_batch + head.to(tl.int64) * stride_head
+    offsets = row.to(tl.int64)[:, None] * stride_row + tl.arange(0, WIDTH)[None, :]
+    values = tl.load(base + offsets, mask=(row < n_rows)[:, None], other=0.0)
+    first_row = (batch.to(tl.int64) * n_heads + head) * n_rows + start
+    return values.to(tl.float32), first_row, tl.minimum(n_rows - start, SPAN)
+
+
+@jit
 def _minimum_keeping_nan(a, b):
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 

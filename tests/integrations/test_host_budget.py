@@ -66,14 +66,21 @@ def test_a_rotated_pack_and_unpack_are_one_launch_and_one_allocation_each(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_transposed_view_packs_in_one_launch_without_a_copy(dtype):
+@pytest.mark.parametrize(
+    "codec,kernel",
+    [
+        (AverageQuantCodec(4, 1), "aq_quantize_strided_kernel"),
+        (SignPreservingCodec(4), "blpa_quantize_strided_kernel"),
+    ],
+    ids=["uniform", "blpa"],
+)
+def test_a_transposed_view_packs_in_one_launch_without_a_copy(codec, kernel, dtype):
     """Attention's q, k and v ([batch, heads, seq, dim] views of [batch, seq, heads, dim]): the
     pack kernel reads them where they lie; ``reshape(-1)`` copied each one first."""
-    codec = AverageQuantCodec(4, 1)
     q = torch.randn(2, 64, 4, 32).to(dtype).transpose(1, 2)
     with host_budget() as pack:
         packed = codec.pack(q)
-    assert pack.triton_launches == {"aq_quantize_strided_kernel": 1}, pack
+    assert pack.triton_launches == {kernel: 1}, pack
     assert pack.device_ops == 0 and pack.allocations == 1 and pack.host_reads == 0, pack
     assert packed.shape == q.shape
 

@@ -19,6 +19,7 @@ from hf_actq.kernels.average_quant import (  # noqa: E402  # noqa: E402
     aq_dequantize_triton,
     aq_quantize_reference,
     aq_quantize_triton,
+    strided_rows,
 )
 from hf_actq.kernels.mask import (  # noqa: E402  # noqa: E402
     mask_pack_reference,
@@ -131,6 +132,18 @@ def test_aq_kernel_packs_a_transposed_view_where_it_lies_as_its_flat_copy(name, 
     # Means of groups are sums in the same order here: bit for bit at every group size.
     for got_buffer, expected_buffer in zip(got, expected):
         assert torch.equal(got_buffer, expected_buffer)
+
+
+@pytest.mark.parametrize("name", list(STRIDED_VIEWS))
+def test_blpa_kernel_packs_a_transposed_view_where_it_lies_as_its_flat_copy(name):
+    make, bits, _, block = STRIDED_VIEWS[name]
+    view = make()
+    assert strided_rows(view, 1, block) is not None
+    got = blpa_quantize_triton(view, bits, block)
+    expected = blpa_quantize_reference(view.reshape(-1), bits, block)
+    for got_buffer, expected_buffer in zip(got, expected, strict=True):
+        assert torch.equal(got_buffer, expected_buffer)
+    assert torch.equal(blpa_quantize_triton(view.contiguous(), bits, block)[0], got[0])
 
 
 @pytest.mark.parametrize(

@@ -86,6 +86,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
         FLOAT_TYPES,
         GATED_LAYOUTS,
         INDEX_TYPES,
+        STRIDED_BLPA,
         STRIDED_CODECS,
         STRIDED_WIDTHS,
         codec_shapes,
@@ -115,6 +116,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     per_float_type += 4 * len(shapes) + 2 * sum(group == 1 for _, group, _ in shapes)
     # aq quantize of strided rows: per strided codec and width, the three seed forms
     per_float_type += 3 * len(STRIDED_CODECS) * len(STRIDED_WIDTHS)
+    per_float_type += len(STRIDED_BLPA) * len(STRIDED_WIDTHS)  # and blpa's
     # SmaQ: dequantize per block size, quantize per block size and extension tile (a power of two
     # from 1 to block // 4 bytes), deterministic and stochastic with the seed as an argument and
     # read from memory
@@ -149,7 +151,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 21
+    assert len(defined) == 22
 
 
 @pytest.mark.slow
