@@ -208,14 +208,19 @@ def test_the_bandwidth_gate_fails_a_kernel_that_divides_and_gathers(tmp_path):
 
 
 def test_the_codec_kernels_stream(tmp_path):
-    """AQ's bf16 pack and unpack kernels at every width and group (other types and kernels: the
-    slow tests' full compiles): no software division, 128-bit accesses to the float tensor, no
-    stack (aot.py fails them otherwise)."""
+    """AQ's bf16 pack (stochastic, seeded from the host: an eager training step's) and unpack
+    kernels at every width and group (other seed forms, types and kernels: the slow tests' full
+    compiles): no software division, 128-bit accesses to the float tensor, no stack (aot.py
+    fails them otherwise)."""
     from aot import BANDWIDTH_KERNELS
 
     # sm_90 (the H100 and H200 the speed goals are set on); sm_80 compiles in the test above.
-    results = _compile(tmp_path, "--match", "aq_", "BLOCK=128", "n_means:i32", "bf16", ccs=(90,))
+    match = ("_kernel", "BLOCK=128", "n_means:i32", "bf16")
+    results = _compile(tmp_path, "--match", "aq_dequantize", *match, ccs=(90,))
+    pack = ("aq_quantize_kernel STOCHASTIC=True SEED_IN_MEMORY=False", *match)
+    results += _compile(tmp_path, "--match", *pack, ccs=(90,))
     assert {r["kernel"] for r in results} == {"aq_quantize_kernel", "aq_dequantize_kernel"}
+    assert len(results) == 32
     assert {int(r["variant"].split("GROUP=")[1].split()[0]) for r in results} == {1, 2, 4, 8, 16}
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
