@@ -557,13 +557,13 @@ BANDWIDTH_KERNELS = {
 _INTEGER_DIVISION = re.compile(r"\b(div|rem)\.[su](32|64)\b")
 
 
-def aligned_arguments(variant: Variant, by_name: bool = False) -> dict | list[str]:
-    """The attributes the JIT gives a launch on PyTorch's allocations: 16-byte aligned pointers
-    and sizes that are multiples of 16 (the common case, and the one whose code the JIT runs at
-    scale): element counts, a norm's row width (every real hidden size) and the strides of a
-    strided pack's rows. Without them a cubin shows scalar loads where the JIT's has 128-bit
-    ones. ``by_name``: the arguments' names alone."""
-    names = [
+def aligned_names(variant: Variant) -> list[str]:
+    """The arguments the JIT marks as 16-aligned on a launch on PyTorch's allocations: pointers
+    (16-byte aligned) and sizes that are multiples of 16 (the common case, and the one whose
+    code the JIT runs at scale): element counts, a norm's row width (every real hidden size)
+    and the strides of a strided pack's rows. Without them a cubin shows scalar loads where the
+    JIT's has 128-bit ones."""
+    return [
         name
         for name, kind in variant.signature.items()
         if kind.startswith("*")
@@ -571,10 +571,12 @@ def aligned_arguments(variant: Variant, by_name: bool = False) -> dict | list[st
         or (kind == "i32" and name == "width")
         or (kind in INDEX_TYPES and name.startswith("stride_"))  # q, k, v: heads x head dim
     ]
-    if by_name:
-        return names
+
+
+def aligned_arguments(variant: Variant) -> dict:
+    """:func:`aligned_names` as the newest Triton's ``ASTSource`` takes them."""
     positions = list(variant.signature)
-    return {(positions.index(name),): [["tt.divisibility", 16]] for name in names}
+    return {(positions.index(name),): [["tt.divisibility", 16]] for name in aligned_names(variant)}
 
 
 def compile_variant(variant: Variant, cc: int) -> dict:
@@ -628,7 +630,7 @@ def _source(ast_source, fn, variant: Variant):
 
     index = {name: position for position, name in enumerate(fn.arg_names)}
     signature = {index[name]: kind for name, kind in variant.signature.items()}
-    aligned = {index[name] for name in aligned_arguments(variant, by_name=True)}
+    aligned = {index[name] for name in aligned_names(variant)}
     return ast_source(
         fn,
         {position: kind for position, kind in signature.items() if kind != "constexpr"},

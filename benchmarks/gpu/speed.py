@@ -181,12 +181,13 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     # in place, against the copy then the pack that every q, k and v took before.
     q = x.view(2, 2, 2, 128) if dry else x.view(2, 2048, 32, 128)
     q = q.transpose(1, 2)
+    codecs = check.timed_codecs(stochastic=True)
     for label in ("uniform 4-bit", "BLPA 4-bit"):
-        codec = check.timed_codecs(stochastic=True)[label]
+        codec = codecs[label]
         packed = codec.pack(q).nbytes
         cases.append((f"{label} pack of a transposed q", functools.partial(codec.pack, q),
-                      functools.partial(lambda codec: codec.pack(q.contiguous()), codec),
-                      n * size + packed, 3 * n * size + packed))  # fmt: skip
+                      lambda codec=codec: codec.pack(q.contiguous()), n * size + packed,
+                      3 * n * size + packed))  # fmt: skip
 
     # The rotated codec as the composition it was (the library's matrix product into full-size
     # coefficients, AQ's kernel; and back), beside its fused kernels above: per dtype, the GPU
