@@ -488,7 +488,9 @@ def run_kernels(out: Path, device: torch.device, dry: bool, deadline: float) -> 
             host_s = _host_timed(ours, device, min(repeats, 5))
             ratio = ours_s / stock_s
             if dtype_name == next(iter(dtypes)):
-                _profile(ours, device, out / f"profile-kernel-{_slug(name)}.txt")
+                # One interpreted call is a profile's worth in a dry run.
+                calls = 1 if dry else 3
+                _profile(ours, device, out / f"profile-kernel-{_slug(name)}.txt", calls)
             rows.append(
                 {
                     "kernel": name,

@@ -2,7 +2,7 @@
 side, in about a minute a run (issue 69's "measurement you can act on").
 
     bash benchmarks/gpu/speed.sh                       # this tree and .baseline, A B A B
-    python benchmarks/gpu/speed.py --label new --out DIR [--dry-run]
+    python benchmarks/gpu/speed.py --label new --out DIR [--dry-run] [--match TEXT ...]
     python benchmarks/gpu/speed.py --compare --out DIR  # speed.md from the runs' JSON
 
 Kernels, at 16 Mi elements in fp32 and bf16, each against the op it replaces or accompanies:
@@ -214,7 +214,8 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     return cases
 
 
-def run_kernels(device, dry: bool) -> list:
+def run_kernels(device, dry: bool, match: list[str] | None = None) -> list:
+    """Each kernel case's row; with ``match``, only the cases whose name holds one of them."""
     rows = []
     for dtype_name, dtype in ({"fp32": torch.float32} if dry else {
             "fp32": torch.float32, "bf16": torch.bfloat16}).items():  # fmt: skip
@@ -222,6 +223,8 @@ def run_kernels(device, dry: bool) -> list:
         copy_s = device_seconds(source.clone, device)
         copy_gbs = 2 * source.numel() * source.element_size() / copy_s / 1e9
         for name, ours, reference, floor_bytes, reference_bytes in kernel_cases(device, dtype, dry):
+            if match and not any(part in name for part in match):
+                continue
             ours_s, reference_s = device_seconds(ours, device), device_seconds(reference, device)
             rows.append(
                 {
@@ -343,6 +346,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, interpreter")
     parser.add_argument("--compare", action="store_true", help="speed.md from the runs' JSON")
     parser.add_argument("--steps", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--match", nargs="+", metavar="TEXT",
+                        help="time only the kernel cases whose name holds one of these: a short "
+                        "loan retimes the kernel a change touched")  # fmt: skip
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -364,7 +370,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"hf_actq came from {hf_actq.__file__}, not from {tree}")
     began = time.monotonic()
     with dispatch:
-        kernels = run_kernels(device, args.dry_run)
+        kernels = run_kernels(device, args.dry_run, args.match)
         steps = run_steps(device, args.dry_run) if args.steps else []
     data = {
         "label": args.label,

@@ -139,7 +139,8 @@ def test_a_rerun_selects_what_did_not_pass_before(tmp_path):
 
 def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path):
     """benchmarks/gpu/speed.sh on the CPU (--dry-run, kernels only): each tree's hf_actq is the
-    one timed, and speed.md sets them side by side."""
+    one timed, and speed.md sets them side by side. Every case runs once, in this tree alone
+    (below); the two trees side by side time the cases ``--match`` selects."""
     import shutil
 
     pytest.importorskip("triton")
@@ -149,7 +150,8 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
     env = dict(os.environ, OUT=str(tmp_path / "out"), BASELINE=str(baseline), ROUNDS="1")
     env["PYTHON"] = sys.executable
     done = subprocess.run(
-        ["bash", "benchmarks/gpu/speed.sh", "--dry-run", "--no-steps"],
+        ["bash", "benchmarks/gpu/speed.sh", "--dry-run", "--no-steps", "--match",
+         "uniform 4-bit pack+unpack", "few-bit gelu"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -161,19 +163,39 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
     assert runs["base"]["hf_actq"] == str(baseline / "hf_actq")
     assert runs["base"]["commit"] == "base000"
     for data in runs.values():
-        cases = {row["case"] for row in data["kernels"]}
-        assert {"few-bit gelu 3-bit fwd+bwd", "uniform 4-bit pack+unpack"} <= cases
-        assert "RMSNorm, 4-bit x_hat, fwd+bwd" in cases
-        # The rotated codec both ways: its fused kernels and the composition they replace.
-        assert {"rotated 4-bit pack+unpack", "rotated 4-bit pack+unpack, rotation outside "
-                "the kernels"} <= cases  # fmt: skip
+        assert {row["case"] for row in data["kernels"]} == {
+            "few-bit gelu 3-bit fwd+bwd",
+            "uniform 4-bit pack+unpack",
+        }
         assert all(row["device us"] > 0 and row["host us"] > 0 for row in data["kernels"])
     table = (tmp_path / "out" / "speed.md").read_text()
     assert "| uniform 4-bit pack+unpack | fp32 |" in table and "nan" not in table
     # Where the fused few-bit forward's output came from (on the CPU: never probed, PyTorch's).
     verdicts = runs["new"]["fused few-bit forward"]
-    assert verdicts == {"gelu float32": "PyTorch's output", "silu float32": "PyTorch's output"}
+    assert verdicts == {"gelu float32": "PyTorch's output"}
     assert "- gelu float32: PyTorch's output" in table
+
+
+def test_the_speed_check_runs_every_kernel_case(tmp_path):
+    pytest.importorskip("triton")
+    done = subprocess.run(
+        [sys.executable, "benchmarks/gpu/speed.py", "--dry-run", "--no-steps", "--out",
+         str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((tmp_path / "speed-new-1.json").read_text())
+    cases = {row["case"] for row in data["kernels"]}
+    assert {"few-bit gelu 3-bit fwd+bwd", "uniform 4-bit pack+unpack"} <= cases
+    assert "RMSNorm, 4-bit x_hat, fwd+bwd" in cases
+    # The rotated codec both ways: its fused kernels and the composition they replace.
+    assert {"rotated 4-bit pack+unpack", "rotated 4-bit pack+unpack, rotation outside "
+            "the kernels"} <= cases  # fmt: skip
+    assert all(row["device us"] > 0 and row["host us"] > 0 for row in data["kernels"])
+    assert data["fused few-bit forward"] == {
+        "gelu float32": "PyTorch's output",
+        "silu float32": "PyTorch's output",
+    }
 
 
 def test_the_graphed_step_times_each_recipe_against_the_unpatched_compiled_step(tmp_path):

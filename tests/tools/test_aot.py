@@ -227,12 +227,16 @@ def test_the_codec_kernels_stream(tmp_path):
 
 
 def test_the_rotated_kernels_stream(tmp_path):
-    """The rotated pack and unpack (the rotation a tensor-core product inside each) at every
-    width, bf16, sm_90: no software division, 128-bit accesses to the tensor, no stack."""
+    """The rotated pack (stochastic, seeded from the host: an eager training step's) and unpack,
+    the rotation a tensor-core product inside each, at every width, bf16, sm_90: no software
+    division, 128-bit accesses to the tensor, no stack (other seed forms: the slow compiles)."""
     from aot import BANDWIDTH_KERNELS
 
-    match = ("rotated_", "BLOCK=128", "ptr:*bf16", "n_elements:i32")  # bf16 in and out
-    results = _compile(tmp_path, "--match", *match, ccs=(90,))
+    match = ("BLOCK=128", "ptr:*bf16", "n_elements:i32")  # bf16 in and out
+    results = _compile(tmp_path, "--match", "rotated_dequantize", *match, ccs=(90,))
+    pack = ("rotated_quantize_kernel STOCHASTIC=True SEED_IN_MEMORY=False", *match)
+    results += _compile(tmp_path, "--match", *pack, ccs=(90,))
+    assert len(results) == 16
     assert {r["kernel"] for r in results} == {
         "rotated_quantize_kernel",
         "rotated_dequantize_kernel",
