@@ -37,6 +37,7 @@ from hf_actq.kernels.triton_common import (
     pack_tile,
     row_max,
     row_min,
+    strided_rows,
     strided_rows_tile,
     tile,
     tile_at,
@@ -436,26 +437,6 @@ def aq_buffers(m: int, bits: int, block: int, device) -> tuple[torch.Tensor, ...
     """``(packed, mins, scales)`` for ``m`` means: views of one allocation (:func:`aq_layout`),
     the twin's as the kernel's."""
     return one_allocation(aq_layout(m, bits, block), device)
-
-
-def strided_rows(source: torch.Tensor, group: int, block: int) -> tuple | None:
-    """``(batch, heads, rows, width)`` and the first three's strides of a tensor that
-    :func:`aq_quantize_strided_kernel` packs as it is: at most 4 dims (fewer: leading 1s), the
-    last contiguous, a power of two in [8, TILE_ELEMENTS] wide, each (batch, head)'s rows
-    holding whole blocks, the grid's limits kept. None for every other tensor (it is copied)."""
-    if source.dim() < 2 or source.dim() > 4 or source.stride(-1) != 1:
-        return None
-    shape = (1,) * (4 - source.dim()) + tuple(source.shape)
-    strides = (0,) * (4 - source.dim()) + tuple(source.stride())
-    batch, heads, rows, width = shape
-    if (
-        width & (width - 1)
-        or not 8 <= width <= TILE_ELEMENTS
-        or (rows * width) % (block * group)
-        or max(batch, heads) > 65535
-    ):
-        return None
-    return shape, strides[:3]
 
 
 def aq_quantize_triton(source, group, bits, block, stochastic, seed=0, device_seed=None):

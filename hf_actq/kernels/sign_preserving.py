@@ -9,7 +9,6 @@ import math
 
 import torch
 
-from hf_actq.kernels.average_quant import strided_rows
 from hf_actq.kernels.packing import (
     CODEC_CHUNK,
     Layout,
@@ -27,6 +26,7 @@ from hf_actq.kernels.triton_common import (
     jit,
     pack_tile,
     row_max,
+    strided_rows,
     strided_rows_tile,
     tile,
     tl,

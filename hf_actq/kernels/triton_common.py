@@ -9,6 +9,8 @@ launches: each op file holds its twin and its kernel, and the twins must import 
 
 from __future__ import annotations
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -113,6 +115,27 @@ def unpack_tile(packed_ptr, n_bytes, ROWS: tl.constexpr, COLS: tl.constexpr, BIT
         lane = tl.arange(0, 8).to(tl.int64)
         code = ((word[:, :, None] >> (lane * BITS)[None, None, :]) & ((1 << BITS) - 1)).to(tl.int32)
     return tl.reshape(code, [ROWS, COLS])
+
+
+def strided_rows(source: torch.Tensor, group: int, block: int) -> tuple | None:
+    """``(batch, heads, rows, width)`` and the first three's strides of a tensor that the
+    strided pack kernels read where it lies (:func:`strided_rows_tile`, AQ's and BLPA's): at most
+    4 dims (fewer: leading 1s), the last contiguous, a power of two in [8, TILE_ELEMENTS] wide,
+    each (batch, head)'s rows holding whole blocks of ``block`` means of ``group`` values, the
+    grid's limits kept. None for every other tensor (it is copied)."""
+    if source.dim() < 2 or source.dim() > 4 or source.stride(-1) != 1:
+        return None
+    shape = (1,) * (4 - source.dim()) + tuple(source.shape)
+    strides = (0,) * (4 - source.dim()) + tuple(source.stride())
+    batch, heads, rows, width = shape
+    if (
+        width & (width - 1)
+        or not 8 <= width <= TILE_ELEMENTS
+        or (rows * width) % (block * group)
+        or max(batch, heads) > 65535
+    ):
+        return None
+    return shape, strides[:3]
 
 
 @jit

@@ -14,21 +14,20 @@ if os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_ACTQ_TEST_DE
     )
 
 from hf_actq.codecs.packed import BLOCK_SIZES, draw_seed  # noqa: E402
-from hf_actq.kernels.average_quant import (  # noqa: E402  # noqa: E402
+from hf_actq.kernels.average_quant import (  # noqa: E402
     aq_dequantize_reference,
     aq_dequantize_triton,
     aq_quantize_reference,
     aq_quantize_triton,
-    strided_rows,
 )
-from hf_actq.kernels.mask import (  # noqa: E402  # noqa: E402
+from hf_actq.kernels.mask import (  # noqa: E402
     mask_pack_reference,
     mask_pack_triton,
     mask_unpack_reference,
     mask_unpack_triton,
 )
 from hf_actq.kernels.packing import unpack_codes  # noqa: E402
-from hf_actq.kernels.sign_preserving import (  # noqa: E402  # noqa: E402
+from hf_actq.kernels.sign_preserving import (  # noqa: E402
     blpa_dequantize_reference,
     blpa_dequantize_triton,
     blpa_quantize_reference,
@@ -40,6 +39,7 @@ from hf_actq.kernels.smaq import (  # noqa: E402
     smaq_stats_reference,
     smaq_stats_triton,
 )
+from hf_actq.kernels.triton_common import strided_rows  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -122,7 +122,6 @@ STRIDED_VIEWS = {
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 @pytest.mark.parametrize("name", list(STRIDED_VIEWS))
 def test_aq_kernel_packs_a_transposed_view_where_it_lies_as_its_flat_copy(name, stochastic):
-    from hf_actq.kernels.average_quant import strided_rows
 
     make, bits, group, block = STRIDED_VIEWS[name]
     view = make()
@@ -156,7 +155,6 @@ def test_blpa_kernel_packs_a_transposed_view_where_it_lies_as_its_flat_copy(name
     ids=["dim 48", "rows inside a block", "dim 4"],
 )
 def test_aq_kernel_copies_other_strided_views_first(view):
-    from hf_actq.kernels.average_quant import strided_rows
 
     assert strided_rows(view, 1, 128) is None
     got = aq_quantize_triton(view, 1, 4, 128, True, 5)
