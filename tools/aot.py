@@ -173,6 +173,8 @@ STRIDED_CODECS = ((4, 1, 128), (3, 1, 64), (2, 4, 128))
 STRIDED_WIDTHS = (32, 64, 128)
 # BLPA's (bits, block): its default and 2 bits.
 STRIDED_BLPA = ((4, 128), (2, 128))
+# SmaQ's default block.
+STRIDED_SMAQ_BLOCK = 256
 
 
 def codec_shapes(block_sizes) -> list[tuple[int, int, int]]:
@@ -195,6 +197,7 @@ def variants() -> list[Variant]:
     """
     from hf_actq.codecs.packed import BLOCK_SIZES
     from hf_actq.codecs.smaq import BLOCK_SIZES as SMAQ_BLOCK_SIZES
+    from hf_actq.codecs.smaq import SmaQCodec
     from hf_actq.fewbit.dp import MAX_BITS
     from hf_actq.kernels import average_quant, dropout, fewbit, mask, norm, sign_preserving, smaq
     from hf_actq.kernels.smaq import extension_bytes_pad
@@ -403,6 +406,17 @@ def variants() -> list[Variant]:
                     {"ROWS": smaq.STATS_ROWS, "COLS": smaq.STATS_COLS},
                 )
             )
+            strided = {"n_heads": "i32", "n_rows": "i32"}
+            strided |= dict.fromkeys(("stride_batch", "stride_head", "stride_row"), index)
+            out += [
+                _variant(
+                    "smaq",
+                    "smaq_stats_strided_kernel",
+                    {"src_ptr": f"*{dtype}", "partials_ptr": "*fp32", "n_tiles": index} | strided,
+                    {"ROWS": smaq.STATS_ROWS, "COLS": smaq.STATS_COLS, "WIDTH": width},
+                )
+                for width in STRIDED_WIDTHS
+            ]
             if dtype == "fp32":  # the partials are fp32 whatever the tensor's dtype
                 signature = {"partials_ptr": "*fp32", "stats_ptr": "*fp32"}
                 signature |= {"n_elements": index, "n_tiles": index}
@@ -435,6 +449,29 @@ def variants() -> list[Variant]:
                     for pad in pads
                     for stochastic, seed_in_memory in ((False, False), (True, False), (True, True))
                 )
+                if block == STRIDED_SMAQ_BLOCK:  # the default capacity's tile, every seed form
+                    pad = extension_bytes_pad(SmaQCodec(block_size=block).slots)
+                    signature = {"src_ptr": f"*{dtype}", "stats_ptr": "*fp32"}
+                    signature |= {"main_ptr": "*u8", "ext_ptr": "*u8", "n_main_bytes": index}
+                    signature |= {"slots": "i32", "noise_key": "i32"}
+                    out += [
+                        _variant(
+                            "smaq",
+                            "smaq_quantize_strided_kernel",
+                            signature
+                            | {"seed_ptr": "*i64" if seed_in_memory else "*fp32"}
+                            | strided,
+                            rows
+                            | {"BYTES_PAD": pad, "STOCHASTIC": stochastic}
+                            | {"SEED_IN_MEMORY": seed_in_memory, "WIDTH": width},
+                        )
+                        for width in STRIDED_WIDTHS
+                        for stochastic, seed_in_memory in (
+                            (False, False),
+                            (True, False),
+                            (True, True),
+                        )
+                    ]
                 out.append(
                     _variant(
                         "smaq",
@@ -548,7 +585,9 @@ BANDWIDTH_KERNELS = {
     "norm_row_means_kernel": "LDG.E.128",
     "norm_backward_kernel": "STG.E.128",
     "smaq_stats_kernel": "LDG.E.128",
+    "smaq_stats_strided_kernel": "LDG.E.128",
     "smaq_quantize_kernel": "LDG.E.128",
+    "smaq_quantize_strided_kernel": "LDG.E.128",
     "smaq_dequantize_kernel": "STG.E.128",
     "rotated_quantize_kernel": "LDG.E.128",
     "rotated_dequantize_kernel": "STG.E.128",

@@ -182,7 +182,9 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
     q = x.view(2, 2, 2, 128) if dry else x.view(2, 2048, 32, 128)
     q = q.transpose(1, 2)
     codecs = check.timed_codecs(stochastic=True)
-    for label in ("uniform 4-bit", "BLPA 4-bit"):
+    # (SmaQ reads q where it lies when each head holds whole 4,096-value tiles: on the GPU's
+    # shape, not the dry run's.)
+    for label in ("uniform 4-bit", "BLPA 4-bit", "SmaQ"):
         codec = codecs[label]
         packed = codec.pack(q).nbytes
         cases.append((f"{label} pack of a transposed q", functools.partial(codec.pack, q),

@@ -29,7 +29,7 @@ from hf_actq.codecs.packed import (
     seed_arguments,
     validate_int,
 )
-from hf_actq.kernels import smaq_dequantize, smaq_quantize, smaq_stats
+from hf_actq.kernels import smaq_dequantize, smaq_quantize
 from hf_actq.kernels.packing import packed_nbytes
 
 BLOCK_SIZES = (64, 128, 256)
@@ -67,14 +67,13 @@ class SmaQCodec(Codec):
 
     def pack(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> Packed:
         check_floating(x, self)
-        flat = x.reshape(-1)
         if self.stochastic and seed is None:
             seed = draw_seed()
-        stats = smaq_stats(flat)
-        main, extension = smaq_quantize(
-            flat, stats, self.block_size, self.slots, self.stochastic, *seed_arguments(seed)
+        # (main, extension, stats): one allocation; a transposed q, k or v is not copied first.
+        buffers = smaq_quantize(
+            x, self.block_size, self.slots, self.stochastic, *seed_arguments(seed)
         )
-        return Packed(self, x.shape, x.dtype, (main, extension, stats))
+        return Packed(self, x.shape, x.dtype, tuple(buffers))
 
     def unpack(self, packed: Packed) -> torch.Tensor:
         main, extension, stats = packed.tensors

@@ -15,7 +15,7 @@ from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 from hf_actq.kernels.registry import FAILED, KERNELS, kernels_on_cpu, triton_available
 from hf_actq.kernels.rotated import rotated_dequantize, rotated_quantize
 from hf_actq.kernels.sign_preserving import blpa_dequantize, blpa_quantize
-from hf_actq.kernels.smaq import smaq_dequantize, smaq_quantize, smaq_stats
+from hf_actq.kernels.smaq import smaq_dequantize, smaq_quantize
 
 __all__ = [
     "FAILED",
@@ -41,7 +41,6 @@ __all__ = [
     "seeded_dropout",
     "smaq_dequantize",
     "smaq_quantize",
-    "smaq_stats",
     "triton_available",
     "unpack_codes",
 ]

@@ -1,10 +1,11 @@
-"""SmaQ (``codecs/smaq.py``): ``hf_actq::smaq_stats`` (the tensor's mean and standard deviation,
-one read of it), ``hf_actq::smaq_quantize`` (z-score, rounding, 6-bit main codes, per-block 2-bit
-extension slots filled in element order by a block-local cumsum) and ``hf_actq::smaq_dequantize``,
-each a PyTorch twin and a Triton kernel. Quantize and dequantize are bit-exact with their twins,
-stochastic rounding included (the noise is the hash the AQ kernels draw,
-``kernels/compiled.py:uniform_noise``); the statistics agree to fp32 rounding (the kernel sums a
-tile as a tree, the twin as PyTorch does).
+"""SmaQ (``codecs/smaq.py``): ``hf_actq::smaq_quantize`` (the tensor's mean and standard
+deviation, one read of it; then z-scores, rounding, 6-bit main codes and per-block 2-bit extension
+slots filled in element order by a block-local cumsum, all into one allocation) and
+``hf_actq::smaq_dequantize``, each a PyTorch twin and Triton kernels. Given the same statistics,
+the codes and values are bit-exact with their twins, stochastic rounding included (the noise is
+the hash the AQ kernels draw, ``kernels/compiled.py:uniform_noise``); the statistics agree to
+fp32 rounding (the kernel sums a tile as a tree, the twin as PyTorch does). Attention's
+transposed q, k and v are read where they lie when each head holds whole statistics tiles.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 
 from hf_actq.kernels.compiled import as_int32, mix_seed, uniform_noise
 from hf_actq.kernels.packing import (
+    Layout,
     divided,
+    one_allocation,
     pack_chunk_into,
     pack_codes,
     packed_nbytes,
@@ -31,6 +34,8 @@ from hf_actq.kernels.triton_common import (
     jit,
     noise_stream_key,
     pack_tile,
+    strided_rows,
+    strided_rows_tile,
     tile,
     tl,
     to_dtype,
@@ -90,7 +95,35 @@ def combined_stats(partials: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack([mean, (spread / n).sqrt()]).float()
 
 
+def smaq_layout(n: int, block: int, slots: int) -> Layout:
+    """Where ``(main, extension, stats)`` of ``n`` values lie in their one allocation: the fp32
+    statistics lead, then the extension slots, then the 6-bit main codes."""
+    extension = cdiv(n, block) * slots // 4
+    return ((8 + extension, packed_nbytes(n, 6), torch.uint8), (8, extension, torch.uint8),
+            (0, 2, torch.float32))  # fmt: skip
+
+
 def smaq_quantize_reference(
+    source: torch.Tensor,
+    block: int,
+    slots: int,
+    stochastic: bool,
+    seed: int = 0,
+    device_seed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(main, extension, stats)`` of ``source``'s flat copy, views of one allocation
+    (:func:`smaq_layout`): its fp32 ``[mean, std]`` (:func:`smaq_stats_reference`), then the
+    codes given them (:func:`smaq_codes_reference`)."""
+    flat = source.reshape(-1)
+    stats = smaq_stats_reference(flat)
+    main, extension = smaq_codes_reference(flat, stats, block, slots, stochastic, seed, device_seed)
+    buffers = one_allocation(smaq_layout(flat.numel(), block, slots), source.device)
+    for buffer, value in zip(buffers, (main, extension, stats)):
+        buffer.copy_(value)
+    return buffers
+
+
+def smaq_codes_reference(
     source: torch.Tensor,
     stats: torch.Tensor,
     block: int,
@@ -189,12 +222,46 @@ def smaq_stats_kernel(
     valid = local < count
     x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
     shift = tl.load(src_ptr + first).to(tl.float32)
+    store_tile_partials(x, valid, shift, tl.program_id(0), partials_ptr, n_tiles)
+
+
+@jit
+def smaq_stats_strided_kernel(
+    src_ptr,
+    partials_ptr,
+    n_tiles,
+    n_heads,
+    n_rows,
+    stride_batch,
+    stride_head,
+    stride_row,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    # A transposed q, k or v where it lies (strided_rows_tile), each head's values whole tiles:
+    # the flat copy's tile, the same values in the same order.
+    values, first_row, _ = strided_rows_tile(
+        src_ptr, n_heads, n_rows, stride_batch, stride_head, stride_row, ROWS * COLS // WIDTH, WIDTH
+    )
+    x = tl.reshape(values, [ROWS, COLS])
+    base = src_ptr + tl.program_id(2).to(tl.int64) * stride_batch
+    start = tl.program_id(0).to(tl.int64) * (ROWS * COLS // WIDTH)
+    shift = tl.load(base + tl.program_id(1).to(tl.int64) * stride_head + start * stride_row)
+    valid = tl.full([ROWS, COLS], 1, tl.int1)
+    tile_index = first_row * WIDTH // (ROWS * COLS)
+    store_tile_partials(x, valid, shift.to(tl.float32), tile_index, partials_ptr, n_tiles)
+
+
+@jit
+def store_tile_partials(x, valid, shift, tile_index, partials_ptr, n_tiles):
+    """A tile's ``[sum(x - k), sum((x - k)**2), k]`` into column ``tile_index`` of the
+    partials."""
     deviation = tl.where(valid, x - shift, 0.0)
-    program = tl.program_id(0)
-    tl.store(partials_ptr + program, tl.sum(tl.sum(deviation, axis=1), axis=0))
+    tl.store(partials_ptr + tile_index, tl.sum(tl.sum(deviation, axis=1), axis=0))
     squares = tl.sum(tl.sum(deviation * deviation, axis=1), axis=0)
-    tl.store(partials_ptr + n_tiles + program, squares)
-    tl.store(partials_ptr + 2 * n_tiles + program, shift)
+    tl.store(partials_ptr + n_tiles + tile_index, squares)
+    tl.store(partials_ptr + 2 * n_tiles + tile_index, shift)
 
 
 @jit
@@ -260,8 +327,68 @@ def smaq_quantize_kernel(
     # ROWS blocks of BLOCK values a program, a block a row (128-bit loads; a row's cumsum stays
     # within a warp).
     first, count, local = tile(n_elements, ROWS, BLOCK)
+    x = tl.load(src_ptr + first + local, mask=local < count, other=0.0).to(tl.float32)
+    smaq_quantize_span(x, first, count, stats_ptr, main_ptr, ext_ptr, n_main_bytes, slots,
+                       noise_key, seed_ptr, STOCHASTIC, SEED_IN_MEMORY, BLOCK, ROWS,
+                       BYTES_PAD)  # fmt: skip
+
+
+@jit(do_not_specialize=["slots", "noise_key"])
+def smaq_quantize_strided_kernel(
+    src_ptr,
+    stats_ptr,
+    main_ptr,
+    ext_ptr,
+    n_main_bytes,
+    slots,
+    noise_key,
+    seed_ptr,
+    n_heads,
+    n_rows,
+    stride_batch,
+    stride_head,
+    stride_row,
+    STOCHASTIC: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTES_PAD: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    # A transposed q, k or v where it lies (strided_rows_tile), each head's values whole tiles:
+    # the flat copy's tile, its codes and slots.
+    values, first_row, rows = strided_rows_tile(
+        src_ptr, n_heads, n_rows, stride_batch, stride_head, stride_row, ROWS * BLOCK // WIDTH,
+        WIDTH,
+    )  # fmt: skip
+    x = tl.reshape(values, [ROWS, BLOCK])
+    smaq_quantize_span(x, first_row * WIDTH, (rows * WIDTH).to(tl.int32), stats_ptr, main_ptr,
+                       ext_ptr, n_main_bytes, slots, noise_key, seed_ptr, STOCHASTIC,
+                       SEED_IN_MEMORY, BLOCK, ROWS, BYTES_PAD)  # fmt: skip
+
+
+@jit
+def smaq_quantize_span(
+    x,
+    first,
+    count,
+    stats_ptr,
+    main_ptr,
+    ext_ptr,
+    n_main_bytes,
+    slots,
+    noise_key,
+    seed_ptr,
+    STOCHASTIC: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    BYTES_PAD: tl.constexpr,
+):
+    """Codes and extension slots of the ``count`` values ``x`` ([ROWS, BLOCK] fp32, a block a
+    row) from value ``first`` on (a multiple of BLOCK)."""
+    local = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     valid = local < count
-    x = tl.load(src_ptr + first + local, mask=valid, other=0.0).to(tl.float32)
     mean = tl.load(stats_ptr)
     std = tl.load(stats_ptr + 1)
     inv_std = tl.where(std > 0, tl.math.div_rn(1.0, std), 0.0)
@@ -341,20 +468,25 @@ def extension_bytes_pad(slots: int) -> int:
     return 1 << (max(slots // 4, 1) - 1).bit_length()
 
 
-def smaq_stats_triton(source):
-    """The Triton side of :func:`smaq_stats_reference`: one read of ``source``, then one
-    program combines the tiles' partials."""
-    source = source.contiguous()
+def smaq_stats_triton(source, stats=None, layout=None):
+    """The Triton side of :func:`smaq_stats_reference`: one read of ``source`` (where it lies,
+    given its :func:`strided_rows` ``layout``), then one program combines the tiles' partials
+    into ``stats`` (a new tensor unless given)."""
     n = source.numel()
+    if stats is None:
+        stats = torch.empty(2, dtype=torch.float32, device=source.device)
     if n == 0:
-        return torch.zeros(2, dtype=torch.float32, device=source.device)
+        return stats.zero_()
     tiles = cdiv(n, TILE_ELEMENTS)
     partials = torch.empty(3 * tiles, dtype=torch.float32, device=source.device)
-    # Its own allocation: the pack keeps it, and a view would keep the partials alive with it.
-    stats = torch.empty(2, dtype=torch.float32, device=source.device)
-    smaq_stats_kernel[(tiles,)](
-        source, partials, n, tiles, ROWS=STATS_ROWS, COLS=STATS_COLS, **LAUNCH_OPTIONS
-    )
+    shape = dict(ROWS=STATS_ROWS, COLS=STATS_COLS, **LAUNCH_OPTIONS)
+    if layout is not None:
+        (batch, heads, n_rows, width), strides = layout
+        smaq_stats_strided_kernel[(n_rows * width // TILE_ELEMENTS, heads, batch)](
+            source, partials, tiles, heads, n_rows, *strides, WIDTH=width, **shape
+        )
+    else:
+        smaq_stats_kernel[(tiles,)](source.contiguous(), partials, n, tiles, **shape)
     smaq_combine_kernel[(1,)](
         partials, stats, n, tiles, TILE=TILE_ELEMENTS, CHUNK=COMBINE_CHUNK, **LAUNCH_OPTIONS
     )
@@ -365,32 +497,50 @@ def _rows_per_tile(block: int) -> int:
     return CODE_TILE_ELEMENTS // block
 
 
-def smaq_quantize_triton(source, stats, block, slots, stochastic, seed=0, device_seed=None):
-    """The Triton side of :func:`smaq_quantize_reference`: one launch."""
-    source = source.contiguous()
+def strided_tiles(source: torch.Tensor) -> tuple | None:
+    """:func:`strided_rows`'s layout of a transposed q, k or v that the strided kernels read
+    where it lies: each head's values whole statistics tiles (so every tile is the flat copy's),
+    rows no wider than a quantize tile. None for every other tensor (it is copied)."""
+    if source.is_contiguous():
+        return None
+    layout = strided_rows(source, 1, TILE_ELEMENTS)
+    return layout if layout is not None and layout[0][3] <= CODE_TILE_ELEMENTS else None
+
+
+def smaq_quantize_triton(source, block, slots, stochastic, seed=0, device_seed=None):
+    """The Triton side of :func:`smaq_quantize_reference`: the statistics (two launches) and the
+    codes (one), into one allocation; attention's transposed q, k and v read where they lie."""
     n = source.numel()
-    main = torch.empty(packed_nbytes(n, 6), dtype=torch.uint8, device=source.device)
-    extension = torch.empty(cdiv(n, block) * slots // 4, dtype=torch.uint8, device=source.device)
-    if n:
-        rows = _rows_per_tile(block)
+    main, extension, stats = one_allocation(smaq_layout(n, block, slots), source.device)
+    layout = strided_tiles(source)
+    smaq_stats_triton(source, stats, layout)
+    if n == 0:
+        return main, extension, stats
+    rows = _rows_per_tile(block)
+    arguments = (
+        slots,
+        mix_seed(seed) if stochastic and device_seed is None else 0,
+        stats if device_seed is None else device_seed,  # an unread pointer without one
+    )
+    constants = dict(
+        STOCHASTIC=bool(stochastic),
+        SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
+        BLOCK=block,
+        ROWS=rows,
+        BYTES_PAD=extension_bytes_pad(slots),
+        **LAUNCH_OPTIONS,
+    )
+    if layout is not None:
+        (batch, heads, n_rows, width), strides = layout
+        smaq_quantize_strided_kernel[(n_rows * width // (rows * block), heads, batch)](
+            source, stats, main, extension, main.numel(), *arguments, heads, n_rows, *strides,
+            WIDTH=width, **constants,
+        )  # fmt: skip
+    else:
         smaq_quantize_kernel[(cdiv(n, rows * block),)](
-            source,
-            stats,
-            main,
-            extension,
-            n,
-            main.numel(),
-            slots,
-            mix_seed(seed) if stochastic and device_seed is None else 0,
-            stats if device_seed is None else device_seed,  # an unread pointer without one
-            STOCHASTIC=bool(stochastic),
-            SEED_IN_MEMORY=bool(stochastic) and device_seed is not None,
-            BLOCK=block,
-            ROWS=rows,
-            BYTES_PAD=extension_bytes_pad(slots),
-            **LAUNCH_OPTIONS,
+            source.contiguous(), stats, main, extension, n, main.numel(), *arguments, **constants
         )
-    return main, extension
+    return main, extension, stats
 
 
 def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
@@ -406,27 +556,21 @@ def smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots):
     return out.view(shape)
 
 
-def _smaq_quantize_fake(source, stats, block, slots, stochastic, seed=0, device_seed=None):
-    extension = packed_nbytes(-(-source.numel() // block) * slots, 2)
+def _smaq_quantize_fake(source, block, slots, stochastic, seed=0, device_seed=None):
+    extension = cdiv(source.numel(), block) * slots // 4
     return (
         source.new_empty(packed_nbytes(source.numel(), 6), dtype=torch.uint8),
         source.new_empty(extension, dtype=torch.uint8),
+        source.new_empty(2, dtype=torch.float32),
     )
 
 
-smaq_stats = register(
-    "smaq_stats",
-    smaq_stats_reference,
-    smaq_stats_triton,
-    fake=lambda source: source.new_empty(2, dtype=torch.float32),
-    takes=lambda source: source.dtype in FLOATS,
-)
 smaq_quantize = register(
     "smaq_quantize",
     smaq_quantize_reference,
     smaq_quantize_triton,
     fake=_smaq_quantize_fake,
-    takes=lambda source, *args: source.dtype in FLOATS and seed_beside(source, *args[5:]),
+    takes=lambda source, *args: source.dtype in FLOATS and seed_beside(source, *args[4:]),
 )
 smaq_dequantize = register(
     "smaq_dequantize",

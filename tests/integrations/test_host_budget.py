@@ -85,19 +85,28 @@ def test_a_transposed_view_packs_in_one_launch_without_a_copy(codec, kernel, dty
     assert packed.shape == q.shape
 
 
-def test_a_smaq_pack_is_three_launches_and_no_other_device_op():
+@pytest.mark.parametrize(
+    "transposed,kernels",
+    [
+        (False, ("smaq_stats_kernel", "smaq_quantize_kernel")),
+        (True, ("smaq_stats_strided_kernel", "smaq_quantize_strided_kernel")),
+    ],
+    ids=["flat", "transposed q"],
+)
+def test_a_smaq_pack_is_three_launches_into_one_allocation(transposed, kernels):
     """SmaQ's statistics (one read of the tensor, then one program combining the tiles'
-    partials: a dozen small PyTorch ops before) and its quantize kernel."""
+    partials: a dozen small PyTorch ops before) and its quantize kernel, into one allocation
+    kept (codes, slots, statistics) and one transient (the partials); attention's transposed q
+    not copied first."""
     codec = SmaQCodec()
-    x = torch.randn(3 * 4096 + 5).to(torch.bfloat16)
+    x = torch.randn(2, 128, 4, 32).to(torch.bfloat16)
+    x = x.transpose(1, 2) if transposed else x.view(-1)[5:]  # a partial last tile
     with host_budget() as pack:
-        codec.pack(x)
-    assert pack.triton_launches == {
-        "smaq_stats_kernel": 1,
-        "smaq_combine_kernel": 1,
-        "smaq_quantize_kernel": 1,
-    }, pack
-    assert pack.device_ops == 0 and pack.host_reads == 0, pack
+        packed = codec.pack(x)
+    stats, quantize = kernels
+    assert pack.triton_launches == {stats: 1, "smaq_combine_kernel": 1, quantize: 1}, pack
+    assert pack.device_ops == 0 and pack.host_reads == 0 and pack.allocations == 2, pack
+    assert len({t.untyped_storage().data_ptr() for t in packed.tensors}) == 1
 
 
 def _fwd_bwd(module, x):

@@ -34,10 +34,14 @@ from hf_actq.kernels.sign_preserving import (  # noqa: E402
     blpa_quantize_triton,
 )
 from hf_actq.kernels.smaq import (  # noqa: E402
+    smaq_codes_reference,
     smaq_dequantize_reference,
+    smaq_dequantize_triton,
     smaq_quantize_reference,
+    smaq_quantize_triton,
     smaq_stats_reference,
     smaq_stats_triton,
+    strided_tiles,
 )
 from hf_actq.kernels.triton_common import strided_rows  # noqa: E402
 
@@ -190,15 +194,13 @@ def test_codec_kernels_keep_nan_and_infinities_non_finite_as_their_twins(codec, 
     torch.manual_seed(1)
     n = 3000
     if codec == "smaq":
-        from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
-
         source = _with_non_finite((torch.randn(n) * 2).to(dtype))
         stats = smaq_stats_reference(source)
         torch.testing.assert_close(smaq_stats_triton(source), stats, equal_nan=True)
         quantize = (smaq_quantize_triton, smaq_quantize_reference)
-        got, expected = (f(source, stats, 64, 24, True, 77) for f in quantize)
+        got, expected = (f(source, 64, 24, True, 77) for f in quantize)
         dequantize = (smaq_dequantize_triton, smaq_dequantize_reference)
-        args = (stats, source.shape, dtype, 64, 24)
+        args = (source.shape, dtype, 64, 24)
         # NaN statistics make every value NaN; the codes, of NaN, are anything.
         values = _assert_same_buffers_and_values(
             got,
@@ -321,7 +323,6 @@ def test_block_sizes_are_the_compiled_ones():
 @pytest.mark.parametrize("block,capacity", [(64, 0.375), (128, 0.0), (256, 0.375), (64, 1.0)])
 def test_smaq_kernels_match_twin_bit_for_bit(block, capacity, stochastic, dtype, monkeypatch):
     from hf_actq.codecs import SmaQCodec
-    from hf_actq.kernels.smaq import smaq_dequantize_triton, smaq_quantize_triton
 
     torch.manual_seed(block)
     n = 5000  # several programs' tiles, and a partial last block
@@ -330,31 +331,66 @@ def test_smaq_kernels_match_twin_bit_for_bit(block, capacity, stochastic, dtype,
     source[3000:3003] = -4.0  # a block whose outliers fill less than one extension byte
     source[3003:3200] = 0.5
     slots = SmaQCodec(block_size=block, capacity=capacity).slots
-    stats = smaq_stats_reference(source)
     # The kernels' buffers start as garbage, not as the zeros fresh memory often is: every byte
     # they keep must be stored.
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(170))
-    got = smaq_quantize_triton(source, stats, block, slots, stochastic, 4321)
-    expected = smaq_quantize_reference(source, stats, block, slots, stochastic, 4321)
-    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    main, extension, stats = smaq_quantize_triton(source, block, slots, stochastic, 4321)
+    torch.testing.assert_close(stats, smaq_stats_reference(source), rtol=2e-6, atol=0)
+    # Given the kernel's statistics (the twin's, to fp32 rounding), the twin's codes.
+    expected = smaq_codes_reference(source, stats, block, slots, stochastic, 4321)
+    assert torch.equal(main, expected[0]) and torch.equal(extension, expected[1])
+    assert len({t.untyped_storage().data_ptr() for t in (main, extension, stats)}) == 1
     shape = torch.Size([n])
-    out = smaq_dequantize_triton(*expected, stats, shape, dtype, block, slots)
+    out = smaq_dequantize_triton(main, extension, stats, shape, dtype, block, slots)
     monkeypatch.undo()
-    assert torch.equal(out, smaq_dequantize_reference(*expected, stats, shape, dtype, block, slots))
+    twin = smaq_dequantize_reference(main, extension, stats, shape, dtype, block, slots)
+    assert torch.equal(out, twin)
+
+
+@pytest.mark.parametrize(
+    "shape,stochastic",
+    [((2, 64, 2, 64), True), ((1, 32, 2, 128), False), ((1, 8, 2, 512), True)],
+    ids=["dim 64, 2 batches", "dim 128, nearest", "dim 512"],
+)
+def test_smaq_kernels_pack_a_transposed_view_where_it_lies_as_its_flat_copy(shape, stochastic):
+    """Attention's q, k and v ([batch, heads, seq, dim] views of [batch, seq, heads, dim]) whose
+    heads hold whole statistics tiles: the statistics and the codes of the flat copy, bit for
+    bit (the same tiles, the same values in the same order)."""
+    torch.manual_seed(shape[-1])
+    view = torch.randn(shape).transpose(1, 2)
+    assert strided_tiles(view) is not None
+    got = smaq_quantize_triton(view, 256, 96, stochastic, 31)
+    expected = smaq_quantize_triton(view.reshape(-1), 256, 96, stochastic, 31)
+    for got_buffer, expected_buffer in zip(got, expected, strict=True):
+        assert torch.equal(got_buffer, expected_buffer)
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        _strided((2, 10, 3, 128)),  # a head's values end inside a statistics tile
+        _strided((1, 2, 2, 4096)),  # rows wider than a quantize tile
+    ],
+    ids=["heads inside a tile", "dim 4096"],
+)
+def test_smaq_kernels_copy_other_strided_views_first(view):
+    assert strided_tiles(view) is None
+    got = smaq_quantize_triton(view, 64, 24, True, 5)
+    for got_buffer, expected_buffer in zip(
+        got, smaq_quantize_triton(view.contiguous(), 64, 24, True, 5)
+    ):
+        assert torch.equal(got_buffer, expected_buffer)
 
 
 def test_smaq_kernel_reads_a_seed_on_the_device_as_the_host_seed():
-    from hf_actq.kernels.smaq import smaq_quantize_triton
-
     generator = torch.Generator(torch.get_default_device()).manual_seed(3)
     source = torch.randn(512, generator=generator)
-    stats = smaq_stats_reference(source)
     device_seed = torch.tensor([123457], dtype=torch.int64)
-    got = smaq_quantize_triton(source, stats, 64, 24, True, 0, device_seed)
-    expected = smaq_quantize_triton(source, stats, 64, 24, True, 123457)
+    got = smaq_quantize_triton(source, 64, 24, True, 0, device_seed)
+    expected = smaq_quantize_triton(source, 64, 24, True, 123457)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    assert not torch.equal(smaq_quantize_triton(source, stats, 64, 24, True, 1)[0], got[0])
+    assert not torch.equal(smaq_quantize_triton(source, 64, 24, True, 1)[0], got[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

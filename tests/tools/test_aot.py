@@ -122,6 +122,9 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     # read from memory
     per_float_type += sum(1 + 3 * (block // 4).bit_length() for block in SMAQ_BLOCK_SIZES)
     per_float_type += 1  # SmaQ's statistics
+    # SmaQ of strided rows: statistics per width, quantize per width and seed form (its default
+    # block and capacity)
+    per_float_type += len(STRIDED_WIDTHS) * (1 + 3)
     # The rotated pack (three seed forms) and unpack per rotated shape
     per_float_type += 4 * len(rotated_shapes(BLOCK_SIZES))
     per_mask_type = 2
@@ -151,7 +154,7 @@ def test_the_variants_are_every_launchable_kernel_configuration():
             if isinstance(value, (JITFunction, InterpretedFunction)) and name.endswith("_kernel")
         }
     assert {v.kernel for v in variants()} == defined
-    assert len(defined) == 22
+    assert len(defined) == 24
 
 
 @pytest.mark.slow
