@@ -225,7 +225,7 @@ class PackCache:
                 watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
             return found
         packed = self._packed(watcher, slot, x, codec, seed)
-        self.remember(x, packed, slot)
+        self.remember(x, packed, slot, key)
         return packed
 
     @staticmethod
@@ -251,11 +251,14 @@ class PackCache:
                 return True
         return False
 
-    def remember(self, x: torch.Tensor, packed: Packed, slot: str | None) -> None:
+    def remember(
+        self, x: torch.Tensor, packed: Packed, slot: str | None, key: tuple | None = None
+    ) -> None:
         """``packed``, just made from ``x`` (by :meth:`pack` or a fused kernel), for later
-        packs of ``x`` to find, and as a pack one op keeps so far."""
+        packs of ``x`` to find, and as a pack one op keeps so far (``key``: ``_where(x)``, where
+        the caller has it)."""
         object.__setattr__(packed, "_share", UnpackShare(consumers=1))
-        key = _where(x)
+        key = _where(x) if key is None else key
         self._entries[key] = _Entry(
             _anchor(x, key),
             x._version,

@@ -86,6 +86,29 @@ def test_nan_input_poisons_the_gradient_and_inf_does_not_crash():
     assert flag.item() == 1 and torch.isnan(grad[3])
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ((24, 10, torch.uint8), (0, 3, torch.float32), (12, 3, torch.float32)),  # AQ's order
+        ((8, 5, torch.uint8), (0, 2, torch.float32), (16, 0, torch.uint8)),  # a gap, an empty
+    ],
+    ids=["tiled", "with a gap"],
+)
+def test_a_packs_views_lie_where_its_layout_places_them(layout):
+    """One split of the allocation where the layout tiles it; slices where it does not: the
+    same views either way."""
+    allocation = packing.one_allocation(layout, "cpu")
+    storage = allocation[0].untyped_storage()
+    assert storage.nbytes() == packing.allocation_bytes(layout)
+    for view, (offset, n, dtype) in zip(allocation, layout, strict=True):
+        assert view.untyped_storage().data_ptr() == storage.data_ptr()
+        where = view.storage_offset() * view.element_size()
+        assert (where, view.numel(), view.dtype) == (offset, n, dtype)
+    buffer = torch.arange(packing.allocation_bytes(layout), dtype=torch.uint8)
+    for view, (offset, n, dtype) in zip(packing.views_of(buffer, layout), layout, strict=True):
+        assert torch.equal(view, buffer[offset : offset + n * dtype.itemsize].view(dtype))
+
+
 def test_packed_nbytes():
     assert [packed_nbytes(n, 3) for n in (0, 1, 8, 9, 2**31 + 1)] == [0, 1, 3, 4, 805306369]
 
