@@ -31,6 +31,7 @@ from hf_actq.codecs.packed import (
 )
 from hf_actq.kernels import smaq_dequantize, smaq_quantize
 from hf_actq.kernels.packing import packed_nbytes
+from hf_actq.kernels.smaq import smaq_layout
 
 BLOCK_SIZES = (64, 128, 256)
 
@@ -64,6 +65,9 @@ class SmaQCodec(Codec):
             (blocks * self.slots // 4, torch.uint8),
             (2, torch.float32),
         )
+
+    def layout(self, shape):
+        return smaq_layout(numel_of(shape), self.block_size, self.slots)
 
     def pack(self, x: torch.Tensor, seed: int | torch.Tensor | None = None) -> Packed:
         check_floating(x, self)
