@@ -26,6 +26,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The tests that launch two ranks each: one worker runs them, one after another. Two launches
+# side by side put four ranks on CI's two cores, whose gloo collectives wait on each other (one
+# suite's five launches took 126 s of its workers' time so, 59 s one after another).
+LAUNCHES = ("tests/integrations/test_deepspeed.py", "tests/integrations/test_accelerate.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load scheduling, each test a work unit of its own but the launches, one unit
+    (``--dist loadgroup`` would do it, but no longer groups under pytest 9.2: xdist's group
+    suffix on node ids is lost, pytest-dev/pytest-xdist#1386)."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaunchesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "launches" if nodeid.startswith(LAUNCHES) else nodeid
+
+    return LaunchesTogether(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _test_device():
     if TEST_DEVICE == "cpu":

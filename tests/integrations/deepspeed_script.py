@@ -187,6 +187,10 @@ def train_recipes(out_dir: str, stage: str | None, recipes, plan: str | None = N
 def main(out_dir: str, mode: str, *rest: str) -> None:
     import deepspeed
 
+    # DeepSpeed's CPU backend compiles its shared-memory all-reduce (C++, for its inference
+    # path's inference_all_reduce) when the backend starts, in every new environment: 30 s of
+    # g++ on CI's fresh one, for an op nothing here calls (ZeRO reduces through gloo).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if mode == "engine":

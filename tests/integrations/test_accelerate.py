@@ -17,9 +17,6 @@ from hf_actq.testing import free_port
 
 pytest.importorskip("accelerate")
 
-# Two ranks a launch: one xdist worker runs every such test, one after another (pyproject.toml).
-pytestmark = pytest.mark.xdist_group("launches")
-
 SCRIPT = Path(__file__).with_name("accelerate_script.py")
 _spec = importlib.util.spec_from_file_location("accelerate_script", SCRIPT)
 script = importlib.util.module_from_spec(_spec)

@@ -22,9 +22,6 @@ from hf_actq.testing import free_port
 
 pytest.importorskip("deepspeed")
 
-# Two ranks a launch: one xdist worker runs every such test, one after another (pyproject.toml).
-pytestmark = pytest.mark.xdist_group("launches")
-
 SCRIPT = Path(__file__).with_name("deepspeed_script.py")
 _spec = importlib.util.spec_from_file_location("deepspeed_script", SCRIPT)
 script = importlib.util.module_from_spec(_spec)
