@@ -205,6 +205,9 @@ def variants() -> list[Variant]:
     out = []
     for dtype in FLOAT_TYPES.values():
         for index in INDEX_TYPES:
+            # The last arguments of every strided pack kernel (strided_rows_tile's).
+            strided = {"n_heads": "i32", "n_rows": "i32"}
+            strided |= dict.fromkeys(("stride_batch", "stride_head", "stride_row"), index)
             forward_signature = {
                 "x_ptr": f"*{dtype}",
                 "y_ptr": f"*{dtype}",
@@ -315,11 +318,7 @@ def variants() -> list[Variant]:
                             "n_bytes": index,
                             "noise_key": "i32",
                             "seed_ptr": "*i64" if seed_in_memory else f"*{dtype}",
-                            "n_heads": "i32",
-                            "n_rows": "i32",
-                        }
-                        signature |= dict.fromkeys(("stride_batch", "stride_head"), index)
-                        signature["stride_row"] = index
+                        } | strided
                         constants = {"STOCHASTIC": stochastic, "SEED_IN_MEMORY": seed_in_memory}
                         constants |= {"BITS": bits, "GROUP": group, "BLOCK": block}
                         constants |= {"ROWS": rows, "WIDTH": width}
@@ -379,10 +378,7 @@ def variants() -> list[Variant]:
                     )
                     if (bits, block) in STRIDED_BLPA:
                         signature = {"src_ptr": f"*{dtype}", "packed_ptr": "*u8"}
-                        signature |= {"steps_ptr": "*fp32", "n_bytes": index}
-                        signature |= {"n_heads": "i32", "n_rows": "i32"}
-                        signature |= dict.fromkeys(("stride_batch", "stride_head"), index)
-                        signature["stride_row"] = index
+                        signature |= {"steps_ptr": "*fp32", "n_bytes": index} | strided
                         out += [
                             _variant(
                                 "sign_preserving",
@@ -406,8 +402,6 @@ def variants() -> list[Variant]:
                     {"ROWS": smaq.STATS_ROWS, "COLS": smaq.STATS_COLS},
                 )
             )
-            strided = {"n_heads": "i32", "n_rows": "i32"}
-            strided |= dict.fromkeys(("stride_batch", "stride_head", "stride_row"), index)
             out += [
                 _variant(
                     "smaq",
