@@ -176,6 +176,9 @@ def test_the_speed_check_times_this_tree_and_its_baseline_side_by_side(tmp_path)
     assert "- gelu float32: PyTorch's output" in table
 
 
+# Every case interpreted (25-30 s): slow; the side-by-side run above takes two of them through
+# the same code in the default suite.
+@pytest.mark.slow
 def test_the_speed_check_runs_every_kernel_case(tmp_path):
     pytest.importorskip("triton")
     done = subprocess.run(
