@@ -745,11 +745,13 @@ def compile_all(
     ccs=(80, 90),
     jobs: int = 2,
     representative: str | None = None,
-    match: str | list[str] | None = None,
+    match: list[list[str]] | None = None,
 ) -> list[dict]:
+    """``match``: groups of texts; a variant is compiled when its label holds every text of
+    one group (all variants without groups)."""
     chosen = representatives(variants(), representative) if representative else variants()
-    texts = [match] if isinstance(match, str) else list(match or ())
-    chosen = [v for v in chosen if all(text in v.label for text in texts)]
+    if match:
+        chosen = [v for v in chosen if any(all(t in v.label for t in texts) for texts in match)]
     work = [(v, cc) for v in chosen for cc in ccs]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(_compile_star, work, chunksize=4))
@@ -767,13 +769,18 @@ def main(argv=None) -> int:
         "constexpr choice",
     )
     parser.add_argument(
-        "--match", nargs="+", help="only the variants whose label holds each of these texts"
+        "--match",
+        nargs="+",
+        action="append",
+        help="only the variants whose label holds each of these texts; given again, the "
+        "variants either selects",
     )
     args = parser.parse_args(argv)
     start = time.perf_counter()
     results = compile_all(tuple(args.cc), args.jobs, args.representative, args.match)
     if not results:
-        sys.exit(f"no kernel variant's label holds each of {args.match!r}")
+        groups = " or ".join(repr(" ".join(texts)) for texts in args.match or ())
+        sys.exit(f"no kernel variant's label holds each text of {groups}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -82,20 +82,25 @@ FORMS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+# Tiles of 4096 elements that end mid-row, rows longer than a tile, rows of one element.
+PACK_CASES = [
+    ([4, 1, 128, 1], 5, 300),
+    ([4, 1, 128, 1], 2, 4097),
+    ([4, 1, 128, 1], 9, 1),
+    ([3, 4, 64, 0], 5, 300),
+    ([3, 4, 64, 0], 3, 4100),
+    ([2, 16, 256, 1], 6, 304),
+    ([2, 16, 256, 1], 2, 4112),
+]
+
+
 @pytest.mark.parametrize("form", FORMS, ids=[f[0] for f in FORMS])
 @pytest.mark.parametrize(
-    "codec,rows,width",
-    # Tiles of 4096 elements that end mid-row, rows longer than a tile, rows of one element.
-    [
-        ([4, 1, 128, 1], 5, 300),
-        ([4, 1, 128, 1], 2, 4097),
-        ([4, 1, 128, 1], 9, 1),
-        ([3, 4, 64, 0], 5, 300),
-        ([3, 4, 64, 0], 3, 4100),
-        ([2, 16, 256, 1], 6, 304),
-        ([2, 16, 256, 1], 2, 4112),
-    ],
+    "dtype,codec,rows,width",
+    # Every case in fp32 and bf16 (four and eight values a 128-bit access); fp16 (two bytes
+    # as bf16) on a short row and a row longer than a tile.
+    [(d, *case) for d in (torch.float32, torch.bfloat16) for case in PACK_CASES]
+    + [(torch.float16, *case) for case in (PACK_CASES[0], PACK_CASES[4])],
     ids=str,
 )
 def test_norm_pack_kernel_is_the_normalization_then_the_pack(dtype, form, codec, rows, width):
