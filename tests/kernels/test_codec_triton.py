@@ -349,16 +349,22 @@ def test_smaq_kernels_match_twin_bit_for_bit(block, capacity, stochastic, dtype,
 
 
 @pytest.mark.parametrize(
-    "shape,stochastic",
-    [((2, 64, 2, 64), True), ((1, 32, 2, 128), False), ((1, 8, 2, 512), True)],
-    ids=["dim 64, 2 batches", "dim 128, nearest", "dim 512"],
+    "shape,stochastic,dtype",
+    [
+        ((2, 64, 2, 64), True, torch.bfloat16),
+        ((1, 32, 2, 128), False, torch.float32),
+        ((1, 8, 2, 512), True, torch.float32),
+    ],
+    ids=["dim 64, 2 batches, bf16", "dim 128, nearest", "dim 512"],
 )
-def test_smaq_kernels_pack_a_transposed_view_where_it_lies_as_its_flat_copy(shape, stochastic):
+def test_smaq_kernels_pack_a_transposed_view_where_it_lies_as_its_flat_copy(
+    shape, stochastic, dtype
+):
     """Attention's q, k and v ([batch, heads, seq, dim] views of [batch, seq, heads, dim]) whose
     heads hold whole statistics tiles: the statistics and the codes of the flat copy, bit for
     bit (the same tiles, the same values in the same order)."""
     torch.manual_seed(shape[-1])
-    view = torch.randn(shape).transpose(1, 2)
+    view = torch.randn(shape).to(dtype).transpose(1, 2)
     assert strided_tiles(view) is not None
     got = smaq_quantize_triton(view, 256, 96, stochastic, 31)
     expected = smaq_quantize_triton(view.reshape(-1), 256, 96, stochastic, 31)
