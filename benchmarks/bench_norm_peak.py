@@ -1,6 +1,8 @@
 """Peak bytes of a norm's step with its kernels (``hf_actq::norm_pack`` forward,
 ``norm_backward_packed`` backward) against the composition (x_hat computed, packed, unpacked, then
-the backward kernels), side by side in one run.
+the backward kernels), side by side in one run; and of a memory-sharing norm's backward
+(``norm_backward_from_output``: x_hat rebuilt from the output inside the backward kernels)
+against x_hat rebuilt op by op, then the backward kernels.
 
     python benchmarks/bench_norm_peak.py --output benchmarks/results/bench_norm_peak.json
 
@@ -31,6 +33,7 @@ def main(argv=None) -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from hf_actq.codecs import uniform
+    from hf_actq.kernels import norm as norm_kernels
     from hf_actq.ops import norm as norm_ops
     from hf_actq.ops.dedup import PackCache
     from hf_actq.ops.norm import CompressedLayerNorm, CompressedRMSNorm
@@ -65,6 +68,31 @@ def main(argv=None) -> None:
         }
         for phase, row in rows[name].items():
             print(name, phase, {k: round(v, 2) for k, v in row.items()})
+
+    def rebuilt_op_by_op(grad_y, y, weight, bias, index, columns, rstd, centered, offset):
+        """The memory-sharing backward before its kernels rebuilt x_hat."""
+        x_hat = norm_kernels.x_hat_from_output(y, weight, bias, offset)
+        if index is not None:
+            x_hat.view(-1, x_hat.shape[-1]).index_copy_(1, index, columns.to(x_hat.dtype))
+        return norm_kernels.norm_backward(grad_y, x_hat, rstd, weight, centered, offset)
+
+    from_output = norm_ops.norm_backward_from_output
+    for name, (norm, wrapper) in norms.items():
+
+        def make_sharing(norm=norm, wrapper=wrapper):
+            return wrapper(norm, None, cache=PackCache(), share_output=True)
+
+        norm_ops.norm_backward_from_output = from_output
+        fused = phase_peaks(make_sharing, x, grad)
+        norm_ops.norm_backward_from_output = rebuilt_op_by_op
+        composed = phase_peaks(make_sharing, x, grad)
+        rows[f"{name}, memory-sharing"] = row = {
+            "kernels MiB": fused["backward"] / 2**20,
+            "composition MiB": composed["backward"] / 2**20,
+            "saved, in hidden-size bf16 tensors": (composed["backward"] - fused["backward"])
+            / hidden,
+        }
+        print(name, "memory-sharing backward", {k: round(v, 2) for k, v in row.items()})
     write_json(args.output, {"norms": rows})
 
 

@@ -483,14 +483,25 @@ def variants() -> list[Variant]:
                     )
                 )
     # The norm backward kernels index rows and columns separately: both fit i32 at any real
-    # size. Each reads x_hat as a tensor or dequantizes it from its pack (PACKED).
+    # size. Each reads x_hat as a tensor, dequantizes it from its pack (PACKED), or rebuilds it
+    # from a memory-sharing norm's output (FROM_OUTPUT: a LayerNorm's with its bias and guard
+    # column, an RMSNorm's with its guard column, a LayerNorm's without weight).
+    sources = [(False, (8, 1, 32), False, False, False)]
+    sources += [(True, codec, False, False, False)
+                for codec in ((4, 1, 128), (3, 4, 64), (2, 16, 256))]  # fmt: skip
+    sources += [(False, (8, 1, 32), True, *bias_and_guard)
+                for bias_and_guard in ((True, True), (False, True), (False, False))]  # fmt: skip
     for dtype in FLOAT_TYPES.values():
-        for packed, (bits, group, block) in ((False, (8, 1, 32)), (True, (4, 1, 128)),
-                                              (True, (3, 4, 64)), (True, (2, 16, 256))):  # fmt: skip
+        for packed, (bits, group, block), from_output, has_bias, guard in sources:
             layout = {"PACKED": packed, "BITS": bits, "GROUP": group, "CODEC_BLOCK": block}
+            layout |= {"FROM_OUTPUT": from_output, "HAS_BIAS": has_bias, "GUARD": guard}
             operands = {"grad_ptr": f"*{dtype}", "xhat_ptr": f"*{dtype}", "data_ptr": "*u8"}
             operands |= {"mins_ptr": "*fp32", "scales_ptr": "*fp32", "w_ptr": f"*{dtype}"}
             operands["w_offset"] = "fp32"
+            # Where they are not read, the launcher passes tensors of the other forms.
+            operands["bias_ptr"] = f"*{dtype}"
+            operands["guard_index_ptr"] = "*i64" if guard else "*fp32"
+            operands["guard_ptr"] = f"*{dtype}"
             means = {"means_ptr": "*fp32", "width": "i32", "inv_width": "fp32"}
             means |= {"centered": "fp32", "n_bytes": "i64"}
             out.append(

@@ -154,6 +154,13 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, dry: bool) -> list:
                   functools.partial(normed, rms_norm), 4 * n * size + 2 * packed,
                   4 * n * size))  # fmt: skip
 
+    # The same norm keeping its output instead of x_hat ("fewbit": the next linear keeps the
+    # output anyway), the backward kernels rebuilding x_hat from it.
+    sharing_rms_norm = CompressedRMSNorm(rms_norm, None, PackCache(), share_output=True)
+    # floor: x read, y written; grad and y read, grad_x written
+    cases.append(("RMSNorm keeping its output, fwd+bwd", functools.partial(normed, sharing_rms_norm),
+                  functools.partial(normed, rms_norm), 4 * n * size, 4 * n * size))  # fmt: skip
+
     # Dropout that keeps its seed (the default mode, in every BERT recipe): one kernel draws the
     # mask forward and again backward, against nn.Dropout, which writes and reads a bool mask.
     from hf_actq.ops.dropout import CompressedDropout

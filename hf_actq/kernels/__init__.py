@@ -10,7 +10,12 @@ from hf_actq.kernels.dropout import seeded_dropout
 from hf_actq.kernels.fewbit import fewbit_backward, fewbit_forward
 from hf_actq.kernels.gated_product import gated_backward, gated_forward
 from hf_actq.kernels.mask import mask_pack, mask_unpack
-from hf_actq.kernels.norm import norm_backward, norm_backward_packed, norm_pack
+from hf_actq.kernels.norm import (
+    norm_backward,
+    norm_backward_from_output,
+    norm_backward_packed,
+    norm_pack,
+)
 from hf_actq.kernels.packing import pack_codes, packed_nbytes, unpack_codes
 from hf_actq.kernels.registry import FAILED, KERNELS, kernels_on_cpu, triton_available
 from hf_actq.kernels.rotated import rotated_dequantize, rotated_quantize
@@ -32,6 +37,7 @@ __all__ = [
     "mask_pack",
     "mask_unpack",
     "norm_backward",
+    "norm_backward_from_output",
     "norm_backward_packed",
     "norm_pack",
     "pack_codes",

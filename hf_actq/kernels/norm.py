@@ -10,7 +10,11 @@ arithmetic is the twin's, rounded as it rounds.
 
 ``hf_actq::norm_backward`` and ``hf_actq::norm_backward_packed`` (backward): ``grad_x = rstd *
 (g*w - centered * mean(g*w) - x_hat * mean(g*w * x_hat))`` with the weight and bias gradients,
-from ``x_hat`` or from its pack (dequantized inside the kernels: no full-size ``x_hat``). The
+from ``x_hat`` or from its pack (dequantized inside the kernels: no full-size ``x_hat``).
+``hf_actq::norm_backward_from_output``: the same from a memory-sharing norm's output ``y``, the
+kernels rebuilding ``x_hat = (y - b) / (w + offset)`` (rounded to ``y``'s dtype, the guard
+column's kept ``x_hat`` where the division is undefined), where the twin rebuilds a full-size
+``x_hat`` op by op (about ten device ops and fp32 chunk temporaries). The
 Triton kernels read ``grad_y`` and ``x_hat`` in their own dtype, with no fp32 temporaries in
 global memory; the twin works in fp32, chunked over rows.
 
@@ -277,6 +281,64 @@ def norm_backward_packed_reference(
     return norm_backward_reference(grad_y, x_hat, rstd, weight, centered, offset)
 
 
+def x_hat_from_output(y, weight, bias, offset=0.0):
+    """A memory-sharing norm's ``x_hat`` rebuilt from its output: ``(y - bias) / (weight +
+    offset)`` in ``y``'s dtype, computed in fp32 a chunk of rows at a time."""
+    width = y.shape[-1]
+    rows_y = y.reshape(-1, width)
+    x_hat = torch.empty(rows_y.shape, dtype=y.dtype, device=y.device)
+    for rows in row_chunks(rows_y.shape[0], width):
+        value = rows_y[rows].float()
+        if bias is not None:
+            value = value - bias.float()
+        x_hat[rows] = value if weight is None else value / (weight.float() + offset)
+    return x_hat.view(y.shape)
+
+
+def norm_backward_from_output_reference(
+    grad_y: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    guard_index: torch.Tensor | None,
+    guard_columns: torch.Tensor | None,
+    rstd: torch.Tensor,
+    centered: bool,
+    offset: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`norm_backward_reference` of a memory-sharing norm, which kept its output ``y``:
+    ``x_hat`` rebuilt by :func:`x_hat_from_output`, but in the columns ``guard_index`` (those of
+    the smallest ``|weight + offset|``, where the division is undefined or loses the most),
+    which take ``guard_columns`` (``[rows, K]``, x_hat kept there by the forward)."""
+    x_hat = x_hat_from_output(y, weight, bias, offset)
+    if guard_index is not None:
+        columns = guard_columns.reshape(-1, guard_index.numel()).to(x_hat.dtype)
+        x_hat.view(-1, x_hat.shape[-1]).index_copy_(1, guard_index, columns)
+    return norm_backward_reference(grad_y, x_hat, rstd, weight, centered, offset)
+
+
+@jit
+def rebuilt_x_hat(
+    y_ptr,
+    bias_ptr,
+    w_divisor,
+    guard_column,
+    guard_value,
+    offsets,
+    cols,
+    valid,
+    HAS_BIAS: tl.constexpr,
+):
+    """:func:`x_hat_from_output` at ``offsets`` (columns ``cols``) in fp32, rounded to ``y``'s
+    dtype as the twin rounds it; ``guard_value`` in the column ``guard_column`` (-1: none)."""
+    value = tl.load(y_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        value -= tl.load(bias_ptr + cols, mask=valid, other=0.0).to(tl.float32)
+    # IEEE division, as the twin's (Triton's fp32 `/` is approximate on NVIDIA GPUs).
+    x_hat = to_dtype(tl.math.div_rn(value, w_divisor), y_ptr.dtype.element_ty).to(tl.float32)
+    return tl.where(cols == guard_column, guard_value, x_hat)
+
+
 @jit
 def load_x_hat(
     xhat_ptr,
@@ -316,6 +378,18 @@ def load_weight(w_ptr, w_offset, cols, valid):
 
 
 @jit
+def load_guard(guard_index_ptr, guard_ptr, row, Y_DTYPE: tl.constexpr, GUARD: tl.constexpr):
+    """A memory-sharing norm's guard column and ``row``'s x_hat there, rounded to ``Y_DTYPE``
+    as the twin copies it into x_hat (column -1: no guard, a norm without weight)."""
+    if GUARD:
+        column = tl.load(guard_index_ptr)
+        value = to_dtype(tl.load(guard_ptr + row).to(tl.float32), Y_DTYPE).to(tl.float32)
+        return column, value
+    else:
+        return -1, 0.0
+
+
+@jit
 def norm_row_means_kernel(
     grad_ptr,
     xhat_ptr,
@@ -324,6 +398,9 @@ def norm_row_means_kernel(
     scales_ptr,
     w_ptr,
     w_offset,
+    bias_ptr,
+    guard_index_ptr,
+    guard_ptr,
     means_ptr,
     width,
     inv_width,
@@ -333,17 +410,29 @@ def norm_row_means_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     CODEC_BLOCK: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GUARD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     sum_gw = tl.zeros([BLOCK], tl.float32)
     sum_gwx = tl.zeros([BLOCK], tl.float32)
+    if FROM_OUTPUT:
+        guard_column, guard_value = load_guard(
+            guard_index_ptr, guard_ptr, row, xhat_ptr.dtype.element_ty, GUARD
+        )
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < width
         g = tl.load(grad_ptr + row * width + cols, mask=valid, other=0.0).to(tl.float32)
-        x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, row * width + cols, valid,
-                           n_bytes, PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
+        if FROM_OUTPUT:  # xhat_ptr holds the norm's output y
+            divisor = tl.load(w_ptr + cols, mask=valid, other=1.0).to(tl.float32) + w_offset
+            x_hat = rebuilt_x_hat(xhat_ptr, bias_ptr, divisor, guard_column, guard_value,
+                                  row * width + cols, cols, valid, HAS_BIAS)  # fmt: skip
+        else:
+            x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, row * width + cols,
+                               valid, n_bytes, PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
         gw = g * load_weight(w_ptr, w_offset, cols, valid)
         sum_gw += gw
         sum_gwx += gw * x_hat
@@ -361,6 +450,9 @@ def norm_backward_kernel(
     scales_ptr,
     w_ptr,
     w_offset,
+    bias_ptr,
+    guard_index_ptr,
+    guard_ptr,
     rstd_ptr,
     means_ptr,
     out_ptr,
@@ -374,12 +466,17 @@ def norm_backward_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     CODEC_BLOCK: tl.constexpr,
+    FROM_OUTPUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GUARD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row_block = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     valid = cols < width
     w = load_weight(w_ptr, w_offset, cols, valid)
+    if FROM_OUTPUT:  # the twin divides by weight + offset even where the offset is 0
+        divisor = tl.load(w_ptr + cols, mask=valid, other=1.0).to(tl.float32) + w_offset
     sum_gx = tl.zeros([BLOCK], tl.float32)
     sum_g = tl.zeros([BLOCK], tl.float32)
     for r in range(0, rows_per_program):
@@ -387,11 +484,18 @@ def norm_backward_kernel(
         live = valid & ((cols * 0 + row) < n_rows)  # a vector mask: the interpreter wants one
         offsets = row * width + cols
         g = tl.load(grad_ptr + offsets, mask=live, other=0.0).to(tl.float32)
-        x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, offsets, live, n_bytes,
-                           PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
         # A row past the end reads the last row's statistics (not a masked scalar load, which
         # the interpreter rejects); its g is zero and nothing of it is stored.
         last = tl.minimum(row, n_rows - 1)
+        if FROM_OUTPUT:  # xhat_ptr holds the norm's output y
+            guard_column, guard_value = load_guard(
+                guard_index_ptr, guard_ptr, last, xhat_ptr.dtype.element_ty, GUARD
+            )
+            x_hat = rebuilt_x_hat(xhat_ptr, bias_ptr, divisor, guard_column, guard_value,
+                                  offsets, cols, live, HAS_BIAS)  # fmt: skip
+        else:
+            x_hat = load_x_hat(xhat_ptr, data_ptr, mins_ptr, scales_ptr, offsets, live, n_bytes,
+                               PACKED, BITS, GROUP, CODEC_BLOCK)  # fmt: skip
         rstd = tl.load(rstd_ptr + last)
         mean_gw = tl.load(means_ptr + 2 * last)
         mean_gwx = tl.load(means_ptr + 2 * last + 1)
@@ -404,10 +508,12 @@ def norm_backward_kernel(
     tl.store(partial_ptr + (row_blocks + row_block) * width + cols, sum_g, mask=valid)
 
 
-def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered, offset):
+def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered, offset, output=None):
     """Both kernels on ``g`` ([rows, width], contiguous) and ``x_hat`` (the same, in ``g``'s
     dtype) or ``packed`` (``(data, mins, scales, [bits, group, block])`` of x_hat in ``g``'s
-    dtype, in its place). The weight is read in its own dtype, ``offset`` added in fp32."""
+    dtype, in its place) or ``output`` (``(y, bias, guard_index, guard_columns)`` of a
+    memory-sharing norm, ``y`` like ``g``, x_hat rebuilt in the kernels). The weight is read in
+    its own dtype, ``offset`` added in fp32."""
     rows, width = g.shape
     rstd = rstd.reshape(rows).float().contiguous()
     if weight is None:
@@ -418,19 +524,29 @@ def _norm_backward_launch(g, x_hat, packed, rstd, weight, centered, offset):
     if rows == 0 or width == 0:
         zeros = torch.zeros(2, width, dtype=torch.float32, device=g.device)
         return grad_x, zeros[0], zeros[1]
+    # Unused pointers of the other forms: tensors that are there, in the signature's dtypes.
+    bias, guard_index, guard_columns = None, None, None
+    if output is not None:
+        x_hat, bias, guard_index, guard_columns = output
     if packed is None:
-        # Unused pointers of the packed form: views of what is there, in the signature's dtypes.
         data, mins, scales = x_hat.view(torch.uint8), rstd, rstd
         bits, group, codec_block = 8, 1, 32
     else:
         (data, mins, scales, (bits, group, codec_block)), x_hat = packed, g
     layout = {"PACKED": packed is not None, "BITS": bits, "GROUP": group}
     layout["CODEC_BLOCK"] = codec_block
+    layout["FROM_OUTPUT"] = output is not None
+    layout["HAS_BIAS"], layout["GUARD"] = bias is not None, guard_index is not None
     rows_per_program = cdiv(rows, min(rows, MAX_ROW_BLOCKS))
     row_blocks = cdiv(rows, rows_per_program)
     means = torch.empty(rows, 2, dtype=torch.float32, device=g.device)
     partial = torch.empty(2, row_blocks, width, dtype=torch.float32, device=g.device)
     operands = (g, x_hat, data, mins, scales, w, float(offset))
+    operands += (
+        x_hat if bias is None else bias,
+        rstd if guard_index is None else guard_index,
+        x_hat if guard_columns is None else guard_columns,
+    )
     norm_row_means_kernel[(rows,)](
         *operands, means, width, 1.0 / width, float(centered), data.numel(), **layout,
         BLOCK=BLOCK, **LAUNCH_OPTIONS,
@@ -468,6 +584,34 @@ def norm_backward_packed_triton(
     return grad_x.view(grad_y.shape), grad_w, grad_b
 
 
+def norm_backward_from_output_triton(
+    grad_y, y, weight, bias, guard_index, guard_columns, rstd, centered, offset=0.0
+):
+    """The Triton side of :func:`norm_backward_from_output_reference`: x_hat rebuilt from ``y``
+    inside both kernels (no full-size x_hat, no fp32 temporaries, one launch each)."""
+    width = grad_y.shape[-1]
+    rows = grad_y.numel() // width if width else 0
+    g = grad_y.reshape(rows, width).contiguous()
+    y = y.reshape(rows, width).contiguous()
+    if guard_index is not None:
+        guard_columns = guard_columns.reshape(rows).contiguous()
+    output = (y, bias, guard_index, guard_columns)
+    grad_x, grad_w, grad_b = _norm_backward_launch(
+        g, None, None, rstd, weight, centered, offset, output
+    )
+    return grad_x.view(grad_y.shape), grad_w, grad_b
+
+
+def _takes_from_output(grad_y, y, weight, bias, guard_index, *_):
+    """The kernels rebuild x_hat in ``y``'s dtype, which must be the gradient's (autograd gives
+    an output's gradient its dtype), and take one guard column."""
+    return (
+        grad_y.dtype in FLOATS
+        and y.dtype == grad_y.dtype
+        and (guard_index is None or guard_index.numel() == 1)
+    )
+
+
 def _norm_backward_fake(grad_y, *args):
     width = grad_y.shape[-1]
     return (
@@ -483,6 +627,13 @@ norm_backward = register(
     norm_backward_triton,
     fake=_norm_backward_fake,
     takes=lambda grad_y, *_: grad_y.dtype in FLOATS,
+)
+norm_backward_from_output = register(
+    "norm_backward_from_output",
+    norm_backward_from_output_reference,
+    norm_backward_from_output_triton,
+    fake=_norm_backward_fake,
+    takes=_takes_from_output,
 )
 norm_backward_packed = register(
     "norm_backward_packed",

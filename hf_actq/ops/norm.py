@@ -28,7 +28,12 @@ from torch import nn
 
 from hf_actq.codecs.average import AverageQuantCodec
 from hf_actq.codecs.packed import Codec, Packed, UnpackShare
-from hf_actq.kernels import norm_backward, norm_backward_packed, norm_pack
+from hf_actq.kernels import (
+    norm_backward,
+    norm_backward_from_output,
+    norm_backward_packed,
+    norm_pack,
+)
 from hf_actq.kernels.norm import normalized
 from hf_actq.kernels.packing import row_chunks
 from hf_actq.kernels.registry import runs_kernels
@@ -103,20 +108,6 @@ def _layer_norm_columns(x, mean, rstd, index):
     """Columns ``index`` of :func:`normalized`'s ``x_hat``, the same arithmetic."""
     columns = x.reshape(-1, x.shape[-1]).index_select(1, index).float()
     return ((columns - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)).to(x.dtype)
-
-
-def _x_hat_from_output(y, weight, bias, offset=0.0):
-    """``(y - bias) / (weight + offset)`` in ``y``'s dtype, computed in fp32 a chunk of rows at
-    a time."""
-    width = y.shape[-1]
-    rows_y = y.reshape(-1, width)
-    x_hat = torch.empty(rows_y.shape, dtype=y.dtype, device=y.device)
-    for rows in row_chunks(rows_y.shape[0], width):
-        value = rows_y[rows].float()
-        if bias is not None:
-            value = value - bias.float()
-        x_hat[rows] = value if weight is None else value / (weight.float() + offset)
-    return x_hat.view(y.shape)
 
 
 @dataclass(frozen=True)
@@ -241,9 +232,10 @@ def _without_sharing_under_hooks(module: nn.Module, state):
     return state
 
 
-def _saved_x_hat(ctx, grad_y):
-    """``rstd``, the weight and ``x_hat``: a tensor, or its pack where the backward kernels
-    dequantize it themselves (:func:`_dequantized_in_kernel`)."""
+def _norm_grads(ctx, grad_y, centered):
+    """``(grad_x, grad_w, grad_b)`` (fp32 parameter gradients) and the weight, from what the
+    forward kept: the output of a memory-sharing norm (x_hat rebuilt inside the backward
+    kernels), x_hat, or its pack (dequantized inside them, :func:`_dequantized_in_kernel`)."""
     try:
         rstd, weight, bias, *buffers = ctx.saved_tensors
     except RuntimeError as error:
@@ -255,15 +247,16 @@ def _saved_x_hat(ctx, grad_y):
             "ActQConfig(share_norm_outputs=False) (or change a copy of the output)"
         ) from None
     if ctx.from_output:
-        x_hat = _x_hat_from_output(buffers[0], weight, bias, ctx.offset)
-        if weight is not None:
-            index, columns = buffers[1:]
-            x_hat.view(-1, x_hat.shape[-1]).index_copy_(1, index, columns.to(x_hat.dtype))
-        return rstd, weight, x_hat
+        y, *guard = buffers
+        index, columns = guard if weight is not None else (None, None)
+        args = (grad_y, y, weight, bias, index, columns, rstd, centered, ctx.offset)
+        return norm_backward_from_output(*args), weight
     if ctx.header is None:
-        return rstd, weight, buffers[0]
-    packed = ctx.header.with_tensors(buffers)
-    return rstd, weight, packed if _dequantized_in_kernel(packed, grad_y) else packed.unpack()
+        x_hat = buffers[0]
+    else:
+        packed = ctx.header.with_tensors(buffers)
+        x_hat = packed if _dequantized_in_kernel(packed, grad_y) else packed.unpack()
+    return _norm_backward(grad_y, x_hat, rstd, weight, centered, ctx.offset), weight
 
 
 def _dequantized_in_kernel(packed: Packed, grad_y: torch.Tensor) -> bool:
@@ -322,8 +315,7 @@ class CompressedLayerNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        rstd, weight, x_hat = _saved_x_hat(ctx, grad_y)
-        grad_x, grad_w, grad_b = _norm_backward(grad_y, x_hat, rstd, weight, True)  # centered
+        (grad_x, grad_w, grad_b), weight = _norm_grads(ctx, grad_y, True)  # centered
         grad_w = grad_w.to(weight.dtype) if ctx.has_weight else None
         grad_b = grad_b.to(grad_y.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
@@ -369,9 +361,8 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
-        rstd, weight, x_hat = _saved_x_hat(ctx, grad_y)
         # Gemma's scale, 1 + w, is added in fp32 by the kernels (not a tensor of its own).
-        grad_x, grad_w, _ = _norm_backward(grad_y, x_hat, rstd, weight, False, ctx.offset)
+        (grad_x, grad_w, _), weight = _norm_grads(ctx, grad_y, False)
         return grad_x, grad_w.to(weight.dtype), None, None
 
 

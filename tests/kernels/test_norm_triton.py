@@ -182,3 +182,65 @@ def test_gemmas_one_plus_w_is_added_inside_the_backward_kernels(dtype):
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[dtype]
     torch.testing.assert_close(got[0], twin[0], rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(got[1], twin[1], rtol=1e-5, atol=1e-5)
+
+
+# (name, centered, weight dtype or None, bias, offset): a memory-sharing norm's forms.
+OUTPUT_FORMS = [
+    ("layer_norm", True, "input", True, 0.0),
+    ("layer_norm_without_affine", True, None, False, 0.0),
+    ("rms_norm", False, "input", False, 0.0),
+    ("rms_norm_fp32_weight", False, torch.float32, False, 0.0),  # y in fp32
+    ("gemma_rms_norm", False, "input", False, 1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("form", OUTPUT_FORMS, ids=[f[0] for f in OUTPUT_FORMS])
+def test_norm_backward_from_output_rebuilds_x_hat_inside_the_kernels(dtype, form, monkeypatch):
+    """A memory-sharing norm's backward from its output: x_hat = (y - b) / (w + offset) rounded to
+    y's dtype, the guard column's kept x_hat where the weight is zero, rebuilt inside both
+    kernels; the same gradients as the kernels on the twin's rebuilt x_hat, bit for bit, and
+    the twin's up to summation order."""
+    name, centered, weight_dtype, has_bias, offset = form
+    monkeypatch.setattr(norm_kernels, "MAX_ROW_BLOCKS", 8)
+    rows, width = 15, norm_kernels.BLOCK + 36
+    grad, x_hat, rstd, weight = _inputs(rows, width, dtype, centered)
+    generator = torch.Generator(torch.get_default_device()).manual_seed(5)
+    bias = torch.randn(width, generator=generator).to(dtype) if has_bias else None
+    if weight_dtype is None:
+        weight = index = columns = None
+        y = x_hat if bias is None else (x_hat.float() + bias.float()).to(dtype)
+    else:
+        weight = weight.to(dtype if weight_dtype == "input" else weight_dtype)
+        weight[width - 30] = -offset  # a zero scale: the guard column there (a later tile)
+        y = (x_hat.float() * (weight.float() + offset)).to(torch.promote_types(dtype, weight.dtype))
+        y = y if bias is None else (y.float() + bias.float()).to(y.dtype)
+        index = torch.tensor([width - 30])
+        columns = x_hat[:, width - 30 :][:, :1].clone()
+    grad = grad.to(y.dtype)
+    got = norm_kernels.norm_backward_from_output_triton(
+        grad, y, weight, bias, index, columns, rstd, centered, offset
+    )
+    assert all(torch.isfinite(t).all() for t in got)
+    rebuilt = norm_kernels.x_hat_from_output(y, weight, bias, offset)
+    if index is not None:
+        rebuilt[:, index] = columns.to(rebuilt.dtype)
+    want = norm_kernels.norm_backward_triton(grad, rebuilt, rstd, weight, centered, offset)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    twin = norm_kernels.norm_backward_from_output_reference(
+        grad, y, weight, bias, index, columns, rstd, centered, offset
+    )
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[y.dtype]
+    torch.testing.assert_close(got[0], twin[0], rtol=tolerance, atol=tolerance)
+    for a, b in zip(got[1:], twin[1:]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_backward_from_output_on_no_rows():
+    y = torch.empty(0, 8)
+    grad_x, grad_w, grad_b = norm_kernels.norm_backward_from_output_triton(
+        y, y, torch.ones(8), torch.zeros(8), torch.tensor([3]), torch.empty(0, 1),
+        torch.empty(0, 1), True,
+    )  # fmt: skip
+    assert grad_x.shape == (0, 8) and not grad_w.any() and not grad_b.any()

@@ -328,6 +328,47 @@ def test_one_kernel_packs_the_normalized_input_and_backward_reads_the_pack(
 
 
 @pytest.mark.needs_kernels
+@pytest.mark.parametrize("kind", ["layer", "rms", "gemma"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_memory_sharing_norms_backward_rebuilds_x_hat_inside_its_kernels(
+    kind, dtype, monkeypatch
+):
+    """The backward of a norm that kept its output is one ``norm_backward_from_output`` call:
+    x_hat rebuilt from y (and the guard column, here where a trained weight turned zero) inside
+    the backward kernels, where the twin makes a full-size x_hat op by op. The gradients are the
+    twin's up to summation order, and the stock module's up to y's rounding."""
+    from hf_actq.kernels import norm as norm_kernels
+
+    norm = _norm_of(kind, 1100, dtype)  # two column tiles of the backward kernels
+    with torch.no_grad():
+        norm.weight[1050] = 0.0 if kind != "gemma" else -1.0
+    counts = _launch_counter(monkeypatch, "norm_backward_from_output", "norm_backward")
+    rebuilt = []
+    twin = norm_kernels.x_hat_from_output
+    monkeypatch.setattr(norm_kernels, "x_hat_from_output", lambda *a: rebuilt.append(1) or twin(*a))
+    x = (3 * torch.randn(3, 5, 1100) + 1).to(dtype)
+    grad = torch.randn(x.shape).to(dtype)
+    params = list(norm.parameters())
+    shared = (CompressedLayerNorm if kind == "layer" else CompressedRMSNorm)(
+        norm, codec=None, share_output=True
+    )
+    with kernels_on_cpu():
+        fused = _grads(shared, params, x, grad)
+    assert counts == {"norm_backward_from_output": 1, "norm_backward": 0} and not rebuilt
+    composed = _grads(shared, params, x, grad)  # the twin
+    assert rebuilt == [1]
+    stock = _grads(norm, params, x, grad)
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(fused[0], composed[0], rtol=tolerance, atol=tolerance)
+    for a, b in zip(fused[1:], composed[1:], strict=True):  # fp32 sums, cast to the weight's
+        torch.testing.assert_close(a.float(), b.float(), rtol=tolerance, atol=tolerance)
+    for got, want in zip(fused, stock, strict=True):
+        assert torch.isfinite(got).all()
+        error = (got.float() - want.float()).norm() / want.float().norm()
+        assert error < (1e-5 if dtype == torch.float32 else 2e-2), error
+
+
+@pytest.mark.needs_kernels
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_the_norm_backward_takes_x_hat_its_output_consumer_unpacked(kind, monkeypatch):
     """The next linear takes the norm's output rebuilt from the norm's packed x_hat and, running

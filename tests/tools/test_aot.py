@@ -132,9 +132,10 @@ def test_the_variants_are_every_launchable_kernel_configuration():
     expected = len(INDEX_TYPES) * (
         len(FLOAT_TYPES) * per_float_type + (len(FLOAT_TYPES) + 1) * per_mask_type + per_index_type
     )
-    # The norm kernels: the two backward kernels (i32 indices) on x_hat and on three pack
-    # layouts; the forward per form (LayerNorm, LLaMA's and Gemma's RMSNorm) and three layouts.
-    expected += len(FLOAT_TYPES) * (2 * 4 + 3 * 3)
+    # The norm kernels: the two backward kernels (i32 indices) on x_hat, on three pack layouts
+    # and on three forms of a memory-sharing norm's output; the forward per form (LayerNorm,
+    # LLaMA's and Gemma's RMSNorm) and three layouts.
+    expected += len(FLOAT_TYPES) * (2 * 7 + 3 * 3)
     assert len(variants()) == expected
     # Every @triton.jit kernel in the package is among the variants (helpers are not kernels).
     import importlib
@@ -280,16 +281,24 @@ def test_the_gated_kernels_stream(tmp_path):
 
 
 def test_the_norm_backward_kernels_stream(tmp_path):
-    """Both norm backward kernels, on x_hat and on its 4-bit pack, bf16, with the row width a
+    """Both norm backward kernels, on x_hat, on its 4-bit pack and rebuilding it from a
+    memory-sharing LayerNorm's and RMSNorm's output, bf16, with the row width a
     multiple of 16 as the JIT specializes it at every real hidden size: 128-bit loads of the
     gradient (and x_hat), 128-bit stores of the input's gradient, no software division, no
     stack. (aot.py compiled them without the width's alignment before: scalar accesses.)"""
     from aot import BANDWIDTH_KERNELS
 
     results = _compile(tmp_path, "--match", "norm_", "_kernel PACKED=", "bf16", ccs=(90,))
-    results = [r for r in results if "BITS=8 " in r["variant"] or "BITS=4 " in r["variant"]]
+    weightless = "FROM_OUTPUT=True HAS_BIAS=False GUARD=False"
+    results = [
+        r
+        for r in results
+        if ("BITS=4 " in r["variant"] or "BITS=8 " in r["variant"])
+        and weightless not in r["variant"]
+    ]
     kernels = sorted(r["kernel"] for r in results)
-    assert kernels == ["norm_backward_kernel"] * 2 + ["norm_row_means_kernel"] * 2, kernels
+    # On x_hat, on its 4-bit pack, from a LayerNorm's and an RMSNorm's output.
+    assert kernels == ["norm_backward_kernel"] * 4 + ["norm_row_means_kernel"] * 4, kernels
     assert all(not r["problems"] for r in results)
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
     assert all(r["sass"].get("LDG.E.128", 0) > 0 for r in results)
