@@ -123,8 +123,11 @@ STRIDED_VIEWS = {
 }
 
 
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
-@pytest.mark.parametrize("name", list(STRIDED_VIEWS))
+@pytest.mark.parametrize(
+    "name,stochastic",
+    # Every view rounded to nearest; stochastic rounding (the same loads, noise added) on two.
+    [(name, False) for name in STRIDED_VIEWS] + [("head dim 128", True), ("groups of 4", True)],
+)
 def test_aq_kernel_packs_a_transposed_view_where_it_lies_as_its_flat_copy(name, stochastic):
 
     make, bits, group, block = STRIDED_VIEWS[name]

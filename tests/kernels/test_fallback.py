@@ -182,6 +182,7 @@ for make, config in (
     (tiny_bert, ActQConfig.from_recipe("checkpoint")),
     (tiny_bert, ActQConfig(bits=4, codec="blpa", dropout_mode="mask")),
     (tiny_bert, ActQConfig(codec="smaq", bits=8)),
+    (tiny_bert, ActQConfig.from_recipe("fewbit")),  # memory-sharing norms
 ):
     model = make().to(torch.bfloat16)
     hf_actq.apply(model, config)

@@ -229,6 +229,7 @@ def test_the_codec_kernels_stream(tmp_path):
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
 
 
+@pytest.mark.slow  # the default run gates each kernel's representative
 def test_the_rotated_kernels_stream(tmp_path):
     """The rotated pack (stochastic, seeded from the host: an eager training step's) and unpack,
     the rotation a tensor-core product inside each, at every width, bf16, sm_90: no software
@@ -249,6 +250,7 @@ def test_the_rotated_kernels_stream(tmp_path):
     assert all(r["sass"].get(BANDWIDTH_KERNELS[r["kernel"]], 0) > 0 for r in results)
 
 
+@pytest.mark.slow  # the default run gates each kernel's representative
 def test_the_few_bit_kernels_stream(tmp_path):
     """The few-bit forward (codes only and fused with PyTorch's formula through libdevice) and
     backward at 3 bits in bf16: 128-bit accesses to the float tensors, no software division,
@@ -265,6 +267,7 @@ def test_the_few_bit_kernels_stream(tmp_path):
     assert all(r["sass"].get("STG.E.128", 0) > 0 for r in fused)  # the output, vectorised
 
 
+@pytest.mark.slow  # the default run gates each kernel's representative
 def test_the_gated_kernels_stream(tmp_path):
     """Uniform 4-bit operands, 3-bit codes, bf16: the backward with and without down's input,
     the forward fused with SiLU: 128-bit accesses to the float tensors, no software division,
