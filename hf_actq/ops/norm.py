@@ -99,7 +99,8 @@ def shares_output(weight: torch.Tensor | None, offset: float = 0.0) -> bool:
 
 def _guard_columns(weight, offset, x_hat_columns):
     """The columns of the smallest ``|weight + offset|`` and ``x_hat`` there (``[rows, K]``)."""
-    scale = weight.detach().float() + offset
+    scale = weight.detach().float()
+    scale = scale + offset if offset else scale  # |w + 0| is |w|: one device op fewer
     index = torch.topk(scale.abs(), min(GUARD_COLUMNS, scale.numel()), largest=False).indices
     return index, x_hat_columns(index)
 
