@@ -71,9 +71,7 @@ def main(argv=None) -> None:
 
     def rebuilt_op_by_op(grad_y, y, weight, bias, index, columns, rstd, centered, offset):
         """The memory-sharing backward before its kernels rebuilt x_hat."""
-        x_hat = norm_kernels.x_hat_from_output(y, weight, bias, offset)
-        if index is not None:
-            x_hat.view(-1, x_hat.shape[-1]).index_copy_(1, index, columns.to(x_hat.dtype))
+        x_hat = norm_kernels.x_hat_from_output(y, weight, bias, offset, index, columns)
         return norm_kernels.norm_backward(grad_y, x_hat, rstd, weight, centered, offset)
 
     from_output = norm_ops.norm_backward_from_output

@@ -281,9 +281,12 @@ def norm_backward_packed_reference(
     return norm_backward_reference(grad_y, x_hat, rstd, weight, centered, offset)
 
 
-def x_hat_from_output(y, weight, bias, offset=0.0):
+def x_hat_from_output(y, weight, bias, offset=0.0, guard_index=None, guard_columns=None):
     """A memory-sharing norm's ``x_hat`` rebuilt from its output: ``(y - bias) / (weight +
-    offset)`` in ``y``'s dtype, computed in fp32 a chunk of rows at a time."""
+    offset)`` in ``y``'s dtype, computed in fp32 a chunk of rows at a time, but in the columns
+    ``guard_index`` (those of the smallest ``|weight + offset|``, where the division is undefined
+    or loses the most), which take ``guard_columns`` (``[rows, K]``, x_hat kept there by the
+    forward)."""
     width = y.shape[-1]
     rows_y = y.reshape(-1, width)
     x_hat = torch.empty(rows_y.shape, dtype=y.dtype, device=y.device)
@@ -292,6 +295,9 @@ def x_hat_from_output(y, weight, bias, offset=0.0):
         if bias is not None:
             value = value - bias.float()
         x_hat[rows] = value if weight is None else value / (weight.float() + offset)
+    if guard_index is not None:
+        columns = guard_columns.reshape(-1, guard_index.numel()).to(x_hat.dtype)
+        x_hat.index_copy_(1, guard_index, columns)
     return x_hat.view(y.shape)
 
 
@@ -307,13 +313,8 @@ def norm_backward_from_output_reference(
     offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`norm_backward_reference` of a memory-sharing norm, which kept its output ``y``:
-    ``x_hat`` rebuilt by :func:`x_hat_from_output`, but in the columns ``guard_index`` (those of
-    the smallest ``|weight + offset|``, where the division is undefined or loses the most),
-    which take ``guard_columns`` (``[rows, K]``, x_hat kept there by the forward)."""
-    x_hat = x_hat_from_output(y, weight, bias, offset)
-    if guard_index is not None:
-        columns = guard_columns.reshape(-1, guard_index.numel()).to(x_hat.dtype)
-        x_hat.view(-1, x_hat.shape[-1]).index_copy_(1, guard_index, columns)
+    ``x_hat`` rebuilt by :func:`x_hat_from_output` with its guard columns."""
+    x_hat = x_hat_from_output(y, weight, bias, offset, guard_index, guard_columns)
     return norm_backward_reference(grad_y, x_hat, rstd, weight, centered, offset)
 
 
@@ -378,15 +379,22 @@ def load_weight(w_ptr, w_offset, cols, valid):
 
 
 @jit
-def load_guard(guard_index_ptr, guard_ptr, row, Y_DTYPE: tl.constexpr, GUARD: tl.constexpr):
-    """A memory-sharing norm's guard column and ``row``'s x_hat there, rounded to ``Y_DTYPE``
-    as the twin copies it into x_hat (column -1: no guard, a norm without weight)."""
+def load_guard_column(guard_index_ptr, GUARD: tl.constexpr):
+    """A memory-sharing norm's guard column (-1: no guard, a norm without weight)."""
     if GUARD:
-        column = tl.load(guard_index_ptr)
-        value = to_dtype(tl.load(guard_ptr + row).to(tl.float32), Y_DTYPE).to(tl.float32)
-        return column, value
+        return tl.load(guard_index_ptr)
     else:
-        return -1, 0.0
+        return -1
+
+
+@jit
+def load_guard_value(guard_ptr, row, Y_DTYPE: tl.constexpr, GUARD: tl.constexpr):
+    """``row``'s kept x_hat in the guard column, rounded to ``Y_DTYPE`` as the twin copies it
+    into x_hat."""
+    if GUARD:
+        return to_dtype(tl.load(guard_ptr + row).to(tl.float32), Y_DTYPE).to(tl.float32)
+    else:
+        return 0.0
 
 
 @jit
@@ -419,9 +427,8 @@ def norm_row_means_kernel(
     sum_gw = tl.zeros([BLOCK], tl.float32)
     sum_gwx = tl.zeros([BLOCK], tl.float32)
     if FROM_OUTPUT:
-        guard_column, guard_value = load_guard(
-            guard_index_ptr, guard_ptr, row, xhat_ptr.dtype.element_ty, GUARD
-        )
+        guard_column = load_guard_column(guard_index_ptr, GUARD)
+        guard_value = load_guard_value(guard_ptr, row, xhat_ptr.dtype.element_ty, GUARD)
     for start in range(0, width, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         valid = cols < width
@@ -477,6 +484,7 @@ def norm_backward_kernel(
     w = load_weight(w_ptr, w_offset, cols, valid)
     if FROM_OUTPUT:  # the twin divides by weight + offset even where the offset is 0
         divisor = tl.load(w_ptr + cols, mask=valid, other=1.0).to(tl.float32) + w_offset
+        guard_column = load_guard_column(guard_index_ptr, GUARD)
     sum_gx = tl.zeros([BLOCK], tl.float32)
     sum_g = tl.zeros([BLOCK], tl.float32)
     for r in range(0, rows_per_program):
@@ -488,9 +496,7 @@ def norm_backward_kernel(
         # the interpreter rejects); its g is zero and nothing of it is stored.
         last = tl.minimum(row, n_rows - 1)
         if FROM_OUTPUT:  # xhat_ptr holds the norm's output y
-            guard_column, guard_value = load_guard(
-                guard_index_ptr, guard_ptr, last, xhat_ptr.dtype.element_ty, GUARD
-            )
+            guard_value = load_guard_value(guard_ptr, last, xhat_ptr.dtype.element_ty, GUARD)
             x_hat = rebuilt_x_hat(xhat_ptr, bias_ptr, divisor, guard_column, guard_value,
                                   offsets, cols, live, HAS_BIAS)  # fmt: skip
         else:

@@ -222,9 +222,7 @@ def test_norm_backward_from_output_rebuilds_x_hat_inside_the_kernels(dtype, form
         grad, y, weight, bias, index, columns, rstd, centered, offset
     )
     assert all(torch.isfinite(t).all() for t in got)
-    rebuilt = norm_kernels.x_hat_from_output(y, weight, bias, offset)
-    if index is not None:
-        rebuilt[:, index] = columns.to(rebuilt.dtype)
+    rebuilt = norm_kernels.x_hat_from_output(y, weight, bias, offset, index, columns)
     want = norm_kernels.norm_backward_triton(grad, rebuilt, rstd, weight, centered, offset)
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
@@ -244,3 +242,34 @@ def test_norm_backward_from_output_on_no_rows():
         torch.empty(0, 1), True,
     )  # fmt: skip
     assert grad_x.shape == (0, 8) and not grad_w.any() and not grad_b.any()
+
+
+@pytest.mark.parametrize("form", OUTPUT_FORMS, ids=[f[0] for f in OUTPUT_FORMS])
+def test_norm_backward_from_output_keeps_non_finite_values_as_its_twin(form):
+    """NaN and infinities in the kept output and in the gradient (a diverging step, an fp16
+    overflow the scaler will skip) give the twin's non-finite pattern in every gradient: the
+    kernels' row sums and column sums carry them as the twin's do, and a masked or guard-column
+    lane does not hide them."""
+    name, centered, weight_dtype, has_bias, offset = form
+    rows, width = 12, norm_kernels.BLOCK + 36
+    grad, x_hat, rstd, weight = _inputs(rows, width, torch.float32, centered)
+    bias = torch.linspace(-1, 1, width) if has_bias else None
+    index = columns = None
+    if weight_dtype is not None:
+        weight[7] = -offset
+        index, columns = torch.tensor([7]), x_hat[:, 7:8].clone()
+        columns[4] = float("nan")  # a NaN where only the guard column knows x_hat
+    else:
+        weight = None
+    y = x_hat.clone()
+    y[2, 5], y[6, width - 1], y[8, 9] = float("nan"), float("inf"), -float("inf")
+    grad[10, 3] = float("nan")
+    args = (grad, y, weight, bias, index, columns, rstd, centered, offset)
+    got = norm_kernels.norm_backward_from_output_triton(*args)
+    twin = norm_kernels.norm_backward_from_output_reference(*args)
+    for a, b in zip(got, twin, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True)
+    bad_rows = [2, 6, 8, 10] + ([4] if index is not None else [])
+    finite = torch.isfinite(got[0]).all(dim=-1)
+    assert finite.tolist() == [row not in bad_rows for row in range(rows)]
