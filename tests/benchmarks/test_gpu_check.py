@@ -118,7 +118,7 @@ def test_the_summary_names_a_kernel_that_fell_back_and_does_not_count_it_identic
     assert "- kernels bit-identical with their twins: 1 of 2" in summary
 
 
-def test_a_rerun_selects_what_did_not_pass_before(tmp_path):
+def test_a_rerun_selects_what_did_not_pass_before(tmp_path, monkeypatch):
     # --rerun tests-<n>.jsonl: the kernel selection runs again without what passed (or was
     # skipped) on the last loan, so that a second short loan reaches what the first did not.
     sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
@@ -126,6 +126,15 @@ def test_a_rerun_selects_what_did_not_pass_before(tmp_path):
         import check
     finally:
         sys.path.pop(0)
+    # pytest collects the selection once (a start-up of torch: about 7 s); both calls read it.
+    collections, run = [], subprocess.run
+
+    def collect_once(*args, **kwargs):
+        if not collections:
+            collections.append(run(*args, **kwargs))
+        return collections[0]
+
+    monkeypatch.setattr(check.subprocess, "run", collect_once)
     selection = ["tests/kernels/test_reference.py"]
     listed = check._not_passed(selection, {}, tmp_path / "none.jsonl")
     assert len(listed) > 3 and all(t.startswith(selection[0] + "::") for t in listed)

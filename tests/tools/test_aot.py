@@ -291,14 +291,10 @@ def test_the_norm_backward_kernels_stream(tmp_path):
     stack. (aot.py compiled them without the width's alignment before: scalar accesses.)"""
     from aot import BANDWIDTH_KERNELS
 
-    results = _compile(tmp_path, "--match", "norm_", "_kernel PACKED=", "bf16", ccs=(90,))
-    weightless = "FROM_OUTPUT=True HAS_BIAS=False GUARD=False"
-    results = [
-        r
-        for r in results
-        if ("BITS=4 " in r["variant"] or "BITS=8 " in r["variant"])
-        and weightless not in r["variant"]
-    ]
+    # On x_hat (its BITS are unused), on its 4-bit pack, from the output of a norm with weight.
+    groups = ("PACKED=False BITS=8", "FROM_OUTPUT=False"), ("PACKED=True BITS=4",), ("GUARD=True",)
+    arguments = [text for group in groups for text in ("--match", "norm_", *group, "bf16")]
+    results = _compile(tmp_path, *arguments, ccs=(90,))
     kernels = sorted(r["kernel"] for r in results)
     # On x_hat, on its 4-bit pack, from a LayerNorm's and an RMSNorm's output.
     assert kernels == ["norm_backward_kernel"] * 4 + ["norm_row_means_kernel"] * 4, kernels
