@@ -15,7 +15,8 @@ through the codec, while its LSE is the exact forward's. Each layer's q, k, v, m
 gradient come from one stock step (dropout 0), 32 pairs; the codec is "uniform"'s (AQ, groups of
 one, stochastic rounding, the same seed for every path). Reported per bits and dtype: the relative
 L2 error of the concatenated q, k, v gradients against the exact ones, mean over the 6 layers,
-the ratio of each path's mean to re-run's, and the median over layers of the per-layer ratio.
+the ratio of each path's mean to re-run's, the median over layers of the per-layer ratio, and
+each layer's largest |q kᵀ · scale|.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ def measure(layers: list[dict], bits_list=(8, 4, 3, 2), dtypes=("float32", "bflo
             results[f"{dtype_name}, {bits} bits"] = row
             print(dtype_name, bits, {k: round(v, 4) for k, v in row.items()}, flush=True)
     results["backward nodes"] = sorted(nodes)
+    # What makes the LSE path fragile: scores far from zero, where a small change is a large
+    # factor after exp.
+    results["largest |score| per layer"] = [
+        (q @ k.transpose(-1, -2) * r["options"]["scaling"]).abs().max().item()
+        for r in layers
+        for q, k, _ in [r["qkv"]]
+    ]
     return results
 
 
