@@ -204,6 +204,11 @@ TINY_SIZES = {
     "xlm-roberta": _ENCODER,
     "electra": dict(_ENCODER, embedding_size=32),
     "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
+    "camembert": _ENCODER,
+    "xlm-roberta-xl": _ENCODER,
+    "roberta-prelayernorm": _ENCODER,
+    "data2vec-text": _ENCODER,
+    "ernie": _ENCODER,
     "deberta-v2": _ENCODER,
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
     "gpt_neox": _ENCODER,
@@ -230,7 +235,10 @@ TINY_SIZES = {
     "granite": dict(_DECODER_8, logits_scaling=4.0),
     "cohere": _DECODER_8,
 }
-ENCODERS = {"bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2"}
+ENCODERS = {
+    "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",
+    "xlm-roberta-xl", "roberta-prelayernorm", "data2vec-text", "ernie",
+}  # fmt: skip
 NO_DROPOUT = {
     "hidden_dropout_prob": 0.0,
     "attention_probs_dropout_prob": 0.0,

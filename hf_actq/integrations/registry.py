@@ -59,6 +59,13 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "xlm-roberta": _EAGER,
     "electra": _EAGER,
     "distilbert": _EAGER,
+    # BERT's and RoBERTa's attention under other names: transformers builds them from the same
+    # modular code, through AttentionInterface.
+    "camembert": _EAGER,
+    "xlm-roberta-xl": _EAGER,
+    "roberta-prelayernorm": _EAGER,
+    "data2vec-text": _EAGER,
+    "ernie": _EAGER,
     "gpt2": ModelLayout(
         "eager",
         (("reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn path"),),
