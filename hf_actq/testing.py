@@ -209,6 +209,10 @@ TINY_SIZES = {
     "roberta-prelayernorm": _ENCODER,
     "data2vec-text": _ENCODER,
     "ernie": _ENCODER,
+    # Local attention over 4 tokens in every other layer, so that the 12-token batches see it.
+    "modernbert": dict(
+        _ENCODER, local_attention=4, global_attn_every_n_layers=2, cls_token_id=1, sep_token_id=2
+    ),
     "deberta-v2": _ENCODER,
     "gpt2": dict(n_embd=32, n_layer=2, n_head=4),
     "gpt_neox": _ENCODER,
@@ -237,7 +241,7 @@ TINY_SIZES = {
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",
-    "xlm-roberta-xl", "roberta-prelayernorm", "data2vec-text", "ernie",
+    "xlm-roberta-xl", "roberta-prelayernorm", "data2vec-text", "ernie", "modernbert",
 }  # fmt: skip
 NO_DROPOUT = {
     "hidden_dropout_prob": 0.0,

@@ -66,6 +66,9 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "roberta-prelayernorm": _EAGER,
     "data2vec-text": _EAGER,
     "ernie": _EAGER,
+    # Its attention (global, and local through the mask's sliding window) calls
+    # AttentionInterface as BERT's does; its GeGLU's activation is a module of its own.
+    "modernbert": _EAGER,
     "gpt2": ModelLayout(
         "eager",
         (("reorder_and_upcast_attn", "GPT-2's reorder_and_upcast_attn path"),),

@@ -126,7 +126,8 @@ def _cosine(a, b) -> float:
 # precision, typically a bias whose gradient is a sum over tokens that mostly cancels); and the
 # median tensor. Each bound allows 1.5x the worst measured cosine distance (docs/reference.md).
 GRADIENT_BOUNDS = [
-    ("fewbit", {}, 0.98, 0.4, 0.85),
+    # ModernBERT's GeGLU at 3 bits: 0.980 whole, every tensor above 0.97 (the others: 0.987 up).
+    ("fewbit", {}, 0.975, 0.4, 0.85),
     ("uniform", {"bits": 8}, 0.99, 0.7, 0.97),
     # Electra's whole-model cosine over 8 rounding draws: 0.959-0.984 at 4 bits, 0.51-0.76 for
     # "alam" 2-bit (with torch.rand's noise and with the CPU twins' counter hash alike).
