@@ -209,6 +209,7 @@ TINY_SIZES = {
     "roberta-prelayernorm": _ENCODER,
     "data2vec-text": _ENCODER,
     "ernie": _ENCODER,
+    "albert": dict(_ENCODER, embedding_size=16),
     # Local attention over 4 tokens in every other layer, so that the 12-token batches see it.
     "modernbert": dict(
         _ENCODER, local_attention=4, global_attn_every_n_layers=2, cls_token_id=1, sep_token_id=2
@@ -241,7 +242,7 @@ TINY_SIZES = {
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",
-    "xlm-roberta-xl", "roberta-prelayernorm", "data2vec-text", "ernie", "modernbert",
+    "xlm-roberta-xl", "roberta-prelayernorm", "data2vec-text", "ernie", "albert", "modernbert",
 }  # fmt: skip
 NO_DROPOUT = {
     "hidden_dropout_prob": 0.0,
@@ -255,6 +256,7 @@ NO_DROPOUT = {
     "hidden_dropout": 0.0,
     "residual_dropout": 0.0,
     "embedding_dropout": 0.0,
+    "classifier_dropout_prob": 0.0,  # ALBERT's head
 }
 
 

@@ -66,6 +66,8 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "roberta-prelayernorm": _EAGER,
     "data2vec-text": _EAGER,
     "ernie": _EAGER,
+    # One layer's parameters shared by every layer, its attention BERT's.
+    "albert": _EAGER,
     # Its attention (global, and local through the mask's sliding window) calls
     # AttentionInterface as BERT's does; its GeGLU's activation is a module of its own.
     "modernbert": _EAGER,
