@@ -210,6 +210,7 @@ TINY_SIZES = {
     "data2vec-text": _ENCODER,
     "ernie": _ENCODER,
     "albert": dict(_ENCODER, embedding_size=16),
+    "esm": _ENCODER,
     # Local attention over 4 tokens in every other layer, so that the 12-token batches see it.
     "modernbert": dict(
         _ENCODER, local_attention=4, global_attn_every_n_layers=2, cls_token_id=1, sep_token_id=2
@@ -243,6 +244,7 @@ TINY_SIZES = {
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",
     "xlm-roberta-xl", "roberta-prelayernorm", "data2vec-text", "ernie", "albert", "modernbert",
+    "esm",
 }  # fmt: skip
 NO_DROPOUT = {
     "hidden_dropout_prob": 0.0,

@@ -68,6 +68,9 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "ernie": _EAGER,
     # One layer's parameters shared by every layer, its attention BERT's.
     "albert": _EAGER,
+    # BERT's attention with rotary or absolute positions (its GELU is a function, which the
+    # few-bit recipe cannot take).
+    "esm": _EAGER,
     # Its attention (global, and local through the mask's sliding window) calls
     # AttentionInterface as BERT's does; its GeGLU's activation is a module of its own.
     "modernbert": _EAGER,
