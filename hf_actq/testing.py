@@ -240,6 +240,11 @@ TINY_SIZES = {
     # Heads that scale their logits (Cohere by logit_scale, 0.0625 by default).
     "granite": dict(_DECODER_8, logits_scaling=4.0),
     "cohere": _DECODER_8,
+    "helium": _DECODER_8,
+    "seed_oss": _DECODER_8,
+    "ernie4_5": _DECODER_8,
+    "hunyuan_v1_dense": _DECODER_8,
+    "glm4_moe": _DECODER_8,
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",
