@@ -244,10 +244,6 @@ TINY_SIZES = {
     "seed_oss": _DECODER_8,
     "ernie4_5": _DECODER_8,
     "hunyuan_v1_dense": _DECODER_8,
-    # One dense layer, then 4 experts of 32 (its defaults: 128 of 1,408, a minute of tests).
-    "glm4_moe": dict(
-        _DECODER_8, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
-    ),
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",

@@ -99,13 +99,12 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "glm": _SDPA,
     "exaone4": _SDPA,
     "gemma3_text": _SDPA_SOFTCAPPED,
-    # Newer LLaMA-like decoders (Helium, Seed-OSS, ERNIE 4.5, Hunyuan dense with q/k norms,
-    # GLM-4.5's MoE with dense first layers) calling AttentionInterface as LLaMA's does.
+    # Newer LLaMA-like decoders (Helium, Seed-OSS, ERNIE 4.5, Hunyuan dense with q/k norms)
+    # calling AttentionInterface as LLaMA's does.
     "helium": _SDPA,
     "seed_oss": _SDPA,
     "ernie4_5": _SDPA,
     "hunyuan_v1_dense": _SDPA,
-    "glm4_moe": _SDPA,
     # Heads that scale their logits.
     "granite": ModelLayout(
         "sdpa", causal_lm_loss=True, logit_scale=lambda config: 1 / config.logits_scaling
