@@ -244,6 +244,10 @@ TINY_SIZES = {
     "seed_oss": _DECODER_8,
     "ernie4_5": _DECODER_8,
     "hunyuan_v1_dense": _DECODER_8,
+    "glm4": _DECODER_8,
+    "olmo3": dict(_DECODER_8, sliding_window=4),
+    # Eager attention with sinks and a 4-token sliding window in every other layer; 4 experts.
+    "gpt_oss": dict(_DECODER_8, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",

@@ -15,10 +15,13 @@ from hf_actq.integrations.patching import bind_forward
 from hf_actq.integrations.slots import slot_codec
 from hf_actq.ops.attention import (
     ATTENTION_NAME,
+    EAGER_RECOMPUTE_NAME,
     EAGER_SLOTS,
     SDPA_NAME,
     SDPA_SLOTS,
+    eager_function_of,
     register_attention,
+    register_eager_recompute_attention,
     register_sdpa_attention,
 )
 from hf_actq.ops.deberta_attention import SLOTS as DEBERTA_SLOTS
@@ -48,7 +51,8 @@ def _point(model_config, name: str, original: str | None, handle) -> None:
     pointed = _POINTED.get(id(model_config))
     if pointed is None:
         current = model_config._attn_implementation
-        current = original if current in (ATTENTION_NAME, SDPA_NAME) else current
+        ours = (ATTENTION_NAME, SDPA_NAME, EAGER_RECOMPUTE_NAME)
+        current = original if current in ours else current
         pointed = _POINTED[id(model_config)] = [current, 0]
         weakref.finalize(model_config, _POINTED.pop, id(model_config), None)
     pointed[1] += 1
@@ -89,35 +93,51 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         # a byte-per-element mask besides the probabilities; the ops keep q, k, v exact and the
         # mask as a seed (eager, with the probabilities) or as the RNG state (SDPA).
         codec = None
-    for attribute, reason in layout.exact_attention_when:
-        if getattr(model_config, attribute, None):
-            handle.skipped["attention"] = f"{reason} (kept exact)"
-            return
     if layout.attention == "deberta":
         _patch_disentangled(model, config, handle, codec)
         return
     previous = _original_implementation(model_config)
-    if layout.attention == "sdpa" and previous != "sdpa":
-        handle.skipped["attention"] = f"{previous!r} attention (kept exact; sdpa is patched)"
-        return
-    if previous not in ("eager", "sdpa", None):
+    if previous not in ("eager", "sdpa", None) or (layout.attention == "sdpa" and not previous):
         handle.skipped["attention"] = f"{previous!r} attention (kept exact)"
         return
     # A model that runs SDPA keeps running it (backward recomputes it from compressed q, k, v:
-    # no [S, S] tensor is kept); the eager op, which keeps the probabilities, only for models
-    # set to eager attention.
-    kind = "eager" if layout.attention == "eager" and previous == "eager" else "sdpa"
-    name = register_attention() if kind == "eager" else register_sdpa_attention()
+    # no [S, S] tensor is kept); a decoder set to eager keeps running its own eager function,
+    # recomputed in backward the same way; an encoder set to eager, the eager op that keeps the
+    # probabilities (and their dropout mask as a seed).
+    if layout.attention == "eager" and previous == "eager":
+        kind = "eager"
+    elif previous == "eager":
+        kind = "eager, recomputed"
+    else:
+        kind = "sdpa"
+        for attribute, reason in layout.exact_attention_when:
+            if getattr(model_config, attribute, None):
+                handle.skipped["attention"] = f"{reason} (kept exact)"
+                return
+    name = {
+        "eager": register_attention,
+        "eager, recomputed": register_eager_recompute_attention,
+        "sdpa": register_sdpa_attention,
+    }[kind]()
     slots = EAGER_SLOTS if kind == "eager" else SDPA_SLOTS
     # The configs the attention modules read their implementation from: the model's, and copies
     # of it where a model keeps one per stack (T5's encoder and decoder).
     configs = {id(model_config): model_config}
+    modules = [
+        (path, module)
+        for path, module in model.named_modules()
+        if not config.skips(path) and _is_attention(module)
+    ]
+    if kind == "eager, recomputed" and any(eager_function_of(m) is None for _, m in modules):
+        # Every module the config reaches runs the op, which needs the function to recompute.
+        handle.skipped["attention"] = "eager attention of its own, without an eager function"
+        return
     count = 0
-    for path, module in model.named_modules():
-        if config.skips(path) or not _is_attention(module):
-            continue
+    for path, module in modules:
         # Without grad in eval, the original implementation runs, so outputs stay identical.
         state = OpState(path=path, attention_fallback=previous, key_layout=config.key_layout)
+        if kind == "eager, recomputed":
+            state.attention_function = eager_function_of(module)
         for slot in slots:
             # Attention kept exact (no codec) takes no per-slot settings.
             state.codecs[slot] = (

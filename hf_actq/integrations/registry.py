@@ -105,6 +105,10 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "seed_oss": _SDPA,
     "ernie4_5": _SDPA,
     "hunyuan_v1_dense": _SDPA,
+    # GLM-4 (post-attention and post-MLP norms, a fused gate_up projection) and OLMo-3 (q/k
+    # norms over all heads, a sliding window on three layers in four).
+    "glm4": _SDPA,
+    "olmo3": _SDPA,
     # Heads that scale their logits.
     "granite": ModelLayout(
         "sdpa", causal_lm_loss=True, logit_scale=lambda config: 1 / config.logits_scaling
@@ -117,6 +121,10 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen2_moe": _SDPA,
     "qwen3_moe": _SDPA,
     "olmoe": _SDPA,
+    # Eager attention with learned sinks (its only implementation besides vendor kernels): its
+    # own eager function runs, recomputed in backward. Its experts (biased, interleaved gate
+    # and up, a clamped GLU) are not a layout patch_experts takes: kept as they are.
+    "gpt_oss": _SDPA,
     "gemma2": _SDPA_SOFTCAPPED,
     # Vision and multimodal encoders and BART (self- and cross-attention) call their attention
     # through AttentionInterface like BERT does.

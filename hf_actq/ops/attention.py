@@ -18,6 +18,9 @@ Both have the signature of transformers' attention functions and register with
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import torch
 
 from hf_actq.codecs.packed import Codec, capturing_cuda_graph, draw_seed
@@ -219,21 +222,30 @@ def register_attention(name: str = ATTENTION_NAME) -> str:
     return name
 
 
-# SDPA path (decoders, and encoders that run SDPA) ---------------------------------------------
+# Recomputed attention: SDPA (decoders, and encoders that run SDPA), and a decoder's own eager
+# function -----------------------------------------------------------------------------------
 SDPA_NAME = "hf_actq_sdpa"
+EAGER_RECOMPUTE_NAME = "hf_actq_eager_recompute"
 
 
-class CompressedSDPAFunction(torch.autograd.Function):
+class RecomputedAttentionFunction(torch.autograd.Function):
     """Keeps compressed q, k, v (and, with attention dropout, the RNG state the forward drew its
-    mask from, as activation checkpointing does); backward rebuilds them and lets PyTorch's own
-    SDPA recompute and differentiate the attention: flash or memory-efficient kernels on CUDA,
-    the fused CPU kernel where it applies. No [S, S] tensor is kept between forward and backward,
-    and backward's transients are one layer's fused attention, not hand-written S x S algebra."""
+    mask from, as activation checkpointing does); backward rebuilds them and re-runs the
+    attention function it was given (``run``), differentiating it: PyTorch's own SDPA (flash or
+    memory-efficient kernels on CUDA, the fused CPU kernel where it applies), or a model's own
+    eager function (gpt-oss's sinks, Gemma 2's soft-capping). No [S, S] tensor is kept between
+    forward and backward; backward's transients are one layer's attention.
+
+    ``extras`` are the tensors besides q, k, v that have a gradient: T5's position bias, a
+    module's own parameters that its eager function reads (gpt-oss's sinks); ``run(q, k, v,
+    mask, *extras)`` returns the output and the attention weights (None where the function
+    gives none). The weights are returned, not kept: stock callers drop them."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, bias, run_sdpa, dropout, state):
+    def forward(ctx, query, key, value, mask, run, dropout, state, *extras):
+        ctx.set_materialize_grads(False)
         rng = _capture_rng(query.device) if dropout > 0.0 else None
-        output = run_sdpa(query, key, value, mask, bias)
+        output, weights = run(query, key, value, mask, *extras)
         saved: list = []
         slots = _slots(state, SDPA_SLOTS)
         for name, tensor in zip(SDPA_SLOTS, (query, key, value)):
@@ -241,46 +253,77 @@ class CompressedSDPAFunction(torch.autograd.Function):
         # The mask is the model's (one for all layers), and so is T5's position bias (computed
         # by the first layer, passed to the others): kept as they are, never per layer, while
         # stock SDPA keeps the per-layer sum of the two.
-        ctx.slots, ctx.run_sdpa = slots, run_sdpa
-        ctx.has_mask, ctx.has_bias = mask is not None, bias is not None
+        ctx.slots, ctx.run = slots, run
+        ctx.has_mask, ctx.extras = mask is not None, len(extras)
         ctx.rng_devices = rng[0] if rng is not None else None
-        extras = [t for t in (mask, bias) if t is not None]
-        ctx.save_for_backward(*saved, *extras, *(rng[1] if rng else []))
-        return output
+        masks = [mask] if mask is not None else []
+        ctx.save_for_backward(*saved, *masks, *extras, *(rng[1] if rng else []))
+        return output, weights
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_weights):
         saved = list(ctx.saved_tensors)
         rng_states = []
         if ctx.rng_devices is not None:
             count = 1 + len(ctx.rng_devices)
             saved, rng_states = saved[:-count], saved[-count:]
-        bias = saved.pop() if ctx.has_bias else None
+        extras = saved[len(saved) - ctx.extras :]
+        saved = saved[: len(saved) - ctx.extras]
         mask = saved.pop() if ctx.has_mask else None
-        q, k, v = (ctx.slots[n].restore(saved).to(grad_out.dtype).detach() for n in ("q", "k", "v"))
-        bias_grad = ctx.needs_input_grad[4]
-        inputs = (q, k, v, bias.detach()) if bias_grad else (q, k, v)
+        if grad_out is None and grad_weights is None:
+            return (None,) * (7 + len(extras))
+        q, k, v = (
+            ctx.slots[n].restore(saved).to(_dtype_of(grad_out, grad_weights)).detach()
+            for n in ("q", "k", "v")
+        )
+        wanted = [ctx.needs_input_grad[7 + i] for i in range(len(extras))]
+        # Leaves of their own: a shared pack's consumers take one unpacked tensor, and a
+        # parameter the function reads (through the module) is differentiated as this leaf.
+        extras = [e.detach().requires_grad_(w) for e, w in zip(extras, wanted)]
+        inputs = (q, k, v, *(e for e, w in zip(extras, wanted) if w))
         if torch.compiler.is_compiling():  # never with dropout (see compressed_sdpa_attention)
             # torch.func.vjp, which a trace follows and autograd.grad it does not; eager keeps
             # autograd.grad, which works under saved-tensor hooks (save_on_cpu) and vjp does not.
-            def attend(q, k, v, differentiable_bias=bias):
-                return ctx.run_sdpa(q, k, v, mask, differentiable_bias)
+            # Only the outputs that have a gradient: a zero [S, S] cotangent for the weights
+            # nobody used would be one more transient of that size.
+            with_weights = grad_weights is not None
 
-            _, vjp = torch.func.vjp(attend, *inputs)
-            grads = vjp(grad_out)
+            def attend(q, k, v, *differentiable):
+                found = iter(differentiable)
+                args = [next(found) if w else e for e, w in zip(extras, wanted)]
+                output, weights = ctx.run(q, k, v, mask, *args)
+                return (output, weights) if with_weights else output
+
+            outputs, vjp = torch.func.vjp(attend, *inputs)
+            if with_weights:
+                zeros = outputs[0].new_zeros(()).expand_as(outputs[0])
+                grads = vjp((zeros if grad_out is None else grad_out, grad_weights))
+            else:
+                grads = vjp(grad_out)
         else:
-            # Leaves of their own: a shared pack's consumers take one unpacked tensor.
-            inputs = tuple(t.detach().requires_grad_() for t in inputs)
+            inputs = tuple(t.requires_grad_() for t in inputs)
             replay = ctx.rng_devices is not None
             with torch.random.fork_rng(devices=ctx.rng_devices or [], enabled=replay):
                 if replay:  # the forward's dropout mask, drawn again
                     _restore_rng(ctx.rng_devices, rng_states)
                 with torch.enable_grad():
-                    output = ctx.run_sdpa(*inputs[:3], mask, inputs[3] if bias_grad else bias)
-            grads = torch.autograd.grad(output, inputs, grad_out)
-        grad_bias = grads[3] if bias_grad else None
-        return (*grads[:3], None, grad_bias, None, None, None)
+                    outputs = ctx.run(*inputs[:3], mask, *extras)
+            pairs = [
+                (o, g)
+                for o, g in zip(outputs, (grad_out, grad_weights))
+                if o is not None and g is not None
+            ]
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+            )
+        found = iter(grads[3:])
+        grad_extras = [next(found) if w else None for w in wanted]
+        return (*grads[:3], None, None, None, None, *grad_extras)
+
+
+def _dtype_of(grad_out, grad_weights) -> torch.dtype:
+    return (grad_out if grad_out is not None else grad_weights).dtype
 
 
 def _capture_rng(device: torch.device):
@@ -311,7 +354,7 @@ def compressed_sdpa_attention(
 ):
     """Drop-in for transformers' ``sdpa_attention_forward``: the output is its output (it is
     called for the forward, and again in backward to differentiate it), the saved state is
-    compressed q, k, v (see :class:`CompressedSDPAFunction`).
+    compressed q, k, v (see :class:`RecomputedAttentionFunction`).
 
     T5's additive ``position_bias`` is an input with its own gradient (the relative-position
     embedding learns through it). Stock SDPA takes its math path for a mask that needs a
@@ -337,10 +380,10 @@ def compressed_sdpa_attention(
     # Backward calls this again: it holds no tensor but the mask and bias it is given.
     options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
 
-    def run_sdpa(q, k, v, mask, bias):
+    def run_sdpa(q, k, v, mask, *bias):
         # transformers folds the bias into the mask itself
-        extra = {} if bias is None else {"position_bias": bias}
-        return sdpa_attention_forward(
+        extra = {"position_bias": bias[0]} if bias else {}
+        output, _ = sdpa_attention_forward(
             module,
             q,
             k,
@@ -351,15 +394,17 @@ def compressed_sdpa_attention(
             is_causal=is_causal,
             **options,
             **extra,
-        )[0]
+        )
+        return output, None
 
     state = _state(module, codecs, cache)
-    if not wants_backward(module, query, key, value, position_bias):
-        output = run_sdpa(query, key, value, attention_mask, position_bias)
+    extras = () if position_bias is None else (position_bias,)
+    if not wants_backward(module, query, key, value, *extras):
+        output, _ = run_sdpa(query, key, value, attention_mask, *extras)
         keep_rng_stream(module, *(state.codecs.get(name) for name in SDPA_SLOTS))
         return output, None
-    output = CompressedSDPAFunction.apply(
-        query, key, value, attention_mask, position_bias, run_sdpa, float(dropout), state
+    output, _ = RecomputedAttentionFunction.apply(
+        query, key, value, attention_mask, run_sdpa, float(dropout), state, *extras
     )
     return output, None
 
@@ -372,4 +417,110 @@ def register_sdpa_attention(name: str = SDPA_NAME) -> str:
 
     AttentionInterface.register(name, compressed_sdpa_attention)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return name
+
+
+def eager_function_of(module) -> Callable | None:
+    """The eager attention function transformers runs for ``module`` under
+    ``attn_implementation="eager"``: the ``eager_attention_forward`` of the modeling file that
+    defines its class, or a class it derives from (a user's subclass)."""
+    for cls in type(module).__mro__:
+        found = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        if callable(found):
+            return found
+    return None
+
+
+class _ModuleWith:
+    """``module`` with some of its parameters read as other tensors: the leaves backward
+    differentiates, for an eager function that reads them from the module (gpt-oss's
+    ``module.sinks``)."""
+
+    def __init__(self, module, replaced: dict[str, torch.Tensor]) -> None:
+        self.__dict__.update(_module=module, _replaced=replaced)
+
+    def __getattr__(self, name):
+        replaced = self.__dict__["_replaced"]
+        return replaced[name] if name in replaced else getattr(self.__dict__["_module"], name)
+
+
+def _differentiable_extras(module, kwargs) -> tuple[list, list]:
+    """The tensors besides q, k, v whose gradient the eager function gives: the module's own
+    trained parameters (not its children's) and tensor arguments that require grad, each
+    once, with where the function reads it: ``(tensors, [(index, "attribute" | "keyword",
+    name)])``. gpt-oss passes its sinks both ways (``s_aux=self.sinks``; eager reads
+    ``module.sinks``): one tensor, two bindings."""
+    tensors: list[torch.Tensor] = []
+    bindings: list[tuple[int, str, str]] = []
+
+    def index_of(tensor):
+        for i, known in enumerate(tensors):
+            if known is tensor:
+                return i
+        tensors.append(tensor)
+        return len(tensors) - 1
+
+    for name, parameter in module.named_parameters(recurse=False):
+        if parameter.requires_grad:
+            bindings.append((index_of(parameter), "attribute", name))
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            bindings.append((index_of(value), "keyword", name))
+    return tensors, bindings
+
+
+def compressed_eager_recompute_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+):
+    """Drop-in for a decoder's own ``eager_attention_forward`` (found by
+    :func:`eager_function_of`): the output and attention weights are that function's, computed
+    by it; the saved state is compressed q, k, v, and backward re-runs the function on them (see
+    :class:`RecomputedAttentionFunction`). For models that run eager attention: gpt-oss (its
+    sinks take their gradient here), Gemma 2 (soft-capping), any registered decoder a user sets
+    to eager. Stock eager keeps each layer's [S, S] probabilities (and more) for backward."""
+    state = module.__dict__.get(STATE) if module is not None else None
+    function = getattr(state, "attention_function", None) or eager_function_of(module)
+    dropout = float(kwargs.get("dropout", 0.0) or 0.0)
+    if (
+        # A module of a model hf_actq did not patch (see compressed_sdpa_attention)
+        state is None
+        or kwargs.get("cache") is not None
+        or (dropout > 0.0 and _dropout_stays_stock(query))
+    ):
+        return function(module, query, key, value, attention_mask, **kwargs)
+    extras, bindings = _differentiable_extras(module, kwargs)
+    # Backward calls this again: it holds the arguments that have no gradient as they came.
+    bound = {name for _, kind, name in bindings if kind == "keyword"}
+    options = {k: v for k, v in kwargs.items() if k not in bound}
+
+    def run_eager(q, k, v, mask, *tensors):
+        attributes = {n: tensors[i] for i, kind, n in bindings if kind == "attribute"}
+        keywords = {n: tensors[i] for i, kind, n in bindings if kind == "keyword"}
+        own = all(getattr(module, n) is t for n, t in attributes.items())
+        target = module if own else _ModuleWith(module, attributes)
+        output, weights = function(target, q, k, v, mask, **options, **keywords)
+        return output, weights
+
+    if not wants_backward(module, query, key, value, *extras):
+        output, weights = run_eager(query, key, value, attention_mask, *extras)
+        keep_rng_stream(module, *(state.codecs.get(name) for name in SDPA_SLOTS))
+        return output, weights
+    return RecomputedAttentionFunction.apply(
+        query, key, value, attention_mask, run_eager, dropout, state, *extras
+    )
+
+
+def register_eager_recompute_attention(name: str = EAGER_RECOMPUTE_NAME) -> str:
+    """Register :func:`compressed_eager_recompute_attention` with eager's mask builder under
+    ``name``; returns it for ``config._attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, compressed_eager_recompute_attention)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     return name

@@ -76,6 +76,9 @@ class OpState:
     # Attention: the implementation to run where nothing is kept for backward (eval, no_grad),
     # and how K is laid out when packed ("head" or "sequence", ActQConfig.key_layout).
     attention_fallback: str | None = None
+    # The model's own eager attention function, which the eager-recompute op runs and
+    # differentiates again in backward.
+    attention_function: Callable | None = None
     key_layout: str = "head"
     # MoE experts: the ``ExpertsInterface`` implementation to run where nothing is kept.
     experts_fallback: str | None = None

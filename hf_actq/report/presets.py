@@ -161,6 +161,56 @@ PRESETS: dict[str, Preset] = {
         ),
         dtype=torch.bfloat16,
     ),
+    # Gemma 2 2B: eager attention (its only implementation with soft-capping at 50), a
+    # 4096-token sliding window on every other layer, (1 + w) RMSNorms four per layer.
+    "gemma2-2b": Preset(
+        "gemma2",
+        dict(
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            max_position_embeddings=8192,
+        ),
+        dtype=torch.bfloat16,
+    ),
+    # gpt-oss-20b in bf16 (as fine-tuning dequantizes its MXFP4 experts): eager attention with
+    # learned sinks, a 128-token window on every other layer, 32 experts, 4 per token.
+    "gpt-oss-20b": Preset(
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            rope_theta=150000.0,
+            rope_scaling=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+            ),
+            max_position_embeddings=131072,
+            pad_token_id=199999,
+            eos_token_id=200002,
+        ),
+        dtype=torch.bfloat16,
+    ),
     # Mistral-7B's shapes with eight experts per layer, two per token.
     "mixtral-8x7b": Preset(
         "mixtral",

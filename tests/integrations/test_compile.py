@@ -433,3 +433,26 @@ def test_a_compiled_step_runs_the_kernels_with_the_twins_gradients(build, recipe
             torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
         )
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_eager_recompute_attention_gradients_equal_the_eager_ones(monkeypatch):
+    # A decoder set to eager attention (Gemma 2's default): its own eager function runs in the
+    # forward and again, under torch.func.vjp, in the traced backward, without a graph break.
+    monkeypatch.setattr(dedup._Entry, "reuse", lambda self, x, codec: None)
+    monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)
+    torch._dynamo.reset()
+    base = tiny_llama(attn_implementation="eager", num_hidden_layers=1)
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids}
+    config = ActQConfig.from_recipe("uniform", bits=4)
+    model = copy.deepcopy(base)
+    handle = hf_actq.apply(model, config)
+    assert "eager, recomputed" in handle.patched["model.layers.0.self_attn"]
+    explained = torch._dynamo.explain(lambda: model(**batch).loss)()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    eager_loss, eager = _gradients(base, batch, config, compiled=False)
+    compiled_loss, compiled = _gradients(base, batch, config, compiled=True)
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for name, grad in eager.items():
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(compiled[name], grad, rtol=1e-5, atol=1e-7, msg=name)

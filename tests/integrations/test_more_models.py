@@ -167,13 +167,37 @@ def test_t5_patches_every_stack_and_its_gated_mlp_and_reverts_each_config():
     assert all(c._attn_implementation == "sdpa" for c in (model.config, *stacks))
 
 
-def test_t5_set_to_eager_attention_keeps_it_exact_and_says_why():
-    torch.manual_seed(0)
-    model, _ = MORE_MODELS["t5"]()
+def test_t5_set_to_eager_attention_runs_its_own_eager_function_recomputed():
+    # T5's eager function adds the relative position bias, which the op differentiates as an
+    # argument of the function (its embedding learns through it), recomputed from packed q, k, v.
+    model, batch = more_model("t5")
     model.set_attn_implementation("eager")
-    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
-    assert "attention" not in set(handle.slots.values())
-    assert "kept exact" in handle.skipped["attention"]
+    loss, grads, nbytes = _step(model, batch)
+    bias = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+    exact_bias_grad = bias.grad.clone()
+    config = ActQConfig.from_recipe(
+        "uniform",
+        bits=8,
+        linear=False,
+        norm=False,
+        gated_mlp=False,
+        activations=False,
+        fused_loss=False,
+    )
+    handle = hf_actq.apply(model, config)
+    assert set(handle.slots.values()) == {"attention"}
+    assert all("eager, recomputed" in d for p, d in handle.patched.items() if "Attention" in p)
+    patched_loss, patched_grads, patched_bytes = _step(model, batch)
+    handle.revert()
+    assert torch.equal(patched_loss, loss)
+    assert patched_bytes < nbytes
+    assert len(patched_grads) == len(grads)
+    for a, b in zip(patched_grads, grads):
+        assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
+    assert (
+        torch.nn.functional.cosine_similarity(bias.grad.flatten(), exact_bias_grad.flatten(), dim=0)
+        > 0.999
+    )
 
 
 @pytest.mark.parametrize("name", MOE)

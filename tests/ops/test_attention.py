@@ -311,3 +311,99 @@ def test_k_is_averaged_along_the_dimension_its_layout_names(layout):
     assert torch.equal(groups, groups.narrow(along, 0, 1).expand_as(groups))
     means = k.detach().unflatten(along, (-1, 4)).mean(along, keepdim=True)
     torch.testing.assert_close(groups.narrow(along, 0, 1), means, atol=0.05, rtol=0)
+
+
+# A decoder's own eager function, recomputed in backward --------------------------------------
+def _sink_attention(dropout=0.0, groups=2):
+    """A module as gpt-oss's eager function reads it: learned sinks, grouped k and v."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from hf_actq.ops.state import OpState, set_state
+
+    module = Holder().train()
+    module.num_key_value_groups = groups
+    module.sinks = torch.nn.Parameter(torch.randn(H))
+    module.attention_dropout = dropout
+    torch.manual_seed(0)
+    q = torch.randn(B, H, S, D, requires_grad=True)
+    k, v = (torch.randn(B, H // groups, S, D, requires_grad=True) for _ in range(2))
+    mask = torch.zeros(B, 1, S, S)
+    mask[1, ..., :5] = torch.finfo(torch.float32).min  # left padding
+    return module, eager_attention_forward, (q, k, v, mask), (OpState, set_state)
+
+
+def _recomputed(module, function, codecs, set_state, OpState):
+    from hf_actq.ops.attention import compressed_eager_recompute_attention
+
+    set_state(module, OpState(codecs=codecs, cache=PackCache(), attention_function=function))
+    return compressed_eager_recompute_attention
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_eager_recompute_is_the_models_eager_function_with_its_gradients(dropout):
+    # Exact q, k, v: the output and weights are the function's own, bit for bit, and backward
+    # (the function run again, with the forward's dropout mask) gives its gradients, the sinks'
+    # (a parameter the function reads from the module) included; the RNG stream goes on where
+    # the stock function leaves it.
+    module, function, (q, k, v, mask), (OpState, set_state) = _sink_attention(dropout)
+    ours = _recomputed(module, function, dict.fromkeys("qkv"), set_state, OpState)
+    grad = torch.randn(B, S, H, D)
+    grad_weights = torch.randn(B, H, S, S)
+    tensors = (q, k, v, module.sinks)
+    results = []
+    for attention in (function, ours):
+        torch.manual_seed(1)
+        out, weights = attention(module, q, k, v, mask, dropout=dropout, scaling=D**-0.5)
+        grads = _grads((out * grad).sum() + (weights * grad_weights).sum(), tensors, None)
+        results.append((out, weights, grads, torch.rand(1)))
+    (out, weights, grads, after), (our_out, our_weights, our_grads, our_after) = results
+    assert torch.equal(our_out, out) and torch.equal(our_weights, weights)
+    assert torch.equal(our_after, after)
+    for a, b in zip(our_grads, grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_recompute_keeps_packed_q_k_v_and_the_mask_only():
+    module, function, (q, k, v, mask), (OpState, set_state) = _sink_attention()
+    codec = uniform(4)
+    ours = _recomputed(module, function, dict.fromkeys("qkv", codec), set_state, OpState)
+    params = [module.sinks]
+    with SavedTensorMeter(exclude=params) as meter:
+        out, _ = ours(module, q, k, v, mask, scaling=D**-0.5)
+    assert meter.nbytes == codec.nbytes(q.shape) + 2 * codec.nbytes(k.shape) + mask.nbytes
+    with SavedTensorMeter(exclude=params) as stock:
+        function(module, q, k, v, mask, scaling=D**-0.5)
+    # Stock keeps the [S, S + 1] probabilities with their sink column, their [S, S] slice for
+    # the value matmul, and the expanded k and v.
+    assert stock.nbytes > 2 * B * H * S * S * 4 > 4 * meter.nbytes
+    grads = _grads(out, (q, k, v, module.sinks), torch.randn(out.shape))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_eager_recompute_passes_soft_capping_and_keyword_tensors_through():
+    # Gemma 2's eager function soft-caps the scores (a keyword option); T5's adds a position
+    # bias given as a keyword tensor with its own gradient.
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2
+    from transformers.models.t5.modeling_t5 import eager_attention_forward as t5
+
+    from hf_actq.ops.state import OpState, set_state
+
+    module = Holder().train()
+    module.num_key_value_groups, module.head_dim = 1, D
+    q, k, v, mask = _inputs()
+    mask = mask.expand(B, 1, S, S)
+    bias = torch.randn(1, H, S, S, requires_grad=True)
+    grad = torch.randn(B, S, H, D)
+    for function, options, tensors in (
+        (gemma2, {"softcap": 3.0}, (q, k, v)),
+        (t5, {"position_bias": bias}, (q, k, v, bias)),
+    ):
+        ours = _recomputed(module, function, dict.fromkeys("qkv"), set_state, OpState)
+        results = []
+        for attention in (function, ours):
+            out, _ = attention(module, q, k, v, mask, scaling=0.5, **options)
+            results.append((out, _grads(out, tensors, grad)))
+        (out, grads), (our_out, our_grads) = results
+        assert torch.equal(our_out, out)
+        for a, b in zip(our_grads, grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

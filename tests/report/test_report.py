@@ -269,8 +269,8 @@ def test_every_preset_measures_offline(preset):
         dtype=PRESETS[preset].dtype,
         task=PRESETS[preset].task,
         # Two Mixtral layers fully trained (weights, gradients, Adam) would take 22 GB of RAM,
-        # Gemma 3 4B's vocabulary and vision tower 10 GB.
-        peft="lora" if preset.startswith(("mixtral", "gemma3-4b")) else "none",
+        # Gemma 3 4B's vocabulary and vision tower 10 GB, two gpt-oss-20b layers 13 GB.
+        peft="lora" if preset.startswith(("mixtral", "gemma3-4b", "gpt-oss")) else "none",
     )
     for row in report.rows():
         assert (
