@@ -128,12 +128,13 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         for path, module in model.named_modules()
         if not config.skips(path) and _is_attention(module)
     ]
-    if kind == "eager, recomputed" and any(eager_function_of(m) is None for _, m in modules):
-        # Every module the config reaches runs the op, which needs the function to recompute.
-        handle.skipped["attention"] = "eager attention of its own, without an eager function"
-        return
     count = 0
     for path, module in modules:
+        if kind == "eager, recomputed" and eager_function_of(module) is None:
+            # Not a transformers attention (SigLIP's pooling head is torch's
+            # MultiheadAttention): it never calls the function the config names.
+            handle.skipped[path] = "no eager_attention_forward of its own (kept as it is)"
+            continue
         # Without grad in eval, the original implementation runs, so outputs stay identical.
         state = OpState(path=path, attention_fallback=previous, key_layout=config.key_layout)
         if kind == "eager, recomputed":

@@ -485,6 +485,12 @@ def compressed_eager_recompute_attention(
     to eager. Stock eager keeps each layer's [S, S] probabilities (and more) for backward."""
     state = module.__dict__.get(STATE) if module is not None else None
     function = getattr(state, "attention_function", None) or eager_function_of(module)
+    if function is None:
+        raise RuntimeError(
+            f"hf_actq: {type(module).__name__} calls the attention function its config names, "
+            "but its modeling file has no eager_attention_forward to run; call "
+            "hf_actq.apply(model, ActQConfig(..., attention=False)) to keep attention stock"
+        )
     dropout = float(kwargs.get("dropout", 0.0) or 0.0)
     if (
         # A module of a model hf_actq did not patch (see compressed_sdpa_attention)

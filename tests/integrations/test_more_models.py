@@ -200,6 +200,25 @@ def test_t5_set_to_eager_attention_runs_its_own_eager_function_recomputed():
     )
 
 
+def test_gemma3_set_to_eager_recomputes_both_towers_and_leaves_torch_attention_alone():
+    # Both towers' attention runs its own eager function, recomputed; SigLIP's pooling head is
+    # torch's MultiheadAttention, which never calls the function the config names: left as is.
+    model, batch = more_model("gemma3")
+    model.set_attn_implementation("eager")
+    loss, grads, nbytes = _step(model, batch)
+    config = ActQConfig.from_recipe("uniform", bits=8, fused_loss=False)
+    handle = hf_actq.apply(model, config)
+    recomputed = [p for p, d in handle.patched.items() if "(eager, recomputed)" in d]
+    assert any("vision_tower" in p for p in recomputed)
+    assert any("language_model" in p for p in recomputed)
+    assert "kept as it is" in handle.skipped["model.vision_tower.head.attention"]
+    patched_loss, patched_grads, patched_bytes = _step(model, batch)
+    handle.revert()
+    assert torch.equal(patched_loss, loss) and patched_bytes < nbytes
+    flat = [torch.cat([g.flatten() for g in gs]) for gs in (patched_grads, grads)]
+    assert torch.nn.functional.cosine_similarity(*flat, dim=0) > 0.99
+
+
 @pytest.mark.parametrize("name", MOE)
 def test_moe_experts_run_the_compressed_op_and_revert(name):
     model, batch = more_model(name)

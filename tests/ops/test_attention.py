@@ -407,3 +407,21 @@ def test_eager_recompute_passes_soft_capping_and_keyword_tensors_through():
         assert torch.equal(our_out, out)
         for a, b in zip(our_grads, grads):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_eager_recompute_without_a_function_to_run_says_what_to_do(monkeypatch):
+    # A module whose modeling file defines no eager_attention_forward (the patch leaves such
+    # modules without state): called anyway, the op names the class and the way out.
+    import sys
+    import types
+
+    from hf_actq.ops.attention import compressed_eager_recompute_attention, eager_function_of
+
+    modeling = types.ModuleType("modeling_without_eager")
+    monkeypatch.setitem(sys.modules, modeling.__name__, modeling)
+    custom = type("CustomAttention", (torch.nn.Module,), {"__module__": modeling.__name__})
+    module = custom()
+    assert eager_function_of(module) is None
+    q, k, v, mask = _inputs()
+    with pytest.raises(RuntimeError, match="CustomAttention .* attention=False"):
+        compressed_eager_recompute_attention(module, q, k, v, mask)
