@@ -45,7 +45,7 @@ from hf_actq.ops.norm import (
     CompressedLayerNorm,
     CompressedRMSNorm,
     rms_norm_eps,
-    rms_norm_offset,
+    rms_norm_form,
     shares_output,
 )
 from hf_actq.ops.state import STATE, OpState, state_of
@@ -279,19 +279,19 @@ def _norm(module, walk: Walk) -> Patch | Skip | None:
     if type(module) is nn.LayerNorm and len(module.normalized_shape) == 1:
         return _norm_patch(CompressedLayerNorm.forward, config, module)
     if type(module).__name__.endswith(("RMSNorm", "T5LayerNorm")):
-        offset = rms_norm_offset(module)
-        if offset is None:
+        form = rms_norm_form(module)
+        if form is None:
             return Skip("RMSNorm with a different formula (kept exact)")
-        eps = rms_norm_eps(module)
-        offsets = {(module.weight.dtype, module.weight.dtype): offset}
+        offset, fp32_scale = form
         return _norm_patch(
             CompressedRMSNorm.forward,
             config,
             module,
             offset,
-            eps=eps,
+            eps=rms_norm_eps(module),
             norm_offset=offset,
-            norm_offsets=offsets,
+            norm_fp32_scale=fp32_scale,
+            norm_forms={(module.weight.dtype, module.weight.dtype): form},
         )
     return None
 

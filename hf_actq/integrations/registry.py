@@ -85,7 +85,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen2": _SDPA,
     "qwen3": _SDPA,
     "phi3": _SDPA,
-    "gemma": _SDPA,  # its RMSNorm scales by (1 + w) in fp32: found by norm.rms_norm_offset
+    "gemma": _SDPA,  # its RMSNorm scales by (1 + w) in fp32: found by norm.rms_norm_form
     # LLaMA-like decoders whose attention calls AttentionInterface with q, k, v, the mask and
     # scalar options only (a sliding window is in the mask; StableLM's position_ids are not
     # used by SDPA).

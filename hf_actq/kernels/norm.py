@@ -58,19 +58,21 @@ MAX_ROW_BLOCKS = 256
 ROWS = TILE_ELEMENTS // 256  # the forward kernel's tile: ROWS x 256 consecutive elements
 
 
-def normalized(x, mean, rstd, weight=None, offset=0.0):
+def normalized(x, mean, rstd, weight=None, offset=0.0, fp32_scale=None):
     """``(x_hat, y)``: ``x_hat = (x - mean) * rstd`` (``mean`` None: ``x * rstd``, an RMSNorm)
     computed in fp32 and rounded to ``x``'s dtype, and with a ``weight`` RMSNorm's output: HF's
-    ``weight * x_hat`` (``offset`` 0) or Gemma's ``(x * rstd * (weight + offset))`` in fp32,
-    rounded to ``x``'s dtype (else None). A chunk of rows at a time: never a full-size fp32 copy
-    of a half-precision input."""
+    ``weight * x_hat`` (LLaMA's) or, with ``fp32_scale`` (by default where ``offset`` is not
+    0), ``(x * rstd * (weight + offset))`` in fp32 rounded to ``x``'s dtype (Gemma's, offset 1;
+    OLMo-2's and gpt-oss's, offset 0); else None. A chunk of rows at a time: never a full-size
+    fp32 copy of a half-precision input."""
+    fp32_scale = bool(offset) if fp32_scale is None else fp32_scale
     width = x.shape[-1]
     rows_x = x.reshape(-1, width)
     rstd = rstd.reshape(-1, 1)
     mean = None if mean is None else mean.reshape(-1, 1)
     x_hat = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
-    y = torch.empty_like(x_hat) if weight is not None and offset else None
-    scale = weight.float() + offset if y is not None else None
+    y = torch.empty_like(x_hat) if weight is not None and fp32_scale else None
+    scale = None if y is None else weight.float() + offset if offset else weight.float()
     for rows in row_chunks(rows_x.shape[0], width):
         hidden = rows_x[rows].float()
         if mean is not None:
@@ -91,6 +93,7 @@ def norm_pack_reference(
     rstd: torch.Tensor,
     weight: torch.Tensor | None,
     offset: float,
+    fp32_scale: bool,
     codec: list[int],
     seed: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,7 +101,7 @@ def norm_pack_reference(
     ``mean`` (None: an RMSNorm) and ``rstd``, ``x_hat`` packed by the uniform/AQ codec ``codec``
     (``[bits, group, block, stochastic]``, the group dividing the last dim) with ``seed``; ``y``
     is an empty tensor without a ``weight`` (LayerNorm's output is PyTorch's own)."""
-    x_hat, y = normalized(x, mean, rstd, weight, offset)
+    x_hat, y = normalized(x, mean, rstd, weight, offset, fp32_scale)
     bits, group, block, stochastic = codec
     packs = aq_quantize(x_hat.reshape(-1), group, bits, block, bool(stochastic), seed)
     return (x.new_empty(0) if y is None else y), *packs
@@ -144,7 +147,9 @@ def norm_pack_kernel(
     x_hat = to_dtype(hidden, dtype).to(tl.float32)
     if WITH_OUTPUT:
         w = tl.load(w_ptr + column, mask=valid, other=0.0).to(tl.float32)
-        y = hidden * (w + offset) if OFFSET_FORM else w * x_hat
+        if offset != 0.0:  # Gemma's 1 + w; OLMo-2's and gpt-oss's scale by w itself
+            w += offset
+        y = hidden * w if OFFSET_FORM else w * x_hat
         tl.store(y_ptr + first + local, to_dtype(y, y_ptr.dtype.element_ty), mask=valid)
     aq_quantize_tile(
         tl.reshape(x_hat, [CODEC_ROWS, BLOCK * GROUP]),
@@ -164,14 +169,14 @@ def norm_pack_kernel(
     )
 
 
-def norm_pack_triton(x, mean, rstd, weight, offset, codec, seed):
+def norm_pack_triton(x, mean, rstd, weight, offset, fp32_scale, codec, seed):
     """The Triton side of :func:`norm_pack_reference`: one launch."""
     bits, group, block, stochastic = codec
     n, width = x.numel(), x.shape[-1]
     packs = aq_buffers(n // group, bits, block, x.device)
     with_output = weight is not None
     if with_output:
-        y_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+        y_dtype = x.dtype if fp32_scale else torch.promote_types(weight.dtype, x.dtype)
         y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
     else:
         y = x.new_empty(0)
@@ -191,7 +196,7 @@ def norm_pack_triton(x, mean, rstd, weight, offset, codec, seed):
             float(offset),
             CENTERED=mean is not None,
             WITH_OUTPUT=with_output,
-            OFFSET_FORM=bool(offset),
+            OFFSET_FORM=bool(fp32_scale),
             STOCHASTIC=bool(stochastic),
             BITS=bits,
             GROUP=group,
@@ -203,13 +208,13 @@ def norm_pack_triton(x, mean, rstd, weight, offset, codec, seed):
     return y, *packs
 
 
-def _norm_pack_fake(x, mean, rstd, weight, offset, codec, seed):
+def _norm_pack_fake(x, mean, rstd, weight, offset, fp32_scale, codec, seed):
     bits, group, block, _ = codec
     means = x.numel() // group
     if weight is None:
         y = x.new_empty(0)
     else:
-        y_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+        y_dtype = x.dtype if fp32_scale else torch.promote_types(weight.dtype, x.dtype)
         y = x.new_empty(x.shape, dtype=y_dtype)
     return (
         y,

@@ -114,7 +114,8 @@ def _layer_norm_columns(x, mean, rstd, index):
 @dataclass(frozen=True)
 class NormOutputPacked(Packed):
     """A norm's output rebuilt from the norm's own packed ``x_hat``: ``w * x_hat`` (RMSNorm, in
-    ``x_hat``'s dtype as HF computes it; Gemma's, ``offset`` 1: ``x_hat * (1 + w)`` in fp32) or
+    ``x_hat``'s dtype as LLaMA's computes it; with ``fp32_scale``, ``x_hat * (w + offset)`` in
+    fp32: Gemma's, offset 1, OLMo-2's and gpt-oss's, offset 0) or
     ``x_hat * w + b`` (LayerNorm, in fp32). ``tensors``
     are the source's buffers, then copies of the weight and bias (hidden-sized), which the norm
     saves in place of the parameters themselves (see :func:`_keep`).
@@ -128,6 +129,7 @@ class NormOutputPacked(Packed):
     has_weight: bool = True
     has_bias: bool = False
     offset: float = 0.0
+    fp32_scale: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -147,8 +149,9 @@ class NormOutputPacked(Packed):
         x_hat = self.source.with_tensors(self.tensors[:split]).unpack()
         weight = self.tensors[split] if self.has_weight else None
         bias = self.tensors[-1] if self.has_bias else None
-        if self.rms and self.offset:
-            y = x_hat.float() * (weight.float() + self.offset)
+        if self.rms and self.fp32_scale:
+            scale = weight.float() + self.offset if self.offset else weight.float()
+            y = x_hat.float() * scale
         elif self.rms:
             y = x_hat.to(self.source.dtype)
             y = y if weight is None else weight * y
@@ -196,6 +199,7 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False,
             has_weight=weight is not None,
             has_bias=bias is not None,
             offset=offset,
+            fp32_scale=state.norm_fp32_scale,
         )
         state.cache.offer(y, rebuilt, state.slot_id("input"))
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
@@ -214,12 +218,14 @@ def _kernel_codec(state, x) -> AverageQuantCodec | None:
     return codec
 
 
-def _kernel_pack(state, codec, x, mean, rstd, weight=None, offset=0.0):
-    """``(y, packed x_hat)`` from ``hf_actq::norm_pack`` (``y``: an RMSNorm's output, given its
-    ``weight``), with the seed and the share ``state.pack`` would give the pack."""
+def _kernel_pack(state, codec, x, mean, rstd, weight=None):
+    """``(y, packed x_hat)`` from ``hf_actq::norm_pack`` (``y``: an RMSNorm's output in the
+    state's form, given its ``weight``), with the seed and the share ``state.pack`` would give
+    the pack."""
     seed = state.cache.seed_for(codec, state.slot_id("input")) or 0
     layout = [codec.bits, codec.group_size, codec.block_size, int(codec.stochastic)]
-    y, *buffers = norm_pack(x, mean, rstd, weight, offset, layout, seed)
+    offset, fp32_scale = state.norm_offset, state.norm_fp32_scale
+    y, *buffers = norm_pack(x, mean, rstd, weight, offset, fp32_scale, layout, seed)
     packed = Packed(codec, x.shape, x.dtype, tuple(buffers))
     object.__setattr__(packed, "_share", UnpackShare(consumers=1))
     return y, packed
@@ -324,37 +330,38 @@ class CompressedLayerNormFunction(torch.autograd.Function):
 
 class CompressedRMSNormFunction(torch.autograd.Function):
     """HF's RMSNorm (LLaMA, Mistral, Qwen): ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``;
-    with ``state.norm_offset`` 1, Gemma's: ``(x * rsqrt(mean(x^2) + eps) * (1 + w))`` in fp32,
-    then cast. Backward is the same with ``1 + w`` for ``w``."""
+    with ``state.norm_fp32_scale``, ``(x * rsqrt(mean(x^2) + eps) * (w + offset))`` in fp32,
+    then cast: Gemma's (``state.norm_offset`` 1), OLMo-2's and gpt-oss's (0). Backward is the
+    same with ``w + offset`` for ``w``."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, state):
         # HF's arithmetic row by row (the same bits), a chunk of rows at a time: HF makes three
         # full-size fp32 temporaries of a half-precision input here.
-        offset = state.norm_offset
+        offset, fp32_scale = state.norm_offset, state.norm_fp32_scale
         codec = _kernel_codec(state, x)
         if codec is not None:  # the statistics here, then x_hat's pack and y in one kernel
             rstd = _rms_statistics(x, eps)
-            y, packed = _kernel_pack(state, codec, x, None, rstd, weight, offset)
+            y, packed = _kernel_pack(state, codec, x, None, rstd, weight)
             _keep(ctx, state, None, y, weight, None, rstd, None, rms=True, packed=packed)
             return y
         width = x.shape[-1]
         rows_x = x.reshape(-1, width)
         normed = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
-        y = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device) if offset else None
-        scale = weight.float() + offset if offset else None
+        y = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device) if fp32_scale else None
+        scale = None if y is None else weight.float() + offset if offset else weight.float()
         for rows in row_chunks(rows_x.shape[0], width):
             hidden = rows_x[rows].to(torch.float32)
             rstd[rows] = _rms_rstd(hidden, eps)
-            if offset:  # Gemma scales in fp32 and casts the product
+            if fp32_scale:  # Gemma, OLMo-2 and gpt-oss scale in fp32 and cast the product
                 hidden = hidden * rstd[rows]
                 normed[rows] = hidden
                 y[rows] = hidden * scale
             else:
                 normed[rows] = hidden * rstd[rows]
         normed = normed.view(x.shape)
-        y = y.view(x.shape) if offset else weight * normed
+        y = y.view(x.shape) if fp32_scale else weight * normed
         columns = lambda index: normed.reshape(-1, width).index_select(1, index)
         _keep(ctx, state, lambda: normed, y, weight, None, rstd, columns, rms=True)
         return y
@@ -375,13 +382,20 @@ def rms_norm_eps(module: nn.Module) -> float | None:
     return None if eps is None else float(eps)
 
 
-def rms_norm_offset(module: nn.Module, input_dtype: torch.dtype | None = None) -> float | None:
-    """0 when ``module`` computes LLaMA's ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama,
-    Mistral, Qwen), 1 when it computes Gemma's ``(x * rsqrt(mean(x^2) + eps) * (1 + w))`` in
-    fp32, cast at the end; None for anything else. Checked bit for bit on a random input of
-    ``input_dtype`` (default: the weight's) with a random weight of the weight's dtype: forms that
-    agree in one precision can differ in another (OLMo2's ``(w * x).to(dtype)`` is LLaMA's in
-    fp32 only), so a patched norm checks again for each dtype it meets.
+# The RMSNorm forms hf_actq computes, as (offset, fp32 scale): LLaMA's
+# ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``; Gemma's ``(x * rsqrt(...) * (1 + w))`` in fp32,
+# then cast; OLMo-2's and gpt-oss's ``(w * x * rsqrt(...))`` in fp32, then cast.
+LLAMA_FORM, GEMMA_FORM, FP32_SCALE_FORM = (0.0, False), (1.0, True), (0.0, True)
+
+
+def rms_norm_form(
+    module: nn.Module, input_dtype: torch.dtype | None = None
+) -> tuple[float, bool] | None:
+    """The form ``module`` computes (``LLAMA_FORM``, ``GEMMA_FORM`` or ``FP32_SCALE_FORM``), or
+    None for anything else. Checked bit for bit on a random input of ``input_dtype`` (default:
+    the weight's) with a random weight of the weight's dtype: forms that agree in one precision
+    can differ in another (OLMo-2's is LLaMA's in fp32 only), so a patched norm checks again for
+    each dtype it meets.
 
     The module's own parameters are not used (under FSDP2 they are DTensor shards, and an
     all-ones weight would not tell ``w`` from ``1 + w`` apart), its hooks do not run, and the
@@ -407,9 +421,11 @@ def rms_norm_offset(module: nn.Module, input_dtype: torch.dtype | None = None) -
         hidden = sample.float()
         normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
         if torch.equal(got, probe_weight * normed.to(sample.dtype)):
-            return 0.0
+            return LLAMA_FORM
         if torch.equal(got, (normed * (1.0 + probe_weight.float())).to(sample.dtype)):
-            return 1.0
+            return GEMMA_FORM
+        if torch.equal(got, (normed * probe_weight.float()).to(sample.dtype)):
+            return FP32_SCALE_FORM
     return None
 
 
@@ -444,9 +460,9 @@ class CompressedLayerNorm(nn.LayerNorm):
 
 class CompressedRMSNorm(nn.Module):
     """An RMSNorm sharing the weight of ``norm``: LLaMA's
-    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama, Mistral, Qwen) or Gemma's
-    ``(1 + weight)`` form computed in fp32, whichever ``norm`` computes (checked bit for bit
-    when built)."""
+    ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Llama, Mistral, Qwen), Gemma's
+    ``(1 + weight)`` form computed in fp32, or OLMo-2's and gpt-oss's ``weight`` applied in fp32,
+    whichever ``norm`` computes (checked bit for bit when built)."""
 
     def __init__(
         self, norm: nn.Module, codec: Codec | None = None, cache=None, share_output=False
@@ -458,19 +474,26 @@ class CompressedRMSNorm(nn.Module):
                 f"CompressedRMSNorm needs a module with weight and variance_epsilon (or eps), "
                 f"got {type(norm).__name__}"
             )
-        offset = rms_norm_offset(norm)
-        if offset is None:
+        form = rms_norm_form(norm)
+        if form is None:
             raise ValueError(
-                f"CompressedRMSNorm: {type(norm).__name__} computes neither LLaMA's RMSNorm "
-                "weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) nor Gemma's (1 + weight) form; "
-                "keep it as it is"
+                f"CompressedRMSNorm: {type(norm).__name__} computes none of LLaMA's RMSNorm "
+                "weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), Gemma's (1 + weight) form "
+                "and OLMo-2's weight applied in fp32; keep it as it is"
             )
         super().__init__()
         self.weight = norm.weight
+        offset, fp32_scale = form
         state = default_state(
-            norm.forward, codec, cache, SLOTS, eps=rms_norm_eps(norm), norm_offset=offset
+            norm.forward,
+            codec,
+            cache,
+            SLOTS,
+            eps=rms_norm_eps(norm),
+            norm_offset=offset,
+            norm_fp32_scale=fp32_scale,
         )
-        state.norm_offsets[(norm.weight.dtype, norm.weight.dtype)] = offset
+        state.norm_forms[(norm.weight.dtype, norm.weight.dtype)] = form
         state.norm_from_output = share_output and shares_output(norm.weight, offset)
         set_state(self, state)
 
@@ -479,11 +502,11 @@ class CompressedRMSNorm(nn.Module):
         if not wants_backward(self, x, self.weight):
             keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
-        offset = _offset_for(self, state, x.dtype)
-        if offset is None:  # in these dtypes the module computes another form: stock
+        form = _form_for(self, state, x.dtype)
+        if form is None:  # in these dtypes the module computes another form: stock
             return state.plain(x)
-        if offset != state.norm_offset:
-            state = dataclasses.replace(state, norm_offset=offset)
+        if form != (state.norm_offset, state.norm_fp32_scale):
+            state = dataclasses.replace(state, norm_offset=form[0], norm_fp32_scale=form[1])
         state = _without_sharing_under_hooks(self, state)
         return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state)
 
@@ -492,13 +515,13 @@ class CompressedRMSNorm(nn.Module):
         return f"eps={state.eps}, codec={state.codecs.get('input')!r}"
 
 
-def _offset_for(module: nn.Module, state, input_dtype: torch.dtype) -> float | None:
-    """:func:`rms_norm_offset` for this input's and weight's dtypes, checked once per pair (the
+def _form_for(module: nn.Module, state, input_dtype: torch.dtype) -> tuple[float, bool] | None:
+    """:func:`rms_norm_form` for this input's and weight's dtypes, checked once per pair (the
     one it was patched in is known): a model cast after ``apply`` keeps its own form."""
     key = (input_dtype, module.weight.dtype)
-    if key not in state.norm_offsets:
-        state.norm_offsets[key] = rms_norm_offset(module, input_dtype)
-    return state.norm_offsets[key]
+    if key not in state.norm_forms:
+        state.norm_forms[key] = rms_norm_form(module, input_dtype)
+    return state.norm_forms[key]
 
 
 __all__ = [

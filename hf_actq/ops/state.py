@@ -60,13 +60,16 @@ class OpState:
     # Standalone activations: whether the "act" slot may keep the input with a codec (in
     # ``codecs["act"]``) instead of a few-bit code of the derivative.
     act_codec: bool = False
-    # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``), and what
-    # its output is scaled by besides the weight: 1 for Gemma's ``(1 + w)``.
+    # RMSNorm's epsilon (the stock modules call it ``variance_epsilon`` or ``eps``), what its
+    # output is scaled by besides the weight (1 for Gemma's ``(1 + w)``), and whether that scale
+    # is applied in fp32 before the cast (Gemma's, OLMo-2's, gpt-oss's) or after it (LLaMA's).
     eps: float | None = None
     norm_offset: float = 0.0
-    # RMSNorm: that offset per (input dtype, weight dtype), None where the module computes
-    # neither form (checked per pair as met: a model may be cast after apply).
-    norm_offsets: dict = field(default_factory=dict)
+    norm_fp32_scale: bool = False
+    # RMSNorm: that (offset, fp32 scale) form per (input dtype, weight dtype), None where the
+    # module computes none of the forms (checked per pair as met: a model may be cast after
+    # apply).
+    norm_forms: dict = field(default_factory=dict)
     # Dropout: "seed" or "mask".
     dropout_mode: str = "seed"
     # Gated MLPs patched with plain nn.Linear projections (the fused path), and whether the

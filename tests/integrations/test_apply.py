@@ -433,16 +433,32 @@ def test_skip_modules_and_switches():
     handle.revert()
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
-def test_gemma_norms_are_compressed_in_their_own_form(model_type):
-    # (1 + w) in fp32 (hf_actq.ops.norm.rms_norm_offset); the forward stays bit-identical
-    # (test_fewbit_recipe_keeps_logits_and_saves_bytes_and_reverts).
-    model = tiny_model(model_type)
+@pytest.mark.parametrize(
+    "model_type,dtype",
+    [
+        ("gemma", torch.float32),
+        ("gemma2", torch.float32),
+        ("gemma3_text", torch.bfloat16),
+        # w in fp32, then cast: LLaMA's form in fp32 only.
+        ("olmo2", torch.bfloat16),
+        ("olmo3", torch.bfloat16),
+        ("gpt_oss", torch.bfloat16),
+    ],
+)
+def test_norms_are_compressed_in_their_own_form(model_type, dtype):
+    # Gemma's (1 + w) in fp32, OLMo-2's and gpt-oss's w in fp32 (hf_actq.ops.norm.rms_norm_form):
+    # every norm patched, the forward bit-identical.
+    model = tiny_model(model_type).to(dtype)
+    batch = tiny_batch(model_type)
+    forward, _, _ = metered_step(model, batch)
     norms = [p for p, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")]
-    handle = hf_actq.apply(model, bits=4)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
     assert norms and all(handle.patched[p].startswith("norm") for p in norms)
     assert not any("different formula" in reason for reason in handle.skipped.values())
+    patched_forward, grads, _ = metered_step(model, batch)
     handle.revert()
+    assert torch.equal(patched_forward, forward)
+    assert all(torch.isfinite(g).all() for g in grads if g is not None)
 
 
 @pytest.mark.parametrize(

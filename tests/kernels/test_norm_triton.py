@@ -72,13 +72,15 @@ def _statistics(x, centered):
     return mean, rstd
 
 
-# (name, centered, weight dtype or None, offset): LayerNorm (its output is PyTorch's: none here),
-# LLaMA's RMSNorm (w * x_hat, in the weight's and input's promoted dtype) and Gemma's (1 + w).
+# (name, centered, weight dtype or None, offset, fp32 scale): LayerNorm (its output is PyTorch's:
+# none here), LLaMA's RMSNorm (w * x_hat, in the weight's and input's promoted dtype), Gemma's
+# (1 + w) in fp32 and OLMo-2's and gpt-oss's w in fp32.
 FORMS = [
-    ("layer_norm", True, None, 0.0),
-    ("rms_norm", False, "input", 0.0),
-    ("rms_norm_fp32_weight", False, torch.float32, 0.0),
-    ("gemma_rms_norm", False, "input", 1.0),
+    ("layer_norm", True, None, 0.0, False),
+    ("rms_norm", False, "input", 0.0, False),
+    ("rms_norm_fp32_weight", False, torch.float32, 0.0, False),
+    ("gemma_rms_norm", False, "input", 1.0, True),
+    ("fp32_scale_rms_norm", False, "input", 0.0, True),
 ]
 
 
@@ -100,6 +102,10 @@ def _pack_cases():
     forms (their output's dtype and scale) on the short rows and one row longer than a tile:
     the tiles a long row spans are the same for every form (the interpreter takes 2 s a case)."""
     for form in FORMS:
+        if form[0] == "fp32_scale_rms_norm":  # Gemma's path but for its offset: two cases
+            for case in (PACK_CASES[0], PACK_CASES[3]):
+                yield pytest.param(form, torch.bfloat16, *case, id=f"{form[0]}-{case}")
+            continue
         every = form[0] in ("layer_norm", "rms_norm")
         cases = PACK_CASES if every else [c for c in PACK_CASES if c[2] < 4096] + PACK_CASES[1:2]
         for dtype in (torch.float32, torch.bfloat16):
@@ -115,7 +121,7 @@ def test_norm_pack_kernel_is_the_normalization_then_the_pack(form, dtype, codec,
     normalization followed by the codec's pack kernel, whatever the group."""
     from hf_actq.kernels.average_quant import aq_quantize_triton
 
-    _, centered, weight_dtype, offset = form
+    _, centered, weight_dtype, offset, fp32_scale = form
     generator = torch.Generator(torch.get_default_device()).manual_seed(rows * 31 + width)
     x = (torch.randn(rows, width, generator=generator) * 3 + 1).to(dtype)
     mean, rstd = _statistics(x, centered)
@@ -123,8 +129,8 @@ def test_norm_pack_kernel_is_the_normalization_then_the_pack(form, dtype, codec,
     if weight_dtype is not None:
         weight = torch.randn(width, generator=generator)
         weight = weight.to(dtype if weight_dtype == "input" else weight_dtype)
-    got = norm_kernels.norm_pack_triton(x, mean, rstd, weight, offset, codec, 99)
-    x_hat, y = norm_kernels.normalized(x, mean, rstd, weight, offset)
+    got = norm_kernels.norm_pack_triton(x, mean, rstd, weight, offset, fp32_scale, codec, 99)
+    x_hat, y = norm_kernels.normalized(x, mean, rstd, weight, offset, fp32_scale)
     bits, group, block, stochastic = codec
     want = aq_quantize_triton(x_hat.reshape(-1), group, bits, block, bool(stochastic), 99)
     for a, b in zip(got[1:], want, strict=True):
@@ -134,7 +140,9 @@ def test_norm_pack_kernel_is_the_normalization_then_the_pack(form, dtype, codec,
     else:
         assert got[0].dtype == y.dtype and torch.equal(got[0], y)
     if group == 1:  # the twin's pack is the kernel's bit for bit too (no group sums)
-        twin = norm_kernels.norm_pack_reference(x, mean, rstd, weight, offset, codec, 99)
+        twin = norm_kernels.norm_pack_reference(
+            x, mean, rstd, weight, offset, fp32_scale, codec, 99
+        )
         for a, b in zip(got, twin, strict=True):
             assert torch.equal(a, b)
 
@@ -167,7 +175,7 @@ def test_norm_backward_packed_dequantizes_inside_the_kernels(dtype, centered, co
 def test_norm_pack_and_packed_backward_on_no_rows():
     x = torch.empty(0, 8)
     y, *packs = norm_kernels.norm_pack_triton(
-        x, None, torch.empty(0, 1), torch.ones(8), 0.0, [4, 1, 128, 1], 3
+        x, None, torch.empty(0, 1), torch.ones(8), 0.0, False, [4, 1, 128, 1], 3
     )
     assert y.shape == (0, 8) and all(p.numel() == 0 for p in packs)
     grad_x, grad_w, grad_b = norm_kernels.norm_backward_packed_triton(

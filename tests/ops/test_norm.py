@@ -3,6 +3,7 @@ import torch
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import AverageQuantCodec, uniform
@@ -65,9 +66,12 @@ def test_layer_norm_without_affine():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("form", [LlamaRMSNorm, Gemma3RMSNorm], ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "form", [LlamaRMSNorm, Gemma3RMSNorm, Olmo2RMSNorm], ids=lambda c: c.__name__
+)
 def test_rms_norm(dtype, form):
-    # LLaMA's w * x_hat cast first, Gemma's (1 + w) * x_hat in fp32: each bit for bit.
+    # LLaMA's w * x_hat cast first, Gemma's (1 + w) * x_hat and OLMo-2's (gpt-oss's) w * x_hat
+    # in fp32, then cast: each bit for bit.
     torch.manual_seed(0)
     norm = form(64, eps=1e-6)
     nn.init.normal_(norm.weight)
@@ -410,3 +414,32 @@ def test_the_norm_backward_takes_x_hat_its_output_consumer_unpacked(kind, monkey
         composed = run(with_linear)
         for a, b in zip(fused, composed, strict=True):
             assert torch.equal(a, b)
+
+
+def test_fp32_scaled_norm_offers_its_output_in_its_own_form():
+    # OLMo-2's and gpt-oss's RMSNorm scales by w in fp32 before the cast (in bf16 not LLaMA's
+    # form, which casts x_hat first): the forward is that form's, bit for bit, and the output
+    # the next linear rebuilds is w times the packed x_hat, in fp32, cast.
+    from hf_actq.ops.linear import CompressedLinear
+
+    codec = uniform(8, stochastic=False)
+    torch.manual_seed(0)
+    norm = Olmo2RMSNorm(64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    norm, linear = norm.to(torch.bfloat16), nn.Linear(64, 32).to(torch.bfloat16)
+    cache = PackCache()
+    patched_norm = CompressedRMSNorm(norm, codec=codec, cache=cache)
+    assert (state_of(patched_norm).norm_offset, state_of(patched_norm).norm_fp32_scale) == (
+        0.0,
+        True,
+    )
+    state_of(patched_norm).offer_output = True
+    x = (3 * torch.randn(4, 8, 64) + 1).to(torch.bfloat16).requires_grad_()
+    y = patched_norm(x)
+    assert torch.equal(y, norm(x))
+    CompressedLinear(linear, codec=codec, cache=cache)(y)
+    rebuilt = cache._entries[_where(y)].reuse(y, codec)
+    x_hat = rebuilt.source.with_tensors(rebuilt.tensors[: rebuilt._split]).unpack()
+    want = (x_hat.float() * norm.weight.float()).to(torch.bfloat16)
+    assert torch.equal(rebuilt.unpack(), want)
