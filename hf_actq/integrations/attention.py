@@ -123,22 +123,23 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     # The configs the attention modules read their implementation from: the model's, and copies
     # of it where a model keeps one per stack (T5's encoder and decoder).
     configs = {id(model_config): model_config}
-    modules = [
-        (path, module)
-        for path, module in model.named_modules()
-        if not config.skips(path) and _is_attention(module)
-    ]
     count = 0
-    for path, module in modules:
-        if kind == "eager, recomputed" and eager_function_of(module) is None:
+    for path, module in model.named_modules():
+        if config.skips(path) or not _is_attention(module):
+            continue
+        function = eager_function_of(module) if kind == "eager, recomputed" else None
+        if kind == "eager, recomputed" and function is None:
             # Not a transformers attention (SigLIP's pooling head is torch's
             # MultiheadAttention): it never calls the function the config names.
             handle.skipped[path] = "no eager_attention_forward of its own (kept as it is)"
             continue
         # Without grad in eval, the original implementation runs, so outputs stay identical.
-        state = OpState(path=path, attention_fallback=previous, key_layout=config.key_layout)
-        if kind == "eager, recomputed":
-            state.attention_function = eager_function_of(module)
+        state = OpState(
+            path=path,
+            attention_fallback=previous,
+            key_layout=config.key_layout,
+            attention_function=function,
+        )
         for slot in slots:
             # Attention kept exact (no codec) takes no per-slot settings.
             state.codecs[slot] = (
