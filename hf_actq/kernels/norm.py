@@ -58,21 +58,25 @@ MAX_ROW_BLOCKS = 256
 ROWS = TILE_ELEMENTS // 256  # the forward kernel's tile: ROWS x 256 consecutive elements
 
 
-def normalized(x, mean, rstd, weight=None, offset=0.0, fp32_scale=None):
+def fp32_scale_of(weight: torch.Tensor, offset: float) -> torch.Tensor:
+    """What an fp32-scaled RMSNorm multiplies ``x_hat`` by: ``weight + offset`` in fp32 (Gemma's
+    ``1 + w``), the weight itself where the offset is 0 (no ``+ 0.0``, which turns -0 into +0)."""
+    return weight.float() + offset if offset else weight.float()
+
+
+def normalized(x, mean, rstd, weight=None, offset=0.0, fp32_scale=False):
     """``(x_hat, y)``: ``x_hat = (x - mean) * rstd`` (``mean`` None: ``x * rstd``, an RMSNorm)
     computed in fp32 and rounded to ``x``'s dtype, and with a ``weight`` RMSNorm's output: HF's
-    ``weight * x_hat`` (LLaMA's) or, with ``fp32_scale`` (by default where ``offset`` is not
-    0), ``(x * rstd * (weight + offset))`` in fp32 rounded to ``x``'s dtype (Gemma's, offset 1;
-    OLMo-2's and gpt-oss's, offset 0); else None. A chunk of rows at a time: never a full-size
-    fp32 copy of a half-precision input."""
-    fp32_scale = bool(offset) if fp32_scale is None else fp32_scale
+    ``weight * x_hat`` (LLaMA's) or, with ``fp32_scale``, ``(x * rstd * (weight + offset))`` in
+    fp32 rounded to ``x``'s dtype (Gemma's, offset 1; OLMo-2's and gpt-oss's, offset 0); else
+    None. A chunk of rows at a time: never a full-size fp32 copy of a half-precision input."""
     width = x.shape[-1]
     rows_x = x.reshape(-1, width)
     rstd = rstd.reshape(-1, 1)
     mean = None if mean is None else mean.reshape(-1, 1)
     x_hat = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty_like(x_hat) if weight is not None and fp32_scale else None
-    scale = None if y is None else weight.float() + offset if offset else weight.float()
+    scale = None if y is None else fp32_scale_of(weight, offset)
     for rows in row_chunks(rows_x.shape[0], width):
         hidden = rows_x[rows].float()
         if mean is not None:

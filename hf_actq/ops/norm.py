@@ -34,7 +34,7 @@ from hf_actq.kernels import (
     norm_backward_packed,
     norm_pack,
 )
-from hf_actq.kernels.norm import normalized
+from hf_actq.kernels.norm import fp32_scale_of, normalized
 from hf_actq.kernels.packing import row_chunks
 from hf_actq.kernels.registry import runs_kernels
 from hf_actq.ops.dedup import may_offer
@@ -150,8 +150,7 @@ class NormOutputPacked(Packed):
         weight = self.tensors[split] if self.has_weight else None
         bias = self.tensors[-1] if self.has_bias else None
         if self.rms and self.fp32_scale:
-            scale = weight.float() + self.offset if self.offset else weight.float()
-            y = x_hat.float() * scale
+            y = x_hat.float() * fp32_scale_of(weight, self.offset)
         elif self.rms:
             y = x_hat.to(self.source.dtype)
             y = y if weight is None else weight * y
@@ -350,7 +349,7 @@ class CompressedRMSNormFunction(torch.autograd.Function):
         normed = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device)
         rstd = torch.empty(rows_x.shape[0], 1, dtype=torch.float32, device=x.device)
         y = torch.empty(rows_x.shape, dtype=x.dtype, device=x.device) if fp32_scale else None
-        scale = None if y is None else weight.float() + offset if offset else weight.float()
+        scale = None if y is None else fp32_scale_of(weight, offset)
         for rows in row_chunks(rows_x.shape[0], width):
             hidden = rows_x[rows].to(torch.float32)
             rstd[rows] = _rms_rstd(hidden, eps)
