@@ -561,6 +561,35 @@ def more_model(name: str, **options):
     return model.train(), batch
 
 
+def routed_tokens(tokens: int, hidden: int, experts: int, top_k: int, dtype=torch.float32):
+    """MoE experts' inputs (seed 1): ``(hidden states, top-k expert ids, top-k weights)``, two
+    distinct experts per token, the last expert routed no token (empty groups must work)."""
+    generator = torch.Generator(torch.get_default_device()).manual_seed(1)
+    hidden_states = torch.randn(tokens, hidden, generator=generator).to(dtype)
+    logits = torch.randn(tokens, experts - 1, generator=generator)
+    weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
+    return hidden_states, index, (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def experts_step(forward, experts, hidden, index, weights, grad, metered: bool = True):
+    """One forward and backward of ``forward`` (an ``ExpertsInterface`` function) on
+    ``experts``: ``(output, {input, routing weights and parameter name: gradient}, bytes kept
+    for backward)`` (no meter where ``metered`` is False: torch.func, which a compiled backward
+    may run, takes no saved-tensor hooks)."""
+    from hf_actq.memory.meter import SavedTensorMeter
+
+    hidden = hidden.detach().clone().requires_grad_()
+    weights = weights.detach().clone().requires_grad_()
+    experts.zero_grad()
+    meter = SavedTensorMeter(exclude=list(experts.parameters()))
+    with meter if metered else contextlib.nullcontext():
+        out = forward(experts, hidden, index, weights)
+    out.backward(grad)
+    grads = {"hidden": hidden.grad, "routing weights": weights.grad}
+    grads.update({name: p.grad for name, p in experts.named_parameters()})
+    return out, grads, meter.nbytes if metered else None
+
+
 # Host budgets ----------------------------------------------------------------------------------
 # ATen ops that launch no device kernel: views, metadata, allocation, the host's own reads, and
 # conversions and copies that had nothing to do (a composite op that does launch has a child

@@ -14,6 +14,7 @@ from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.moe_experts import SLOTS, register_experts, supports_experts
+from hf_actq.ops.moe_experts_recomputed import supports_recomputed_gate
 from hf_actq.ops.state import OpState, remove_state, set_state
 
 # Implementations the compressed op may stand in for: transformers' own CPU/GPU paths (their
@@ -37,22 +38,33 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
             continue
         previous = module.config._experts_implementation
         found = activation_of(getattr(module, "act_fn", None))
-        if not supports_experts(module) or found is None:
-            handle.skipped[path] = "experts of another layout or activation (kept as they are)"
+        few_bit = supports_experts(module) and found is not None
+        if not (few_bit or supports_recomputed_gate(module)):
+            handle.skipped[path] = (
+                "experts with a post-expert norm, expert parallelism or parameters besides "
+                "their projections (kept as they are)"
+            )
             continue
         if previous not in _REPLACEABLE:
             handle.skipped[path] = f"{previous!r} experts implementation (kept)"
             continue
         state = OpState(path=path, experts_fallback=previous)
-        state.activation = slot_activation(found, config, state.slot_id("act"))
-        for slot in ("gate", "up"):
-            state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec)
+        if few_bit:
+            state.activation = slot_activation(found, config, state.slot_id("act"))
+            slots = {"act": "activation", "gate": "mlp", "up": "mlp"}
+        else:
+            # Another layout or gate: the projection's output kept, the gate recomputed.
+            slots = {"gate_up": "mlp"}
+        for slot in slots:
+            if slot != "act":
+                state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec)
         describe = functools.partial(_describe, state)
         handle.record(path, describe, undo=functools.partial(remove_state, module))
         set_state(module, state)
-        handle.add_slots(state, {"act": "activation", "gate": "mlp", "up": "mlp"})
+        handle.add_slots(state, slots)
         configs.setdefault(id(module.config), module.config)
-        claimed[module.act_fn] = "the MoE experts op computes it"
+        if isinstance(getattr(module, "act_fn", None), nn.Module):
+            claimed[module.act_fn] = "the MoE experts op computes it"
     if not configs:
         return claimed
     name = register_experts()
@@ -76,6 +88,8 @@ def _is_experts(module) -> bool:
 
 
 def _describe(state: OpState) -> str:
+    if state.activation is None:
+        return f"moe_experts, gate recomputed in backward; gate_up={state.codecs['gate_up']!r}"
     return f"moe_experts {state.activation.describe()}; " + ", ".join(
         f"{slot}={state.codecs[slot]!r}" for slot in SLOTS if slot != "act"
     )

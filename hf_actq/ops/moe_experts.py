@@ -11,7 +11,8 @@ backward rebuilds the product from the operands and the down output from the pro
 grouped matmul) to differentiate the routing weights. The router stays exact.
 
 The forward runs transformers' own grouped matmuls in the stock order, so the output equals the
-"grouped_mm" implementation's bit for bit.
+"grouped_mm" implementation's bit for bit. Experts of other layouts and gates (gpt-oss's):
+:mod:`hf_actq.ops.moe_experts_recomputed`, through the same ``ExpertsInterface`` function.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from hf_actq.kernels import fewbit_backward
+from hf_actq.ops import moe_experts_recomputed as recomputed
 from hf_actq.ops.gated_mlp import product_backward, product_forward
+from hf_actq.ops.moe_routing import combine, expert_weight_grads, route
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
 
@@ -32,16 +35,9 @@ class CompressedExpertsFunction(torch.autograd.Function):
     def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, state):
         from transformers.integrations.moe import _grouped_linear
 
-        num_tokens, top_k = top_k_index.shape
-        expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        token_of_row = perm // top_k  # rows sorted by expert -> their token
+        _, perm, offsets = route(top_k_index, gate_up_proj.shape[0])
+        token_of_row = perm // top_k_index.shape[1]  # rows sorted by expert -> their token
         weight_of_row = top_k_weights.reshape(-1)[perm]
-        # histc, as transformers' grouped_mm path: bincount's output shape depends on the data,
-        # which breaks a torch.compile graph (histc takes no integers on CPU).
-        ids = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids
-        experts = gate_up_proj.shape[0]
-        counts = torch.histc(ids, bins=experts, min=0, max=experts - 1)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
 
         gate, up = _grouped_linear(hidden_states[token_of_row], gate_up_proj, offsets).chunk(2, -1)
         act = state.activation
@@ -59,9 +55,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
             product, codes, nan_flag, packed_a, packed_up = fused
         out = _grouped_linear(product, down_proj, offsets) * weight_of_row.unsqueeze(-1)
         del product
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-        output = out[inverse].view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+        output = combine(out, perm, top_k_index.shape).to(hidden_states.dtype)
 
         if fused is None:
             packed_a, packed_up = state.pack(activated, "gate"), state.pack(up, "up")
@@ -127,9 +121,9 @@ class CompressedExpertsFunction(torch.autograd.Function):
         rows = hidden[token_of_row].to(dtype)
         grad_gate_up_proj = grad_down_proj = grad_hidden = None
         if ctx.needs_input_grad[2]:
-            grad_gate_up_proj = _expert_weight_grads(grad_gate_up, rows, offsets, gate_up_proj)
+            grad_gate_up_proj = expert_weight_grads(grad_gate_up, rows, offsets, gate_up_proj)
         if ctx.needs_input_grad[3]:
-            grad_down_proj = _expert_weight_grads(grad_out_rows, product, offsets, down_proj)
+            grad_down_proj = expert_weight_grads(grad_out_rows, product, offsets, down_proj)
         if ctx.needs_input_grad[0]:
             grad_rows_in = _grouped_linear(
                 grad_gate_up, gate_up_proj.to(dtype), offsets, is_transposed=True
@@ -153,30 +147,6 @@ def _routing_grad(ctx, product, grad_rows, saved):
     grad = torch.empty_like(grad_weight_of_row)
     grad[perm.long()] = grad_weight_of_row
     return grad.view(hidden.shape[0], -1).to(weight_of_row.dtype)
-
-
-def _expert_weight_grads(grad_rows, input_rows, offsets, weight):
-    """Each expert's weight gradient ``grad_rows[span].t() @ input_rows[span]`` over its span of
-    the expert-sorted rows, ``[experts, out, in]`` as ``weight``: one grouped matmul over the
-    routed counts, as the grouped-matmul experts' own autograd computes it, with the counts left
-    on the device (a loop over them reads them on the host: a sync per layer per step). Experts
-    that got no row have zero gradients. A loop where the grouped matmul cannot run."""
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
-    if grouped_mm is not None and grad_rows.dtype == input_rows.dtype:
-        # The operands' layouts of the autograd's own call (a transposed first operand).
-        try:
-            return grouped_mm(grad_rows.t(), input_rows, offs=offsets).to(weight.dtype)
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, NotImplementedError):
-            pass  # this device or dtype has no grouped matmul of two 2-D operands
-    grads = torch.zeros_like(weight)
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):
-        if end > start:
-            grads[expert] = grad_rows[start:end].t() @ input_rows[start:end]
-        start = end
-    return grads
 
 
 def _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved):
@@ -216,6 +186,15 @@ def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """An ``ExpertsInterface`` implementation: the compressed op for experts ``hf_actq.apply``
     patched, whenever autograd records; otherwise the implementation the model ran before."""
     state = self.__dict__.get(STATE)
+    if state is not None and "gate_up" in state.codecs:  # patched for the gate recomputed
+        if not recomputed.supports_recomputed_gate(self):
+            return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
+        if not wants_backward(self, hidden_states, top_k_weights, *self.parameters()):
+            keep_rng_stream(self, state.codecs["gate_up"])
+            return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
+        return recomputed.recomputed_gate_experts(
+            self, hidden_states, top_k_index, top_k_weights, state
+        )
     if state is None or not supports_experts(self):
         return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
     weights = (self.gate_up_proj, self.down_proj)

@@ -4,7 +4,8 @@ Every tensor an op compresses has a stable id, ``"<module path>:<slot name>"`` (
 ``model.layers.3.mlp:up`` or ``model.layers.3.self_attn:k``), which plans, logs and reports use.
 Slot names per op: ``input`` (linear layers and norms: the packed input), ``act`` (the few-bit
 code of an activation's derivative), ``gate`` and ``up`` (a gated MLP's operands, besides its
-``input`` and ``act``), ``q``, ``k``, ``v`` and ``probs`` (attention).
+``input`` and ``act``), ``gate_up`` (MoE experts whose gate is recomputed: the projection's
+output), ``q``, ``k``, ``v`` and ``probs`` (attention).
 
 Two context-local hooks let the adaptive pass see and steer slots without touching the ops'
 arithmetic: an observer told about every slot a forward fills (to list slots and measure their

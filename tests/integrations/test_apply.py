@@ -23,7 +23,8 @@ from hf_actq.testing import (
 )
 
 # Types whose activation is a function call, not a module (ESM's GELU, gpt-oss's clamped GLU
-# inside its experts): the few-bit recipe keeps only their norms' outputs.
+# inside its experts): the few-bit recipe has no few-bit code for them (gpt-oss's experts keep
+# their projection exactly and recompute the gate).
 FUNCTIONAL_ACTIVATIONS = {"esm", "gpt_oss"}
 
 

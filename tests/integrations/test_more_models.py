@@ -12,7 +12,7 @@ import torch
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.integrations.transformers import MODEL_TYPE_TO_APPLY_FN
-from hf_actq.testing import MOE, MORE_MODELS, more_model
+from hf_actq.testing import MOE, MORE_MODELS, more_model, tiny_batch, tiny_model
 
 
 def _step(model, batch):
@@ -254,15 +254,75 @@ def test_experts_of_transformers_without_the_newer_flags_are_compressed_too():
     experts[0]._is_expert_parallel = True
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=4))
     assert len([p for p in handle.patched if p.endswith(".mlp.experts")]) == 1
-    assert "another layout" in handle.skipped["model.layers.0.mlp.experts"]
+    assert "expert parallelism" in handle.skipped["model.layers.0.mlp.experts"]
 
 
-def test_lora_on_the_expert_weights_trains_through_the_compressed_experts():
-    # PEFT's target_parameters wraps the experts' 3-D weights (base + low-rank delta): the op
-    # takes the effective weights as inputs, so the adapters get their gradients through it.
-    import peft
+def test_gpt_oss_experts_keep_their_projection_and_recompute_the_gate():
+    # Transposed, biased, interleaved gate and up, a clamped GLU of its own: the op keeps the
+    # packed projection and differentiates gpt-oss's own gate on it in backward.
+    model = tiny_model("gpt_oss")
+    batch = tiny_batch("gpt_oss")
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
+    loss, grads, nbytes = _step(model, dict(batch))
+    config = ActQConfig.from_recipe("uniform", bits=8, fused_loss=False)
+    without = hf_actq.apply(
+        model,
+        ActQConfig.from_recipe(
+            "uniform", bits=8, gated_mlp=False, activations=False, fused_loss=False
+        ),
+    )
+    assert not any(p.endswith(".mlp.experts") for p in without.patched)
+    bytes_without = _step(model, dict(batch))[2]
+    without.revert()
+    handle = hf_actq.apply(model, config)
+    described = [d for p, d in handle.patched.items() if p.endswith(".mlp.experts")]
+    assert len(described) == 2 and all("gate recomputed" in d for d in described)
+    assert {"model.layers.0.mlp.experts:gate_up", "model.layers.1.mlp.experts:gate_up"} <= set(
+        handle.slots
+    )
+    assert all(e.config._experts_implementation == "hf_actq_experts" for e in experts)
+    patched_loss, patched_grads, patched_bytes = _step(model, dict(batch))
+    handle.revert()
+    assert all(e.config._experts_implementation == "grouped_mm" for e in experts)
+    assert torch.equal(patched_loss, loss)
+    # Each routed row's gathered input, projection, the gate's intermediates, product and down
+    # output: what the experts kept, now one 8-bit projection per row.
+    rows, hidden, inter = 2 * 12 * 2, model.config.hidden_size, model.config.intermediate_size
+    assert patched_bytes < bytes_without - 2 * rows * (hidden + 4 * inter) * 4
+    flat = [torch.cat([g.flatten() for g in gs]) for gs in (patched_grads, grads)]
+    assert torch.nn.functional.cosine_similarity(*flat, dim=0) > 0.99
+    assert all(torch.equal(a, b) for a, b in zip(_step(model, dict(batch))[1], grads))
+
+
+def test_experts_whose_activation_has_no_few_bit_table_recompute_the_gate():
+    from transformers.activations import ACT2FN
 
     model, batch = more_model("mixtral")
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    for module in experts:
+        module.act_fn = ACT2FN["relu2"]
+    loss, grads, nbytes = _step(model, batch)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("fewbit", fused_loss=False))
+    described = [d for p, d in handle.patched.items() if p.endswith(".mlp.experts")]
+    assert len(described) == 2 and all("gate recomputed" in d for d in described)
+    patched_loss, patched_grads, patched_bytes = _step(model, batch)
+    handle.revert()
+    assert torch.equal(patched_loss, loss) and patched_bytes < nbytes
+    for exact, got in zip(grads, patched_grads):
+        torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_lora_on_the_expert_weights_trains_through_the_compressed_experts(name):
+    # PEFT's target_parameters wraps the experts' 3-D weights (base + low-rank delta): the op
+    # takes the effective weights as inputs, so the adapters get their gradients through it
+    # (gpt-oss's transposed, biased experts through the op that recomputes their gate).
+    import peft
+
+    if name == "gpt_oss":
+        model, batch = tiny_model(name), tiny_batch(name)
+    else:
+        model, batch = more_model(name)
     lora = peft.LoraConfig(
         r=4,
         target_modules=["q_proj", "v_proj"],

@@ -6,11 +6,11 @@ from transformers import MixtralConfig
 from transformers.integrations.moe import grouped_mm_experts_forward
 from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-from hf_actq import SavedTensorMeter
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.ops.fewbit_activation import ActivationTable
 from hf_actq.ops.moe_experts import compressed_experts_forward, supports_experts
 from hf_actq.ops.state import STATE, OpState, set_state
+from hf_actq.testing import experts_step, routed_tokens
 
 TOKENS, HIDDEN, INTER, EXPERTS, TOP_K = 40, 32, 48, 5, 2
 
@@ -31,23 +31,7 @@ def _experts(dtype=torch.float32, codec=None):
 
 
 def _routing(dtype=torch.float32):
-    generator = torch.Generator(torch.get_default_device()).manual_seed(1)
-    hidden = torch.randn(TOKENS, HIDDEN, generator=generator).to(dtype)
-    logits = torch.randn(TOKENS, EXPERTS, generator=generator)
-    weights, index = torch.topk(logits.softmax(-1), TOP_K, dim=-1)
-    index[0] = torch.tensor([3, 1])  # expert 4 may get no token: empty groups must work
-    return hidden, index, (weights / weights.sum(-1, keepdim=True)).to(dtype)
-
-
-def _run(forward, experts, hidden, index, weights, grad):
-    hidden = hidden.detach().clone().requires_grad_()
-    weights = weights.detach().clone().requires_grad_()
-    experts.zero_grad()
-    with SavedTensorMeter(exclude=list(experts.parameters())) as meter:
-        out = forward(experts, hidden, index, weights)
-    out.backward(grad)
-    grads = [hidden.grad, weights.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
-    return out, grads, meter.nbytes
+    return routed_tokens(TOKENS, HIDDEN, EXPERTS, TOP_K, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -55,15 +39,16 @@ def test_forward_is_grouped_mm_bit_for_bit_and_gradients_follow_it(dtype):
     experts = _experts(dtype)
     hidden, index, weights = _routing(dtype)
     grad = torch.randn(TOKENS, HIDDEN).to(dtype)
-    out, grads, stock_bytes = _run(
+    out, grads, stock_bytes = experts_step(
         grouped_mm_experts_forward, experts, hidden, index, weights, grad
     )
-    ours, our_grads, our_bytes = _run(
+    ours, our_grads, our_bytes = experts_step(
         compressed_experts_forward, experts, hidden, index, weights, grad
     )
     assert torch.equal(ours, out)
     # Exact operands; only act'(gate) is a 4-bit few-bit code (and bf16 rounds differently).
-    for name, a, b in zip(("hidden", "routing weights", "gate_up", "down"), our_grads, grads):
+    for name, a in our_grads.items():
+        b = grads[name]
         cosine = torch.nn.functional.cosine_similarity(a.float().flatten(), b.float().flatten(), 0)
         assert cosine > (0.999 if dtype == torch.float32 else 0.99), name
     # Per routed row stock keeps the gathered input, gate, act(gate), up, the product and the
@@ -77,13 +62,13 @@ def test_compressed_operands_keep_fewer_bytes_and_close_gradients():
 
     hidden, index, weights = _routing()
     grad = torch.randn(TOKENS, HIDDEN)
-    exact = _run(compressed_experts_forward, _experts(), hidden, index, weights, grad)
-    packed = _run(
+    exact = experts_step(compressed_experts_forward, _experts(), hidden, index, weights, grad)
+    packed = experts_step(
         compressed_experts_forward, _experts(codec=uniform(8)), hidden, index, weights, grad
     )
     # Two fp32 operands at 8 bits: 3 of 4 bytes per element saved, less the block scales.
     assert packed[2] < exact[2] - 2 * TOKENS * TOP_K * INTER * 2.5
-    for a, b in zip(packed[1], exact[1]):
+    for a, b in zip(packed[1].values(), exact[1].values(), strict=True):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), 0) > 0.99
 
 
@@ -113,7 +98,6 @@ def test_weight_gradients_leave_the_routed_counts_on_the_device(dtype, monkeypat
     zeros for an expert without rows."""
     experts = _experts(dtype)
     hidden, index, weights = _routing(dtype)
-    index[:, :] = index % (EXPERTS - 1)  # the last expert gets no row
     grad = torch.randn(TOKENS, HIDDEN).to(dtype)
 
     def weight_grads(backward_reads_host: bool):
@@ -152,7 +136,7 @@ def _one_kernel_against_the_composition(monkeypatch, dtype, kernel, composition)
     def run():
         torch.manual_seed(0)
         with kernels_on_cpu():
-            return _run(compressed_experts_forward, experts, hidden, index, weights, grad)
+            return experts_step(compressed_experts_forward, experts, hidden, index, weights, grad)
 
     fused = run()
     assert len(launches) == 1
@@ -164,7 +148,7 @@ def _one_kernel_against_the_composition(monkeypatch, dtype, kernel, composition)
 
 def _assert_same(fused, composed):
     assert torch.equal(fused[0], composed[0]) and fused[2] == composed[2]
-    for a, b in zip(fused[1], composed[1], strict=True):
+    for a, b in zip(fused[1].values(), composed[1].values(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -1,0 +1,258 @@
+"""Mixture-of-experts experts of any layout and gate (gpt-oss, DeepSeek-V4, MiniMax-M3, Aria,
+Nemotron-H, ...): transposed weights, biases, interleaved gate and up, and a gate function of
+the model's own (``_apply_gate``: gpt-oss's clamped GLU ``(clamp(up) + 1) * g * sigmoid(1.702 g)``
+with ``g = clamp(gate)``) or a plain activation for experts without a gate.
+
+Stock grouped-matmul autograd keeps, per routed (token, expert) pair, the gathered input, the
+projection's output and every intermediate of the gate function (gpt-oss's: six tensors of the
+intermediate width), the product and the down projection's output. Here only the projection's
+output, packed with the config's codec (``gate_up`` slot; exact under an activations-only
+config), and the input once per token as the tensor the router keeps anyway. Backward unpacks
+the projection's output, runs the gate function on it again (elementwise: cheap next to the
+grouped matmuls) and differentiates it there, so any gate the model defines takes its exact
+derivative at the rebuilt point; the down output, for the routing weights' gradient, is rebuilt
+from the product. The router stays exact.
+
+The forward runs transformers' grouped matmuls, bias additions and gate in the stock order, so the
+output equals the "grouped_mm" implementation's bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_actq.ops.moe_routing import combine, expert_weight_grads, route
+from hf_actq.ops.state import once_differentiable
+
+# The experts' own parameters this op takes as inputs (transformers' names); experts with any
+# other parameter (one a gate function might read) are not claimed.
+_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+_BIASES = ("gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+
+
+class RecomputedGateExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden_states, top_k_weights, up_weight, up_bias, down_weight, down_bias, *rest
+    ):
+        from transformers.integrations.moe import _grouped_linear
+
+        top_k_index, module, state = rest
+        transposed = module.is_transposed
+        expert_ids, perm, offsets = route(top_k_index, up_weight.shape[0])
+        token_of_row = perm // top_k_index.shape[1]  # rows sorted by expert -> their token
+        weight_of_row = top_k_weights.reshape(-1)[perm]
+
+        projection = _grouped_linear(
+            hidden_states[token_of_row],
+            up_weight,
+            offsets,
+            bias=None if up_bias is None else up_bias[expert_ids],
+            is_transposed=transposed,
+        )
+        packed = state.pack(projection, "gate_up")
+        product = gate_function(module)(projection)
+        del projection
+        out = _grouped_linear(
+            product,
+            down_weight,
+            offsets,
+            bias=None if down_bias is None else down_bias[expert_ids],
+            is_transposed=transposed,
+        )
+        del product
+        output = combine(out * weight_of_row.unsqueeze(-1), perm, top_k_index.shape)
+
+        ctx.header, ctx.module = packed.with_tensors(()), module
+        ctx.input_dtype = hidden_states.dtype
+        ctx.save_for_backward(
+            hidden_states,
+            weight_of_row,
+            up_weight,
+            up_bias,
+            down_weight,
+            down_bias,
+            perm.to(torch.int32),
+            offsets,
+            *packed.tensors,
+        )
+        return output.to(hidden_states.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_output):
+        from transformers.integrations.moe import _grouped_linear
+
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        hidden, weight_of_row, up_weight, up_bias, down_weight, down_bias, perm, offsets = saved[:8]
+        module, transposed = ctx.module, ctx.module.is_transposed
+        dtype = grad_output.dtype
+        perm = perm.long()
+        top_k = weight_of_row.numel() // hidden.shape[0]
+        token_of_row = perm // top_k
+        # The expert of each sorted row, from the spans' ends (no host read of the counts).
+        rows = torch.arange(perm.numel(), device=perm.device, dtype=offsets.dtype)
+        expert_ids = torch.searchsorted(offsets, rows, right=True)
+        grad_rows = grad_output[token_of_row]
+        grad_out_rows = grad_rows * weight_of_row.to(dtype).unsqueeze(-1)
+
+        # The gate function again, on the rebuilt projection, and its exact derivative there.
+        projection = ctx.header.with_tensors(saved[8:]).unpack().detach()
+        if torch.compiler.is_compiling():
+            grads = _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection)
+            return *grads, None, None, None
+        with torch.enable_grad():
+            projection.requires_grad_()
+            product = gate_function(module)(projection)
+        # A weight [experts, out, in] (not transposed) takes the gradient as x @ W[e].
+        grad_product = _grouped_linear(
+            grad_out_rows, down_weight.to(dtype), offsets, is_transposed=not transposed
+        )
+        (grad_projection,) = torch.autograd.grad(
+            product, projection, grad_product.to(product.dtype)
+        )
+        del grad_product
+        product, grad_projection = product.detach().to(dtype), grad_projection.to(dtype)
+        del projection
+
+        grads = [None] * 6
+        if ctx.needs_input_grad[1]:
+            out = _grouped_linear(
+                product,
+                down_weight.to(dtype),
+                offsets,
+                bias=None if down_bias is None else down_bias[expert_ids].to(dtype),
+                is_transposed=transposed,
+            )
+            grad_weight_of_row = torch.empty_like(out[:, 0])
+            grad_weight_of_row[perm] = (grad_rows * out).sum(-1)
+            del out
+            grads[1] = grad_weight_of_row.view(hidden.shape[0], -1).to(weight_of_row.dtype)
+        if ctx.needs_input_grad[4]:
+            grads[4] = _weight_grad(grad_out_rows, product, offsets, down_weight, transposed)
+        if ctx.needs_input_grad[5]:
+            grads[5] = _bias_grad(grad_out_rows, expert_ids, down_bias)
+        del product
+        if ctx.needs_input_grad[3]:
+            grads[3] = _bias_grad(grad_projection, expert_ids, up_bias)
+        # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
+        if ctx.needs_input_grad[2]:
+            rows_in = hidden[token_of_row].to(dtype)
+            grads[2] = _weight_grad(grad_projection, rows_in, offsets, up_weight, transposed)
+            del rows_in
+        if ctx.needs_input_grad[0]:
+            grad_rows_in = _grouped_linear(
+                grad_projection, up_weight.to(dtype), offsets, is_transposed=not transposed
+            )
+            grad_hidden = torch.zeros_like(hidden, dtype=dtype)
+            grad_hidden.index_add_(0, token_of_row, grad_rows_in)
+            grads[0] = grad_hidden.to(ctx.input_dtype)
+        return *grads, None, None, None
+
+
+def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection):
+    """The backward in a torch.compile trace: the gate differentiated by ``torch.func.vjp``
+    (which a trace follows, and ``autograd.grad`` it does not), the grouped matmuls' gradients
+    through transformers' grouped-matmul custom operator, whose per-expert loop over the routed
+    counts (data-dependent) runs inside the operator, not in the trace."""
+    from transformers.integrations.moe import _grouped_linear
+
+    grouped_backward = torch.ops.transformers.grouped_mm_fallback_backward
+    hidden, weight_of_row, up_weight, up_bias, down_weight, down_bias, perm, offsets = saved[:8]
+    module, transposed = ctx.module, ctx.module.is_transposed
+    dtype = grad_out_rows.dtype
+
+    def in_out(weight):  # each projection as the operator takes it: rows @ weight[e]
+        weight = weight.to(dtype)
+        return weight if transposed else weight.transpose(-2, -1)
+
+    def layout(grad, weight):
+        return (grad if transposed else grad.transpose(-2, -1)).to(weight.dtype)
+
+    product, gate_vjp = torch.func.vjp(gate_function(module), projection)
+    product = product.to(dtype)
+    grad_product, grad_down = grouped_backward(product, in_out(down_weight), offsets, grad_out_rows)
+    (grad_projection,) = gate_vjp(grad_product.to(projection.dtype))
+    grad_projection = grad_projection.to(dtype)
+    out = _grouped_linear(product, in_out(down_weight), offsets, is_transposed=True)
+    if down_bias is not None:
+        out = out + down_bias[expert_ids].to(dtype)
+    grad_weight_of_row = torch.empty_like(out[:, 0])
+    grad_weight_of_row[perm.long()] = (grad_rows * out).sum(-1)
+    token_of_row = perm.long() // (weight_of_row.numel() // hidden.shape[0])
+    rows = hidden[token_of_row].to(dtype)
+    grad_rows_in, grad_up = grouped_backward(rows, in_out(up_weight), offsets, grad_projection)
+    grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_add_(0, token_of_row, grad_rows_in)
+    return (
+        grad_hidden.to(ctx.input_dtype),
+        grad_weight_of_row.view(hidden.shape[0], -1).to(weight_of_row.dtype),
+        layout(grad_up, up_weight),
+        None if up_bias is None else _bias_grad(grad_projection, expert_ids, up_bias),
+        layout(grad_down, down_weight),
+        None if down_bias is None else _bias_grad(grad_out_rows, expert_ids, down_bias),
+    )
+
+
+def _weight_grad(grad_rows, input_rows, offsets, weight, transposed: bool):
+    """An experts weight's gradient, in its layout: [experts, out, in], or [experts, in, out]
+    where transposed."""
+    if transposed:
+        return expert_weight_grads(input_rows, grad_rows, offsets, weight)
+    return expert_weight_grads(grad_rows, input_rows, offsets, weight)
+
+
+def _bias_grad(grad_rows, expert_ids, bias):
+    """Each expert's bias gradient: the sum of its rows' gradients."""
+    grad = torch.zeros(bias.shape, dtype=grad_rows.dtype, device=grad_rows.device)
+    return grad.index_add_(0, expert_ids, grad_rows).to(bias.dtype)
+
+
+def gate_function(module):
+    """What the experts apply between their two projections: their gate function over the
+    projection's output (both halves), or, for experts without a gate, their activation."""
+    return module._apply_gate if module.has_gate else module.act_fn
+
+
+def projection_names(module) -> tuple[str, str | None]:
+    """The first projection's weight and bias names (``gate_up_proj``, or ``up_proj`` for experts
+    without a gate)."""
+    name = "gate_up_proj" if module.has_gate else "up_proj"
+    return name, (f"{name}_bias" if module.has_bias else None)
+
+
+def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, state):
+    up_name, up_bias_name = projection_names(module)
+    return RecomputedGateExpertsFunction.apply(
+        hidden_states,
+        top_k_weights,
+        getattr(module, up_name),
+        None if up_bias_name is None else getattr(module, up_bias_name),
+        module.down_proj,
+        module.down_proj_bias if module.has_bias else None,
+        top_k_index,
+        module,
+        state,
+    )
+
+
+def supports_recomputed_gate(module) -> bool:
+    """Whether this op computes ``module``: transformers experts with 3-D weights, no
+    post-expert norm, no expert parallelism, and no parameter besides the projections' weights
+    and biases (a gate function that read one would lose its gradient)."""
+
+    def is_3d(name):
+        value = getattr(module, name, None)
+        return isinstance(value, torch.Tensor) and value.dim() == 3
+
+    if getattr(module, "has_post_expert_norm", False) or getattr(
+        module, "_is_expert_parallel", False
+    ):
+        return False
+    up_name, _ = projection_names(module)
+    if not (is_3d(up_name) and is_3d("down_proj")):
+        return False
+    if not module.has_gate and not callable(getattr(module, "act_fn", None)):
+        return False
+    own = {name.split(".")[0] for name, _ in module.named_parameters()}
+    # PEFT's parametrized experts keep the weights under ``parametrizations``.
+    return own <= {*_WEIGHTS, *_BIASES, "parametrizations"}

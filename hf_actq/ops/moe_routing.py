@@ -1,0 +1,50 @@
+"""What every MoE experts op shares: the routed (token, expert) pairs sorted by expert, as
+transformers' grouped-matmul experts sort them, the per-token sum back, and the experts' weight
+gradients over the routed spans."""
+
+from __future__ import annotations
+
+import torch
+
+
+def route(top_k_index, experts: int):
+    """``(expert of each row, the row's index into the flattened top-k pairs, the end of each
+    expert's span of rows)``, rows sorted by expert."""
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    # histc, as transformers' grouped_mm path: bincount's output shape depends on the data,
+    # which breaks a torch.compile graph (histc takes no integers on CPU).
+    ids = expert_ids.float() if expert_ids.device.type in ("cpu", "mps") else expert_ids
+    counts = torch.histc(ids, bins=experts, min=0, max=experts - 1)
+    return expert_ids, perm, torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def combine(out_rows, perm, top_k_shape):
+    """Each token's sum over its top-k rows, in transformers' order (rows back in token order,
+    then a sum over the top-k: deterministic, where an index_add would not be)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out_rows[inverse].view(*top_k_shape, -1).sum(dim=1)
+
+
+def expert_weight_grads(grad_rows, input_rows, offsets, weight):
+    """Each expert's weight gradient ``grad_rows[span].t() @ input_rows[span]`` over its span of
+    the expert-sorted rows, ``[experts, out, in]`` as ``weight``: one grouped matmul over the
+    routed counts, as the grouped-matmul experts' own autograd computes it, with the counts left
+    on the device (a loop over them reads them on the host: a sync per layer per step). Experts
+    that got no row have zero gradients. A loop where the grouped matmul cannot run."""
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    if grouped_mm is not None and grad_rows.dtype == input_rows.dtype:
+        # The operands' layouts of the autograd's own call (a transposed first operand).
+        try:
+            return grouped_mm(grad_rows.t(), input_rows, offs=offsets).to(weight.dtype)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError):
+            pass  # this device or dtype has no grouped matmul of two 2-D operands
+    grads = torch.zeros_like(weight)
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):
+        if end > start:
+            grads[expert] = grad_rows[start:end].t() @ input_rows[start:end]
+        start = end
+    return grads
