@@ -22,7 +22,7 @@ import torch
 from hf_actq.kernels import fewbit_backward
 from hf_actq.ops import moe_experts_recomputed as recomputed
 from hf_actq.ops.gated_mlp import product_backward, product_forward
-from hf_actq.ops.moe_routing import combine, expert_weight_grads, route
+from hf_actq.ops.moe_routing import combine, expert_weight_grads, grouped_mm_backward, route
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
 
@@ -159,19 +159,18 @@ def _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved):
 
 def _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats):
     """The backward in a torch.compile trace: the grouped matmuls' input and weight gradients
-    through transformers' grouped-matmul custom operator, whose per-expert loop over the routed
-    counts (``offsets.tolist()``, data-dependent) runs inside the operator, not in the trace."""
-    grouped_backward = torch.ops.transformers.grouped_mm_fallback_backward
+    through one opaque operator (:func:`~hf_actq.ops.moe_routing.grouped_mm_backward`), as
+    their per-expert shapes depend on the routed counts, which a trace cannot follow."""
     a_hat, up_hat, product = hats
     hidden, _, gate_up_proj, down_proj, _, offsets = saved[:6]
     dtype = grad_out_rows.dtype
     # Each projection as the operator takes it: rows @ weight[e], weight [experts, in, out].
-    grad_product, grad_down = grouped_backward(
+    grad_product, grad_down = grouped_mm_backward(
         product, down_proj.to(dtype).transpose(-2, -1), offsets, grad_out_rows
     )
     grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
     rows = hidden[token_of_row].to(dtype)
-    grad_rows_in, grad_gate_up_weight = grouped_backward(
+    grad_rows_in, grad_gate_up_weight = grouped_mm_backward(
         rows, gate_up_proj.to(dtype).transpose(-2, -1), offsets, grad_gate_up
     )
     grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_add_(0, token_of_row, grad_rows_in)

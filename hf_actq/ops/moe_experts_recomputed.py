@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_actq.ops.moe_routing import combine, expert_weight_grads, route
+from hf_actq.ops.moe_routing import combine, expert_weight_grads, grouped_mm_backward, route
 from hf_actq.ops.state import once_differentiable
 
 # The experts' own parameters this op takes as inputs (transformers' names); experts with any
@@ -153,11 +153,10 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
 def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection):
     """The backward in a torch.compile trace: the gate differentiated by ``torch.func.vjp``
     (which a trace follows, and ``autograd.grad`` it does not), the grouped matmuls' gradients
-    through transformers' grouped-matmul custom operator, whose per-expert loop over the routed
-    counts (data-dependent) runs inside the operator, not in the trace."""
+    through one opaque operator (:func:`~hf_actq.ops.moe_routing.grouped_mm_backward`), as
+    their per-expert shapes depend on the routed counts, which a trace cannot follow."""
     from transformers.integrations.moe import _grouped_linear
 
-    grouped_backward = torch.ops.transformers.grouped_mm_fallback_backward
     hidden, weight_of_row, up_weight, up_bias, down_weight, down_bias, perm, offsets = saved[:8]
     module, transposed = ctx.module, ctx.module.is_transposed
     dtype = grad_out_rows.dtype
@@ -171,7 +170,9 @@ def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projectio
 
     product, gate_vjp = torch.func.vjp(gate_function(module), projection)
     product = product.to(dtype)
-    grad_product, grad_down = grouped_backward(product, in_out(down_weight), offsets, grad_out_rows)
+    grad_product, grad_down = grouped_mm_backward(
+        product, in_out(down_weight), offsets, grad_out_rows
+    )
     (grad_projection,) = gate_vjp(grad_product.to(projection.dtype))
     grad_projection = grad_projection.to(dtype)
     out = _grouped_linear(product, in_out(down_weight), offsets, is_transposed=True)
@@ -181,7 +182,7 @@ def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projectio
     grad_weight_of_row[perm.long()] = (grad_rows * out).sum(-1)
     token_of_row = perm.long() // (weight_of_row.numel() // hidden.shape[0])
     rows = hidden[token_of_row].to(dtype)
-    grad_rows_in, grad_up = grouped_backward(rows, in_out(up_weight), offsets, grad_projection)
+    grad_rows_in, grad_up = grouped_mm_backward(rows, in_out(up_weight), offsets, grad_projection)
     grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_add_(0, token_of_row, grad_rows_in)
     return (
         grad_hidden.to(ctx.input_dtype),

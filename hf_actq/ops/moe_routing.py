@@ -48,3 +48,28 @@ def expert_weight_grads(grad_rows, input_rows, offsets, weight):
             grads[expert] = grad_rows[start:end].t() @ input_rows[start:end]
         start = end
     return grads
+
+
+# One opaque operator for a grouped matmul's gradients under torch.compile: its shapes per expert
+# depend on the routed counts (data), which a trace cannot follow. transformers has one from
+# 5.21 (``transformers::grouped_mm_fallback_backward``), a per-expert loop that reads the counts
+# on the host; this one leaves them on the device where the grouped matmul runs.
+@torch.library.custom_op("hf_actq::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, grad_output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``rows[span] @ weight[e]`` over each expert's span of the sorted rows
+    (``weight`` [experts, in, out]): ``(grad of rows, grad of weight)``."""
+    from transformers.integrations.moe import _grouped_linear
+
+    # [experts, in, out] is the transposed layout: x @ weight[e].T is the non-transposed call.
+    grad_rows = _grouped_linear(grad_output, weight, offsets, is_transposed=False)
+    grad_weight = expert_weight_grads(rows, grad_output, offsets, weight)
+    # Contiguous, as the fake says (a transposed weight view would otherwise leave its layout
+    # to whichever path computed the gradient).
+    return grad_rows.contiguous(), grad_weight.contiguous()
+
+
+@grouped_mm_backward.register_fake
+def _(rows, weight, offsets, grad_output):
+    return rows.new_empty(rows.shape), weight.new_empty(weight.shape)
