@@ -123,7 +123,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "olmoe": _SDPA,
     # Eager attention with learned sinks (its only implementation besides vendor kernels): its
     # own eager function runs, recomputed in backward. Its experts (biased, interleaved gate
-    # and up, a clamped GLU) are not a layout patch_experts takes: kept as they are.
+    # and up, a clamped GLU) keep their projection packed and run the gate again in backward.
     "gpt_oss": _SDPA,
     "gemma2": _SDPA_SOFTCAPPED,
     # Vision and multimodal encoders and BART (self- and cross-attention) call their attention
