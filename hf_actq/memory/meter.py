@@ -47,6 +47,16 @@ class SavedTensorMeter:
         # them a new storage: what the forward saves of them is looked up again when met.
         self._gathered = [t for t in exclude if hasattr(t, "ds_id")]
         self._storages: dict[tuple, tuple[int, str, str]] = {}
+        # Weak references to the tensors saved of each storage (which keep nothing alive). A
+        # storage whose every saved tensor is freed while the forward goes on saving (a graph
+        # branch it drops, as GLM-4.5's group-limited routing does) is not held for backward,
+        # and its address may come back for another tensor, which must then count. Storages
+        # freed after the last save (the whole graph, its output dropped inside the block)
+        # count as the forward kept them.
+        self._saved: dict[tuple, list[weakref.ref]] = {}
+        self._dropped: list[tuple[tuple[int, str, str], int]] = []  # (entry, saves before)
+        self._saves = 0
+        self._forward = False  # recording a forward: from __enter__ to the first unpack
         self._model = model
         self._stack: list[tuple[str, str]] = []
         self._handles: list = []
@@ -54,14 +64,37 @@ class SavedTensorMeter:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
-        if key in self._excluded or key in self._storages:
+        if key in self._excluded:
+            return tensor
+        self._saves += 1
+        if key in self._storages:
+            self._saved[key].append(weakref.ref(tensor, functools.partial(self._freed, key)))
             return tensor
         # Only the storages gathered now: a released one's memory may hold an activation next.
         if self._gathered and key in {_storage_key(t) for t in self._gathered}:
             return tensor
         path, kind = self._stack[-1] if self._stack else ("", "other")
         self._storages[key] = (tensor.untyped_storage().nbytes(), path, kind)
+        self._saved[key] = [weakref.ref(tensor, functools.partial(self._freed, key))]
         return tensor
+
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._forward = False  # backward began: what it frees from now on was held until then
+        return tensor
+
+    def _freed(self, key: tuple, _ref) -> None:
+        """A saved tensor was freed: during the forward, with every other tensor saved of its
+        storage, its storage is no longer held for backward (unless no save follows)."""
+        saved = self._saved.get(key)
+        if self._forward and saved is not None and all(ref() is None for ref in saved):
+            self._dropped.append((self._storages.pop(key), self._saves))
+            del self._saved[key]
+
+    def _held(self):
+        """The entries of the storages held for backward: those alive, and those freed after
+        the forward's last save."""
+        yield from self._storages.values()
+        yield from (entry for entry, saves in self._dropped if saves == self._saves)
 
     def keep(self, tensor: torch.Tensor) -> None:
         """Count ``tensor`` as kept for backward where autograd's hooks do not see it (what a
@@ -75,11 +108,13 @@ class SavedTensorMeter:
                 self._handles.append(module.register_forward_pre_hook(self._enter(path, kind)))
                 leave = observing(functools.partial(SavedTensorMeter._leave, self))
                 self._handles.append(module.register_forward_hook(leave, always_call=True))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        self._forward = True
         return self
 
     def __exit__(self, *exc) -> None:
+        self._forward = False
         self._hooks.__exit__(*exc)
         for handle in self._handles:
             handle.remove()
@@ -105,18 +140,18 @@ class SavedTensorMeter:
 
     def _totals(self, field: int) -> dict[str, int]:
         totals: dict[str, int] = {}
-        for entry in self._storages.values():
+        for entry in self._held():
             totals[entry[field]] = totals.get(entry[field], 0) + entry[0]
         return totals
 
     @property
     def nbytes(self) -> int:
         """Bytes of the distinct storages saved for backward."""
-        return sum(entry[0] for entry in self._storages.values())
+        return sum(entry[0] for entry in self._held())
 
     @property
     def num_storages(self) -> int:
-        return len(self._storages)
+        return sum(1 for _ in self._held())
 
 
 def graph_saved_bytes(outputs, exclude: Iterable[torch.Tensor] = ()) -> int:
