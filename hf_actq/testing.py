@@ -248,6 +248,17 @@ TINY_SIZES = {
     "olmo3": dict(_DECODER_8, sliding_window=4),
     # Eager attention with sinks and a 4-token sliding window in every other layer; 4 experts.
     "gpt_oss": dict(_DECODER_8, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+    # GLM-4.5: a dense first layer, then 4 routed experts (group-limited routing) and a shared one.
+    "glm4_moe": dict(
+        _DECODER_8,
+        moe_intermediate_size=48,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",

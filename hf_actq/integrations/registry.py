@@ -121,6 +121,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen2_moe": _SDPA,
     "qwen3_moe": _SDPA,
     "olmoe": _SDPA,
+    "glm4_moe": _SDPA,  # GLM-4.5: group-limited routing, a shared expert
     # Eager attention with learned sinks (its only implementation besides vendor kernels): its
     # own eager function runs, recomputed in backward. Its experts (biased, interleaved gate
     # and up, a clamped GLU) keep their projection packed and run the gate again in backward.
