@@ -211,6 +211,7 @@ def test_the_bandwidth_gate_fails_a_kernel_that_divides_and_gathers(tmp_path):
     assert any("scalar accesses" in problem for problem in result["problems"])
 
 
+@pytest.mark.slow  # 29 s; the default run gates each kernel's representative
 def test_the_codec_kernels_stream(tmp_path):
     """AQ's bf16 pack (stochastic, seeded from the host: an eager training step's) and unpack
     kernels at every width and group (other seed forms, types and kernels: the slow tests' full
