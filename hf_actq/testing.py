@@ -248,6 +248,25 @@ TINY_SIZES = {
     "olmo3": dict(_DECODER_8, sliding_window=4),
     # Eager attention with sinks and a 4-token sliding window in every other layer; 4 experts.
     "gpt_oss": dict(_DECODER_8, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
+    # DeepSeek-V3: multi-head latent attention (low-rank q and kv, a value head
+    # narrower than the query's), a dense first layer, 4 routed experts in 2 groups, a shared one.
+    "deepseek_v3": dict(
+        _ENCODER,
+        num_key_value_heads=4,
+        head_dim=4,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=6,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        moe_intermediate_size=48,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+    ),
     # GLM-4.5: a dense first layer, then 4 routed experts (group-limited routing) and a shared one.
     "glm4_moe": dict(
         _DECODER_8,
