@@ -1,7 +1,8 @@
-"""Mixture-of-experts experts of any layout and gate (gpt-oss, DeepSeek-V4, MiniMax-M3, Aria,
-Nemotron-H, ...): transposed weights, biases, interleaved gate and up, and a gate function of
-the model's own (``_apply_gate``: gpt-oss's clamped GLU ``(clamp(up) + 1) * g * sigmoid(1.702 g)``
-with ``g = clamp(gate)``) or a plain activation for experts without a gate.
+"""Mixture-of-experts experts of any layout and gate (tested: gpt-oss, Aria, Nemotron-H, and
+Mixtral's layout with an activation no few-bit table covers): transposed weights, biases,
+interleaved gate and up, and a gate function of the model's own (``_apply_gate``: gpt-oss's
+clamped GLU ``(clamp(up) + 1) * g * sigmoid(1.702 g)`` with ``g = clamp(gate)``) or a plain
+activation for experts without a gate.
 
 Stock grouped-matmul autograd keeps, per routed (token, expert) pair, the gathered input, the
 projection's output and every intermediate of the gate function (gpt-oss's: six tensors of the
@@ -51,7 +52,15 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             is_transposed=transposed,
         )
         packed = state.pack(projection, "gate_up")
+        # An exact pack is the projection itself (a trace reads no version: it functionalizes).
+        version = None if torch.compiler.is_compiling() else projection._version
         product = gate_function(module)(projection)
+        if version is not None and projection._version != version:
+            raise RuntimeError(
+                f"{type(module).__name__}'s gate function changed its input in place, which "
+                "the experts op keeps for backward: skip the module in hf_actq "
+                "(ActQConfig(skip_modules=[...])) or make the gate out of place"
+            )
         del projection
         out = _grouped_linear(
             product,

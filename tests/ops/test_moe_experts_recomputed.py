@@ -199,3 +199,17 @@ def test_compiled_gradients_equal_the_eager_ones(layout, monkeypatch):
     torch.testing.assert_close(compiled_out, eager_out)
     for name in eager:
         torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_gate_that_changes_its_input_in_place_is_refused():
+    """The projection, kept exactly, is the tensor the gate gets: a gate that wrote it in
+    place would leave backward a changed projection and wrong gradients without a word."""
+    experts = _experts("gpt_oss")
+
+    def in_place_gate(self, gate_up):
+        return gate_up.clamp_(max=self.limit)[..., ::2]
+
+    experts._apply_gate = in_place_gate.__get__(experts)
+    hidden, index, weights = _routing()
+    with pytest.raises(RuntimeError, match="changed its input in place"):
+        experts_step(compressed_experts_forward, experts, hidden, index, weights, None)
