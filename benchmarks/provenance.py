@@ -15,13 +15,23 @@ from hf_actq.report.provenance import checkout_commit
 REPO = Path(__file__).resolve().parents[1]
 
 
-def provenance() -> dict:
-    """The checkout's commit (``+``: uncommitted changes on top), the command, torch's version."""
+def _record() -> dict:
     return {
         "commit": checkout_commit(REPO),
         "command": shlex.join(["python", *sys.argv]),
         "torch": torch.__version__,
     }
+
+
+# Taken when a benchmark starts (it imports this first): the code it measures is the code it
+# loaded, not whatever is checked out when a run of minutes or hours writes its results.
+_STARTED = _record()
+
+
+def provenance() -> dict:
+    """The checkout's commit (``+``: uncommitted changes on top) when the run started, the
+    command, torch's version."""
+    return dict(_STARTED)
 
 
 def write_json(path: str | Path, payload: dict) -> None:

@@ -215,6 +215,11 @@ def main(argv=None) -> int:
             steps_started.append(what)
             bar.set_postfix_str(what)
 
+    # The code measured is the code loaded now: a commit made while a long run goes on (or
+    # uncommitted changes) must not be recorded as what made its numbers.
+    from hf_actq.report.provenance import provenance
+
+    started = provenance(argv) if args.output else None
     recipes = list(args.recipe)
     task = args.task or (preset.task if preset else None) or default_task(config)
     try:
@@ -259,9 +264,7 @@ def main(argv=None) -> int:
            if len(walked) < len(report.rows()) else "")
     )  # fmt: skip
     if args.output:
-        from hf_actq.report.provenance import provenance
-
-        report.provenance = provenance(argv)
+        report.provenance = started
         for path in report.write(args.output):
             print(f"wrote {path}")
     return 0

@@ -48,6 +48,26 @@ def test_command_prints_the_table_and_writes_outputs(tmp_path, capsys):
         assert re.fullmatch(r"[0-9a-f]{7,40}\+?", made_by["commit"])
 
 
+def test_the_report_names_the_commit_it_started_from(tmp_path, monkeypatch):
+    # A run takes minutes to hours: a commit made meanwhile did not make its numbers.
+    import hf_actq.report
+    from hf_actq.report import provenance
+
+    measuring = []
+    monkeypatch.setattr(
+        provenance, "checkout_commit", lambda *a: "bbbbbbb" if measuring else "aaaaaaa"
+    )
+    measure = hf_actq.report.measure_model
+    monkeypatch.setattr(
+        hf_actq.report, "measure_model", lambda *a, **k: measuring.append(1) or measure(*a, **k)
+    )
+    args = ["tiny-bert", "--seq-len", "8", "--batch-size", "1", "--recipe", "fewbit"]
+    assert main([*args, "--output", str(tmp_path), "--no-progress"]) == 0
+    assert measuring
+    made_by = json.loads((tmp_path / "memory.json").read_text())["provenance"]
+    assert made_by["commit"] == "aaaaaaa"
+
+
 def test_console_entry_dispatches_memory(capsys):
     assert (
         hf_actq_main(
