@@ -1,10 +1,11 @@
 """Run by test_deepspeed.py on two processes (gloo, DeepSpeed's CPU accelerator), and imported
 by it for the single-process references.
 
-    torchrun --nproc_per_node 2 deepspeed_script.py OUT_DIR engine
+    torchrun --nproc_per_node 2 deepspeed_script.py OUT_DIR engine [MODEL_TYPE]
 
 ``engine``: for ZeRO stages 2 and 3 (every parameter sharded under 3) and every case of
-``CASES``, a tiny LLaMA is patched, wrapped by ``deepspeed.initialize`` and takes one forward
+``CASES`` (only "uniform" for another ``MODEL_TYPE`` of ``hf_actq.testing.tiny_model``), a tiny
+LLaMA (or that model) is patched, wrapped by ``deepspeed.initialize`` and takes one forward
 and backward on this rank's half of a global batch; each rank writes the full gradient of every
 parameter (``safe_get_full_grad``) per case. Each case runs twice: with the recipe's codecs and
 with every codec made exact (:func:`make_exact`), whose gradient is deterministic and must equal
@@ -26,7 +27,13 @@ import hf_actq
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.ops.packed_checkpoint import packed_checkpoint
 from hf_actq.ops.state import STATE
-from hf_actq.testing import CausalRows, leave_launched_process, short_training, tiny_llama
+from hf_actq.testing import (
+    CausalRows,
+    leave_launched_process,
+    short_training,
+    tiny_llama,
+    tiny_model,
+)
 
 GLOBAL_BATCH = 4
 # (recipe, checkpointing the user turns on besides): HF's reentrant checkpointing runs its first
@@ -65,8 +72,8 @@ def make_exact(model, handle) -> None:
         )
 
 
-def build(recipe: str, checkpointing: str | None, exact: bool):
-    model = tiny_llama().train()
+def build(recipe: str, checkpointing: str | None, exact: bool, model_type: str = "llama"):
+    model = (tiny_llama() if model_type == "llama" else tiny_model(model_type)).train()
     if checkpointing is not None:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
@@ -82,17 +89,19 @@ def global_batch() -> torch.Tensor:
     return torch.randint(3, 100, (GLOBAL_BATCH, 16), generator=generator)
 
 
-def single_process_gradients(recipe: str, checkpointing: str | None, exact: bool) -> dict:
+def single_process_gradients(
+    recipe: str, checkpointing: str | None, exact: bool, model_type: str = "llama"
+) -> dict:
     """One process's gradient on the whole global batch (the same token count on each half, so
     the ranks' mean gradient is this)."""
-    model = build(recipe, checkpointing, exact)
+    model = build(recipe, checkpointing, exact, model_type)
     ids = global_batch()
     torch.manual_seed(2)
     model(input_ids=ids, labels=ids).loss.backward()
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _engine(rank: int, world: int, out_dir: str) -> None:
+def _engine(rank: int, world: int, out_dir: str, model_type: str = "llama") -> None:
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
@@ -100,9 +109,9 @@ def _engine(rank: int, world: int, out_dir: str) -> None:
     ids = global_batch()[rank * share : (rank + 1) * share]
     record = {}
     for stage in (2, 3):
-        for recipe, checkpointing in CASES:
+        for recipe, checkpointing in CASES if model_type == "llama" else [("uniform", None)]:
             for exact in (True, False):
-                model = build(recipe, checkpointing, exact)
+                model = build(recipe, checkpointing, exact, model_type)
                 config = {
                     "train_micro_batch_size_per_gpu": share,
                     "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
@@ -194,7 +203,7 @@ def main(out_dir: str, mode: str, *rest: str) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     if mode == "engine":
-        _engine(rank, world, out_dir)
+        _engine(rank, world, out_dir, *rest)
     elif mode == "trainer":
         record = train_recipes(out_dir, rest[0], rest[1:])
         torch.save(record, f"{out_dir}/rank{rank}.pt")
