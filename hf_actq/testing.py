@@ -267,6 +267,15 @@ TINY_SIZES = {
         n_group=2,
         topk_group=1,
     ),
+    # ERNIE 4.5 MoE: a dense first layer, then 4 experts (2 per token) and a shared one.
+    "ernie4_5_moe": dict(
+        _DECODER_8,
+        moe_intermediate_size=48,
+        moe_num_experts=4,
+        moe_k=2,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1,
+    ),
     # GLM-4.5: a dense first layer, then 4 routed experts (group-limited routing) and a shared one.
     "glm4_moe": dict(
         _DECODER_8,

@@ -122,6 +122,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen3_moe": _SDPA,
     "olmoe": _SDPA,
     "glm4_moe": _SDPA,  # GLM-4.5: group-limited routing, a shared expert
+    "ernie4_5_moe": _SDPA,
     "deepseek_v3": _SDPA,  # latent attention: q, k, v (a narrower v) as AttentionInterface gets them
     # Eager attention with learned sinks (its only implementation besides vendor kernels): its
     # own eager function runs, recomputed in backward. Its experts (biased, interleaved gate
