@@ -116,6 +116,23 @@ def test_trainer_under_ddp_trains_the_checkpoint_recipe_without_find_unused_sett
 
 
 @pytest.mark.slow  # 14 s; tests/integrations/test_apply.py shares norm outputs in one process
+@pytest.mark.slow  # 15 s a launch
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_fsdp2_moe_decoders_give_the_unsharded_gradients(tmp_path, model_type):
+    # gpt-oss's attention sinks (read in backward through the module), its recomputed-gate
+    # experts and DeepSeek-V3's few-bit experts take FSDP2's unsharded parameters: with exact
+    # codecs the sharded step is the unsharded copy's.
+    ranks = _launch(tmp_path, model_type, script_path=SCRIPT.with_name("fsdp_bert_script.py"))
+    for record in ranks:
+        assert record["sharded"]
+        loss, reference_loss = record["losses"]
+        assert loss == pytest.approx(reference_loss, rel=1e-6)
+        assert record["grads"].keys() == record["reference"].keys()
+        for name, grad in record["grads"].items():
+            want = record["reference"][name]
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_fsdp2_bert_shares_norm_outputs_across_units(tmp_path):
     # Each BERT layer's last LayerNorm feeds the next layer's q, k, v (another FSDP unit), whose
     # backward rebuilds its input from the norm's packed x_hat and weight: the sharded run's loss
