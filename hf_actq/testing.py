@@ -198,6 +198,15 @@ _ENCODER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, inte
 _DECODER = dict(_ENCODER, num_key_value_heads=2)
 # head_dim given where the config's default is not hidden_size / heads (Qwen3 128, Gemma 256).
 _DECODER_8 = dict(_DECODER, head_dim=8)
+# DeepSeek-style experts (DeepSeek-V3, GLM-4.5): a dense first layer, then 4 routed experts (2
+# per token, group-limited routing) and a shared one.
+_DEEPSEEK_EXPERTS = dict(
+    moe_intermediate_size=48,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+)
 TINY_SIZES = {
     "bert": _ENCODER,
     "roberta": _ENCODER,
@@ -248,8 +257,8 @@ TINY_SIZES = {
     "olmo3": dict(_DECODER_8, sliding_window=4),
     # Eager attention with sinks and a 4-token sliding window in every other layer; 4 experts.
     "gpt_oss": dict(_DECODER_8, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
-    # DeepSeek-V3: multi-head latent attention (low-rank q and kv, a value head
-    # narrower than the query's), a dense first layer, 4 routed experts in 2 groups, a shared one.
+    # DeepSeek-V3: multi-head latent attention (low-rank q and kv, a value head narrower than
+    # the query's), then the DeepSeek-style experts, in 2 groups.
     "deepseek_v3": dict(
         _ENCODER,
         num_key_value_heads=4,
@@ -259,11 +268,7 @@ TINY_SIZES = {
         v_head_dim=6,
         q_lora_rank=16,
         kv_lora_rank=16,
-        moe_intermediate_size=48,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
+        **_DEEPSEEK_EXPERTS,
         n_group=2,
         topk_group=1,
     ),
@@ -276,17 +281,8 @@ TINY_SIZES = {
         moe_num_shared_experts=1,
         moe_layer_start_index=1,
     ),
-    # GLM-4.5: a dense first layer, then 4 routed experts (group-limited routing) and a shared one.
-    "glm4_moe": dict(
-        _DECODER_8,
-        moe_intermediate_size=48,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-    ),
+    # GLM-4.5: the DeepSeek-style experts in one group.
+    "glm4_moe": dict(_DECODER_8, **_DEEPSEEK_EXPERTS, n_group=1, topk_group=1),
 }
 ENCODERS = {
     "bert", "roberta", "xlm-roberta", "electra", "distilbert", "deberta-v2", "camembert",

@@ -186,7 +186,7 @@ def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     patched, whenever autograd records; otherwise the implementation the model ran before."""
     state = self.__dict__.get(STATE)
     if state is not None and "gate_up" in state.codecs:  # patched for the gate recomputed
-        if not recomputed.supports_recomputed_gate(self):
+        if not recomputed.supports_recomputed_gate(self, parameters=False):
             return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
         if not wants_backward(self, hidden_states, top_k_weights, *self.parameters()):
             keep_rng_stream(self, state.codecs["gate_up"])

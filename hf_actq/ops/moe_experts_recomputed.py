@@ -245,10 +245,11 @@ def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, s
     )
 
 
-def supports_recomputed_gate(module) -> bool:
+def supports_recomputed_gate(module, parameters: bool = True) -> bool:
     """Whether this op computes ``module``: transformers experts with 3-D weights, no
-    post-expert norm, no expert parallelism, and no parameter besides the projections' weights
-    and biases (a gate function that read one would lose its gradient)."""
+    post-expert norm, no expert parallelism, and (``parameters``: checked when ``apply`` claims
+    the module, not on every forward) no parameter besides the projections' weights and biases
+    (a gate function that read one would lose its gradient)."""
 
     def is_3d(name):
         value = getattr(module, name, None)
@@ -263,6 +264,8 @@ def supports_recomputed_gate(module) -> bool:
         return False
     if not module.has_gate and not callable(getattr(module, "act_fn", None)):
         return False
+    if not parameters:
+        return True
     own = {name.split(".")[0] for name, _ in module.named_parameters()}
     # PEFT's parametrized experts keep the weights under ``parametrizations``.
     return own <= {*_WEIGHTS, *_BIASES, "parametrizations"}
