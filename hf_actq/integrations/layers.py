@@ -25,8 +25,10 @@ from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of, activation_subclass
 from hf_actq.integrations.patching import (
     bind_forward,
+    foreign_forward,
     gather_with_module,
     set_instance_attribute,
+    uncalled_children,
 )
 from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.dedup import PackCache
@@ -60,14 +62,19 @@ _OUTPUT_SAVING = ("relu", "tanh", "sigmoid")
 
 
 def _never_called(model: nn.Module) -> dict[nn.Module, str]:
-    """Linear modules whose weights an owner reads directly, never calling them: PEFT's
-    ``ParamWrapper`` (LoRA on a parameter, ``target_parameters``) adds ``lora_B @ lora_A`` to
-    the wrapped weight. Patched, they would be slots that never fill."""
+    """Modules their owner never calls; patched, they would be slots that never fill. Linear
+    modules whose weights an owner reads directly: PEFT's ``ParamWrapper`` (LoRA on a parameter,
+    ``target_parameters``) adds ``lora_B @ lora_A`` to the wrapped weight. Children that a
+    forward set on their parent's instance does not name (Liger-Kernel's SwiGLU computes the
+    MLP's activation in its own kernel), with everything inside them."""
     found = {}
     for module in model.modules():
         if type(module).__name__ == "ParamWrapper" and hasattr(module, "lora_A"):
             for child in (*module.lora_A.values(), *module.lora_B.values()):
                 found[child] = "PEFT's ParamWrapper reads this weight directly (never called)"
+        for name in uncalled_children(module):
+            reason = f"not called by its parent's forward, {foreign_forward(module)}"
+            found.update(dict.fromkeys(module._modules[name].modules(), reason))
     return found
 
 

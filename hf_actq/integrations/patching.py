@@ -27,8 +27,10 @@ from hf_actq.ops.state import STATE, OpState, set_state
 
 logger = logging.getLogger("hf_actq")
 
-# Where a patch keeps what ``print(model)`` shows after the module's own extra_repr.
+# Where a patch keeps what ``print(model)`` shows after the module's own extra_repr, and the
+# op's forward function (what :func:`runs_op` looks for).
 DESCRIBE = "_hf_actq_describe"
+OP_FORWARD = "_hf_actq_op_forward"
 
 
 class _Missing:
@@ -57,19 +59,76 @@ def _forward_attribute(module: nn.Module) -> str | None:
     return None
 
 
+# How ``handle.skipped`` begins the reason of a module whose forward another library set on the
+# instance; ``apply`` gathers them into one warning.
+FOREIGN_FORWARD = "a forward another library set on the instance: "
+
+
+def foreign_forward(module: nn.Module) -> str | None:
+    """Whose forward ``module`` runs when another library (Liger-Kernel's instance patching, a
+    user's wrapper) set one on the instance, as ``LigerRMSNorm.forward from liger_kernel``;
+    None when the class's forward runs, or an accelerate hook's around it."""
+    if _forward_attribute(module) is not None:
+        return None
+    function = module.__dict__["forward"]
+    function = getattr(function, "__func__", function)
+    function = getattr(function, "func", function)  # a functools.partial
+    name = getattr(function, "__qualname__", type(function).__name__)
+    package = (getattr(function, "__module__", None) or "").split(".")[0]
+    return f"{name} from {package}" if package else name
+
+
+def uncalled_children(module: nn.Module) -> list[str]:
+    """Names of ``module``'s children that the forward set on its instance never names, where
+    that forward is a plain function that reaches its children by attribute only. Liger-Kernel's
+    SwiGLU forward, bound onto a LLaMA MLP, computes the activation in its own kernel: the MLP's
+    ``act_fn`` is never called, and a patch there would claim a compression that never runs.
+    A wrapper that calls another forward, or looks its children up another way, names them all
+    (nothing is left out)."""
+    if foreign_forward(module) is None:
+        return []
+    function = module.__dict__["forward"]
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    if code is None or code.co_freevars:
+        return []
+    names: set[str] = set()
+    pending = [code]
+    while pending:
+        current = pending.pop()
+        names.update(current.co_names)
+        pending.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    if names & _DELEGATING:
+        return []
+    return [name for name in module._modules if name not in names]
+
+
+# Names through which a forward may reach its children without naming them.
+_DELEGATING = frozenset(
+    (
+        "forward",
+        "_old_forward",
+        "__call__",
+        "_modules",
+        "children",
+        "named_children",
+        "modules",
+        "named_modules",
+        "getattr",
+        "get_submodule",
+        "super",
+        "__dict__",
+    )
+)
+
+
 def bind_forward(module, op_forward, state: OpState, path: str, describe, handle) -> bool:
-    """Make ``module`` run ``op_forward`` with ``state``; False (and a warning) if it cannot.
+    """Make ``module`` run ``op_forward`` with ``state``; False if it cannot (another library
+    set a forward on the instance: ``apply`` warns once for all of them).
 
     ``describe()`` says what the module keeps now (``print(model)`` and ``handle.patched``)."""
     attribute = _forward_attribute(module)
     if attribute is None:
-        handle.skipped[path] = "an instance-level forward that is not an accelerate hook (kept)"
-        logger.warning(
-            "hf_actq: %s (%s) has an instance-level forward that hf_actq does not know; it is "
-            "left unpatched",
-            path,
-            type(module).__name__,
-        )
+        handle.skipped[path] = FOREIGN_FORWARD + foreign_forward(module)
         return False
     previous = module.__dict__.get(attribute, MISSING)
     # What runs when nothing is kept for backward: the forward this one replaces.
@@ -86,6 +145,7 @@ def bind_forward(module, op_forward, state: OpState, path: str, describe, handle
         undo=functools.partial(_unbind, module, attribute, previous, bound, state, path),
     )
     module.__dict__[attribute] = bound
+    module.__dict__[OP_FORWARD] = op_forward
     set_state(module, state)
     module.__dict__[DESCRIBE] = describe
     module.__dict__["extra_repr"] = types.MethodType(_patched_extra_repr, module)
@@ -132,9 +192,10 @@ def _patched_extra_repr(module) -> str:
     return f"{inner}, {described}" if inner else described
 
 
-def unbind_forward(module, attribute: str, previous, bound, plain, path: str) -> None:
+def unbind_forward(module, attribute: str, previous, bound, plain, path: str) -> bool:
     """Undo ``module.__dict__[attribute] = bound``, where ``previous`` was there before
-    (``MISSING`` if nothing) and ``plain`` is what ``bound`` stands in for."""
+    (``MISSING`` if nothing) and ``plain`` is what ``bound`` stands in for. False when
+    something replaced ``bound`` after apply: what it put there stays."""
     # A hook added or removed after apply moved our forward between the two attributes;
     # wherever it is now, what it replaced goes back there (accelerate's wrapper calls
     # ``_old_forward``, so that one is never left empty).
@@ -144,19 +205,40 @@ def unbind_forward(module, attribute: str, previous, bound, plain, path: str) ->
                 del module.__dict__[name]
             else:
                 module.__dict__[name] = plain
-            return
+            return True
     if path == "":
         # The loss forwards bound onto the model run the stock forward once reverted
         # (causal_lm.stock_forward_after_revert): a wrapper around them keeps working.
         logger.info("hf_actq: the model's forward was wrapped after apply; the wrapper stays")
-        return
-    logger.warning("hf_actq: %s's forward was replaced after apply; left as it is", path)
+        return True
+    return False
 
 
-def _unbind(module, attribute: str, previous, bound, state: OpState, path: str) -> None:
-    unbind_forward(module, attribute, previous, bound, state.plain, path)
-    for name in (STATE, DESCRIBE, "extra_repr"):
+class Replaced(str):
+    """What an undo returns for a module whose forward something replaced after apply: its
+    path (the handle's revert names them all in one warning)."""
+
+
+def _unbind(module, attribute: str, previous, bound, state: OpState, path: str):
+    """Undo :func:`bind_forward`; ``Replaced(path)`` when another forward replaced the op."""
+    restored = unbind_forward(module, attribute, previous, bound, state.plain, path)
+    for name in (STATE, DESCRIBE, OP_FORWARD, "extra_repr"):
         module.__dict__.pop(name, None)
+    return None if restored else Replaced(path)
+
+
+def runs_op(module: nn.Module) -> bool:
+    """Whether a module patched by :func:`bind_forward` still runs its op: its forward is the
+    op, or a wrapper around what was there (accelerate's hook, which calls ``_old_forward``,
+    and its autocast around a model's forward both carry ``__wrapped__``). Not when something
+    bound a forward of its own after apply (Liger-Kernel's instance patching, which
+    ``Trainer(use_liger_kernel=True)`` runs at ``train()``) or popped ours (transformers' hub
+    kernels at a mode change): the module then runs that forward and keeps full tensors."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    function = getattr(forward, "__func__", forward)
+    return function is module.__dict__.get(OP_FORWARD) or hasattr(function, "__wrapped__")
 
 
 # What ``torch.nn.parallel.replicate`` calls on each module, per device.

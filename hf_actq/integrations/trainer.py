@@ -90,6 +90,7 @@ class ActQCallback(TrainerCallback, ExportableState):
         self.resumed_plan: dict | None = None  # a checkpoint's plan, until it is installed
         self._dataloader = None
         self._binding_checked = False
+        self._applied_here = False  # whether self.handle is this callback's own
 
     def _ensure_patched(self, args, state, model) -> None:
         if model is None:
@@ -113,15 +114,41 @@ class ActQCallback(TrainerCallback, ExportableState):
             self.handle = current
             return
         self.handle = apply(base, self.config)
+        self._applied_here = True
         if state is None or state.is_world_process_zero:
             _follow_log_level(args)
             logger.info("hf_actq: %s", self.handle.explain())
+
+    def _apply_again_if_rebound(self, state) -> None:
+        """``Trainer(use_liger_kernel=True)`` binds Liger-Kernel's forwards onto the model's
+        norms, MLPs and the model itself in ``train()``, after this callback patched the model
+        at init: those modules would run Liger's forwards while the handle counted them patched
+        (and an MLP's projections, claimed by the gated op, would keep their full inputs).
+        Applied again, those forwards are kept and named, and the rest runs hf_actq's ops."""
+        if self.handle is None or not self._applied_here:
+            return  # a handle the user made stays the user's
+        lost = self.handle.unbound()
+        if not lost:
+            return
+        base = self.handle.model
+        self.handle._undo_all()  # what replaced our forwards stays
+        self.handle = apply(base, self.config)
+        if state is None or state.is_world_process_zero:
+            logger.info(
+                "hf_actq: %d patched modules were bound to other forwards after apply (%s "
+                "first; use_liger_kernel binds Liger-Kernel's in train()): applied again "
+                "around them: %s",
+                len(lost),
+                lost[0] or "the model",
+                self.handle.explain(),
+            )
 
     def on_init_end(self, args, state, control, model=None, **kwargs):
         self._ensure_patched(args, state, model)
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         self._ensure_patched(args, state, model)
+        self._apply_again_if_rebound(state)
         if self.handle is not None and self.handle.checkpointed:
             # Trainer(gradient_checkpointing=True) turned checkpointing on again after init,
             # which put the stock function back.
@@ -156,11 +183,11 @@ class ActQCallback(TrainerCallback, ExportableState):
             lost = self.handle.unbound()
             if lost and state.is_world_process_zero:
                 logger.warning(
-                    "hf_actq: %d patched modules run their stock forward again (%s first): "
-                    "something bound them after apply (model.use_kernels turned on?); call "
-                    "hf_actq.revert(model) and apply again",
+                    "hf_actq: %d patched modules no longer run hf_actq's op (%s first): "
+                    "something bound their forward again after apply (model.use_kernels "
+                    "turned on?); call hf_actq.revert(model) and apply again",
                     len(lost),
-                    lost[0],
+                    lost[0] or "the model",
                 )
         if self._monitor is None or not self._monitor.armed:
             return

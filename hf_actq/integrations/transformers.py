@@ -23,9 +23,12 @@ from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig, check_activation_setting
 from hf_actq.integrations import checkpointing
 from hf_actq.integrations.patching import (
-    DESCRIBE,
+    FOREIGN_FORWARD,
     MISSING,
+    OP_FORWARD,
+    Replaced,
     _forward_attribute,
+    runs_op,
     support_data_parallel,
     unbind_forward,
 )
@@ -130,22 +133,34 @@ class ActQHandle:
         return plan
 
     def revert(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
+        replaced = self._undo_all()
+        if replaced:
+            logger.warning(
+                "hf_actq: %s replaced after apply (%s first); what replaced it stays",
+                "1 patched module had its forward"
+                if len(replaced) == 1
+                else f"{len(replaced)} patched modules had their forward",
+                replaced[0] or "the model",
+            )
+
+    def _undo_all(self) -> list[str]:
+        """Undo every change; the paths whose forward something else replaced after apply."""
+        replaced = [path for undo in reversed(self._undo) if isinstance(path := undo(), Replaced)]
+        replaced.reverse()  # in the order they were patched
         self._undo.clear()
         self.patched.clear()
         if getattr(self.model, _HANDLE, None) is self:
             delattr(self.model, _HANDLE)
+        return replaced
 
     def unbound(self) -> list[str]:
         """Paths of patched modules whose op is no longer their forward: something bound them
-        again after apply (transformers' hub kernels turned back on, another library), so they
-        run stock and keep full tensors."""
+        again after apply (Liger-Kernel's instance patching, transformers' hub kernels turned
+        back on), so they run that forward and keep what it keeps."""
         return [
             path
             for path, module in self.model.named_modules()
-            if DESCRIBE in module.__dict__
-            and not {"forward", "_old_forward"} & module.__dict__.keys()
+            if OP_FORWARD in module.__dict__ and not runs_op(module)
         ]
 
     def summary(self) -> str:
@@ -170,7 +185,7 @@ class ActQHandle:
                 reasons.setdefault(why, []).append(path)
         if reasons:
             groups = [
-                f"{len(paths)} {why} ({paths[0]}{', ...' if len(paths) > 1 else ''})"
+                f"{len(paths)} {why} ({paths[0] or 'the model'}{', ...' if len(paths) > 1 else ''})"
                 for why, paths in sorted(reasons.items(), key=lambda item: -len(item[1]))
             ]
             line += f"; left stock: {'; '.join(groups)}"
@@ -228,6 +243,7 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
     except BaseException:
         handle.revert()
         raise
+    _warn_foreign_forwards(handle)
     if model_type not in MODEL_TYPE_TO_APPLY_FN:
         logger.warning(
             "hf_actq: model type %r has no registered patcher; the generic path patched %s",
@@ -235,6 +251,28 @@ def apply(model: nn.Module, config: ActQConfig | None = None, **kwargs) -> ActQH
             handle.summary() or "nothing",
         )
     return handle
+
+
+def _warn_foreign_forwards(handle: ActQHandle) -> None:
+    """One warning for every module whose forward another library set on the instance (under
+    Liger-Kernel's instance patching, every norm and MLP of a model), grouped by that forward."""
+    by_forward: dict[str, list[str]] = {}
+    for path, why in handle.skipped.items():
+        if why.startswith(FOREIGN_FORWARD):
+            by_forward.setdefault(why.removeprefix(FOREIGN_FORWARD), []).append(path)
+    if not by_forward:
+        return
+    count = sum(len(paths) for paths in by_forward.values())
+    logger.warning(
+        "hf_actq: %s a forward that another library set on the instance, which hf_actq leaves "
+        "as it is (what that forward keeps for backward stays as it was): %s",
+        "1 module runs" if count == 1 else f"{count} modules run",
+        "; ".join(
+            f"{forward} on {len(paths)} ({paths[0] or 'the model'}"
+            f"{', ...' if len(paths) > 1 else ''})"
+            for forward, paths in by_forward.items()
+        ),
+    )
 
 
 def _prefix_tuned(model: nn.Module) -> bool:
@@ -390,6 +428,7 @@ def _advance_step_seed_per_forward(model: nn.Module, handle: ActQHandle) -> None
     embedding.__dict__[attribute] = bound
 
 
-def _stop_advancing_in(embedding: nn.Module, attribute: str, previous, bound, inner) -> None:
-    unbind_forward(embedding, attribute, previous, bound, inner, "the input embedding")
+def _stop_advancing_in(embedding: nn.Module, attribute: str, previous, bound, inner):
+    restored = unbind_forward(embedding, attribute, previous, bound, inner, "the input embedding")
     embedding.__dict__.pop(dedup.INNER_FORWARD, None)
+    return None if restored else Replaced("the input embedding")

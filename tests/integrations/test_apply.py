@@ -769,10 +769,10 @@ def test_modules_bound_again_after_apply_are_named_and_the_callback_warns(tmp_pa
     with caplog.at_level(logging.WARNING, logger="hf_actq"):
         callback.on_step_end(None, state, None)
         callback.on_step_end(None, state, None)  # once, after the first step
-    warnings = [r.getMessage() for r in caplog.records if "stock forward again" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "no longer run" in r.getMessage()]
     assert warnings == [
-        f"hf_actq: {len(lost)} patched modules run their stock forward again ({lost[0]} "
-        "first): something bound them after apply (model.use_kernels turned on?); call "
+        f"hf_actq: {len(lost)} patched modules no longer run hf_actq's op ({lost[0]} first): "
+        "something bound their forward again after apply (model.use_kernels turned on?); call "
         "hf_actq.revert(model) and apply again"
     ]
 

@@ -111,8 +111,17 @@ def test_an_unknown_instance_forward_is_left_alone_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="hf_actq"):
         handle = hf_actq.apply(model, bits=4)
     assert mine.forward is wrapped
-    assert "model.layers.0.self_attn.o_proj" in handle.skipped
-    assert "instance-level forward" in caplog.text
+    assert handle.skipped["model.layers.0.self_attn.o_proj"] == (
+        "a forward another library set on the instance: "
+        "test_an_unknown_instance_forward_is_left_alone_with_a_warning.<locals>.wrapped from "
+        + __name__.split(".")[0]
+    )
+    assert [r.getMessage() for r in caplog.records] == [
+        "hf_actq: 1 module runs a forward that another library set on the instance, which "
+        "hf_actq leaves as it is (what that forward keeps for backward stays as it was): "
+        "test_an_unknown_instance_forward_is_left_alone_with_a_warning.<locals>.wrapped from "
+        f"{__name__.split('.')[0]} on 1 (model.layers.0.self_attn.o_proj)"
+    ]
     handle.revert()
     assert mine.forward is wrapped
 
