@@ -49,6 +49,16 @@ _MISTRAL_7B = dict(
     num_attention_heads=32,
     num_key_value_heads=8,
 )
+_QWEN3 = dict(
+    vocab_size=151936,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
 _FLAN_T5 = dict(
     vocab_size=32128,
     feed_forward_proj="gated-gelu",
@@ -111,6 +121,62 @@ PRESETS: dict[str, Preset] = {
         dtype=torch.bfloat16,
     ),
     "mistral-7b": Preset("mistral", dict(_MISTRAL_7B, sliding_window=4096), dtype=torch.bfloat16),
+    # Llama 3.1 8B: grouped-query attention, a 128,256-word vocabulary, llama3 rope scaling.
+    "llama3-8b": Preset(
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
+            max_position_embeddings=131072,
+            bos_token_id=128000,
+            eos_token_id=128001,
+        ),
+        dtype=torch.bfloat16,
+    ),
+    # Qwen3 8B: RMSNorms on q and k, a 151,936-word vocabulary, an untied head.
+    "qwen3-8b": Preset(
+        "qwen3",
+        dict(
+            _QWEN3,
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+        ),
+        dtype=torch.bfloat16,
+    ),
+    # Qwen3-30B-A3B: every layer a mixture of 128 experts (768 wide), 8 per token.
+    "qwen3-30b-a3b": Preset(
+        "qwen3_moe",
+        dict(
+            _QWEN3,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        ),
+        dtype=torch.bfloat16,
+    ),
     # Gemma 3 1B (text): (1 + w) RMSNorms, four per layer and on q and k, a 512-token sliding
     # window on five layers in six, a 262k-token vocabulary.
     "gemma3-1b": Preset(
