@@ -218,6 +218,33 @@ def test_lora_keeps_frozen_weights_out_of_gradients_and_optimizer():
         assert row["activation_bytes"] == pytest.approx(row["independent_count_bytes"], rel=1e-3)
 
 
+def test_lora_on_a_mixture_of_experts_trains_its_experts_parameters():
+    """PEFT turns "all-linear" on Qwen3-MoE's experts (linear layers in transformers 4) into LoRA
+    on their fused parameters, which refuses dropout ("lora.ParamWrapper does not work with
+    lora_dropout != 0"): the report's LoRA takes none there, and measures."""
+    pytest.importorskip("peft")
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    report = measure_model(config, ["uniform"], batch_size=2, seq_len=16, peft="lora")
+    base, uniform = (result.measurement for result in report.results)
+    assert uniform.activation_bytes < base.activation_bytes
+    for row in report.rows():
+        assert row["activation_bytes"] == pytest.approx(row["independent_count_bytes"], rel=1e-3)
+
+
 def test_qlora_params_are_four_bit():
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
@@ -269,8 +296,9 @@ def test_every_preset_measures_offline(preset):
         dtype=PRESETS[preset].dtype,
         task=PRESETS[preset].task,
         # Two Mixtral layers fully trained (weights, gradients, Adam) would take 22 GB of RAM,
-        # Gemma 3 4B's vocabulary and vision tower 10 GB, two gpt-oss-20b layers 13 GB.
-        peft="lora" if preset.startswith(("mixtral", "gemma3-4b", "gpt-oss")) else "none",
+        # Gemma 3 4B's vocabulary and vision tower 10 GB, two gpt-oss-20b layers 13 GB, two
+        # Qwen3-30B-A3B layers 12 GB.
+        peft="lora" if preset.startswith(("mixtral", "gemma3-4b", "gpt-oss", "qwen3-30b")) else "none",
     )
     for row in report.rows():
         assert (
