@@ -109,18 +109,34 @@ def build_model(config, num_layers, dtype, peft, task, device, attn_implementati
     # Named explicitly: PEFT 0.21 leaves the defaults unused for MoE models (no match, an error);
     # all linear layers for an architecture it has no defaults for.
     targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(config.model_type)
-    # Under transformers 5, PEFT turns "all-linear" on experts that were linear layers in
-    # transformers 4 (Qwen3-MoE's, Mixtral's) into LoRA on their fused parameters, which takes
-    # no dropout ("lora.ParamWrapper does not work with lora_dropout != 0").
-    experts = any(parameter.dim() == 3 for parameter in model.parameters())
     lora = peft_lib.LoraConfig(
         r=8,
         lora_alpha=16,
-        lora_dropout=0.0 if experts and not targets else 0.05,
+        lora_dropout=0.05,
         target_modules=list(targets) if targets else "all-linear",
         task_type={"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM"}.get(task, "SEQ_CLS"),
     )
+    if _targets_parameters(lora, model):
+        # Under transformers 5, PEFT turns "all-linear" on experts that were linear layers in
+        # transformers 4 (Qwen3-MoE's) into LoRA on their fused parameters, which takes no
+        # dropout ("lora.ParamWrapper does not work with lora_dropout != 0").
+        lora.lora_dropout = 0.0
     return peft_lib.get_peft_model(model, lora)
+
+
+def _targets_parameters(lora, model) -> bool:
+    """Whether PEFT will put ``lora`` on parameters of ``model`` (its conversion of the config
+    for transformers 5, run on a copy); False where this PEFT has no such conversion."""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+            get_model_conversion_mapping,
+        )
+    except ImportError:
+        return False
+    probe = copy.deepcopy(lora)
+    convert_peft_config_for_transformers(probe, model, get_model_conversion_mapping(model))
+    return bool(probe.target_parameters)
 
 
 def _quantize_nf4(model, dtype, task, device, kwargs):

@@ -298,7 +298,9 @@ def test_every_preset_measures_offline(preset):
         # Two Mixtral layers fully trained (weights, gradients, Adam) would take 22 GB of RAM,
         # Gemma 3 4B's vocabulary and vision tower 10 GB, two gpt-oss-20b layers 13 GB, two
         # Qwen3-30B-A3B layers 12 GB.
-        peft="lora" if preset.startswith(("mixtral", "gemma3-4b", "gpt-oss", "qwen3-30b")) else "none",
+        peft="lora"
+        if preset.startswith(("mixtral", "gemma3-4b", "gpt-oss", "qwen3-30b"))
+        else "none",
     )
     for row in report.rows():
         assert (
