@@ -11,7 +11,7 @@ from torch import nn
 
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
-from hf_actq.integrations.patching import bind_forward
+from hf_actq.integrations.patching import bind_forward, left_to_foreign_forward
 from hf_actq.integrations.slots import slot_codec
 from hf_actq.ops.attention import (
     ATTENTION_NAME,
@@ -126,6 +126,8 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
     count = 0
     for path, module in model.named_modules():
         if config.skips(path) or not _is_attention(module):
+            continue
+        if left_to_foreign_forward(module, path, handle):
             continue
         function = eager_function_of(module) if kind == "eager, recomputed" else None
         if kind == "eager, recomputed" and function is None:

@@ -12,6 +12,7 @@ from torch import nn
 from hf_actq.codecs.packed import ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
+from hf_actq.integrations.patching import left_to_foreign_forward
 from hf_actq.integrations.slots import slot_activation, slot_codec
 from hf_actq.ops.moe_experts import SLOTS, register_experts, supports_experts
 from hf_actq.ops.moe_experts_recomputed import supports_recomputed_gate
@@ -35,6 +36,8 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
     configs = {}
     for path, module in model.named_modules():
         if not _is_experts(module) or config.skips(path):
+            continue
+        if left_to_foreign_forward(module, path, handle):
             continue
         previous = module.config._experts_implementation
         found = activation_of(getattr(module, "act_fn", None))

@@ -78,6 +78,16 @@ def foreign_forward(module: nn.Module) -> str | None:
     return f"{name} from {package}" if package else name
 
 
+def left_to_foreign_forward(module: nn.Module, path: str, handle) -> bool:
+    """For the modules patched through an interface their class's forward calls (attention,
+    MoE experts): whether another library set a forward on the instance, which goes around
+    that interface (Liger-Kernel's fused experts); recorded as skipped if so."""
+    foreign = foreign_forward(module)
+    if foreign is not None:
+        handle.skipped[path] = FOREIGN_FORWARD + foreign
+    return foreign is not None
+
+
 def uncalled_children(module: nn.Module) -> list[str]:
     """Names of ``module``'s children that the forward set on its instance never names, where
     that forward is a plain function that reaches its children by attribute only. Liger-Kernel's

@@ -28,6 +28,7 @@ from hf_actq.integrations.patching import (
     OP_FORWARD,
     Replaced,
     _forward_attribute,
+    foreign_forward,
     runs_op,
     support_data_parallel,
     unbind_forward,
@@ -157,11 +158,16 @@ class ActQHandle:
         """Paths of patched modules whose op is no longer their forward: something bound them
         again after apply (Liger-Kernel's instance patching, transformers' hub kernels turned
         back on), so they run that forward and keep what it keeps."""
-        return [
-            path
-            for path, module in self.model.named_modules()
-            if OP_FORWARD in module.__dict__ and not runs_op(module)
-        ]
+        lost = []
+        for path, module in self.model.named_modules():
+            if OP_FORWARD in module.__dict__:
+                if not runs_op(module):
+                    lost.append(path)
+            elif STATE in module.__dict__ and foreign_forward(module) is not None:
+                # Attention and experts: their class's forward calls the op through
+                # transformers' interface; a forward set on the instance goes around it.
+                lost.append(path)
+        return lost
 
     def summary(self) -> str:
         kinds: dict[str, int] = {}

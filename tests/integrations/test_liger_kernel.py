@@ -19,7 +19,7 @@ from transformers import Trainer
 
 import hf_actq
 from hf_actq import ActQCallback, ActQConfig
-from hf_actq.testing import metered_step, short_training, tiny_batch, tiny_model
+from hf_actq.testing import metered_step, more_model, short_training, tiny_batch, tiny_model
 
 
 def swiglu_forward(self, x):
@@ -175,15 +175,52 @@ def test_the_callback_applies_again_around_forwards_bound_in_train(tmp_path, mon
     assert callback.memory_history and callback.memory_history[0]["activation_bytes"] > 0
 
 
+def fused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """LigerExperts.forward's place: experts computed by a function of the library's own (here
+    the class's, which a real library's kernel replaces)."""
+    return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _experts(model) -> dict[str, torch.nn.Module]:
+    return {p: m for p, m in model.named_modules() if p.endswith("mlp.experts")}
+
+
+def test_experts_with_a_forward_set_on_the_instance_are_left_to_it():
+    """Experts are patched through transformers' experts interface, which their class's forward
+    calls: a forward set on the instance (Liger's fused experts) goes around it, so they are
+    not counted patched, and one bound after apply is found."""
+    model, batch = more_model("qwen3_moe")
+    experts = _experts(model)
+    for module in experts.values():
+        module.forward = types.MethodType(fused_experts_forward, module)
+    reference = copy.deepcopy(model)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    for path in experts:
+        assert handle.skipped[path].endswith("fused_experts_forward from " + __name__.split(".")[0])
+        assert path not in handle.patched
+    assert torch.equal(model(**batch).loss, reference(**batch).loss)
+    handle.revert()
+
+    model, _ = more_model("qwen3_moe")
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    assert all(path in handle.patched for path in _experts(model))
+    for module in _experts(model).values():
+        module.forward = types.MethodType(fused_experts_forward, module)
+    assert set(handle.unbound()) == set(_experts(model))
+    handle.revert()
+
+
 @pytest.fixture
 def liger_instance_patching(monkeypatch):
     """Liger-Kernel's ``_apply_liger_kernel_to_instance``, with the module globals it also
-    replaces (the rotary function, the norm and MLP classes) put back afterwards."""
+    replaces (the rotary function, the norm, MLP and experts classes) put back afterwards."""
     monkey_patch = pytest.importorskip("liger_kernel.transformers.monkey_patch")
     from transformers.models.llama import modeling_llama
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    for name, value in list(vars(modeling_llama).items()):
-        monkeypatch.setattr(modeling_llama, name, value)
+    for module in (modeling_llama, modeling_qwen3_moe):
+        for name, value in list(vars(module).items()):
+            monkeypatch.setattr(module, name, value)
     return monkey_patch._apply_liger_kernel_to_instance
 
 
@@ -212,3 +249,13 @@ def test_liger_kernel_bound_after_apply_is_found(liger_instance_patching):
     bound = _bound_here(model)
     handle.revert()
     assert _bound_here(model) == bound
+
+
+def test_liger_kernels_fused_experts_are_kept(liger_instance_patching):
+    model, _ = more_model("qwen3_moe")
+    liger_instance_patching(model=model)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    for path in _experts(model):
+        assert handle.skipped[path].endswith("LigerExperts.forward from liger_kernel")
+    assert not any(description.startswith("moe_experts") for description in handle.patched.values())
+    handle.revert()
