@@ -22,7 +22,15 @@ import torch
 from hf_actq.kernels import fewbit_backward
 from hf_actq.ops import moe_experts_recomputed as recomputed
 from hf_actq.ops.gated_mlp import product_backward, product_forward
-from hf_actq.ops.moe_routing import combine, expert_weight_grads, grouped_mm_backward, route
+from hf_actq.ops.moe_routing import (
+    combine,
+    expert_weight_grads,
+    grouped_mm_backward,
+    keep_weights,
+    kept_weights,
+    refolded,
+    route,
+)
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
 
@@ -32,7 +40,9 @@ SLOTS = ("act", "gate", "up")
 
 class CompressedExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, state):
+    def forward(
+        ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, state, refolds
+    ):
         from transformers.integrations.moe import _grouped_linear
 
         _, perm, offsets = route(top_k_index, gate_up_proj.shape[0])
@@ -61,13 +71,12 @@ class CompressedExpertsFunction(torch.autograd.Function):
             packed_a, packed_up = state.pack(activated, "gate"), state.pack(up, "up")
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
         ctx.split, ctx.bits = len(packed_a.tensors), act.bits
-        ctx.input_dtype = hidden_states.dtype
+        ctx.input_dtype, ctx.refolds = hidden_states.dtype, refolds
         # The input as it is (the router keeps the same tensor); routing as int32 rows.
         ctx.save_for_backward(
             hidden_states,
             weight_of_row,
-            gate_up_proj,
-            down_proj,
+            *keep_weights((gate_up_proj, down_proj), refolds),
             perm.to(torch.int32),
             offsets,
             codes,
@@ -84,6 +93,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
         from transformers.integrations.moe import _grouped_linear
 
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        saved = (*saved[:2], *kept_weights(saved[2:4], ctx.refolds), *saved[4:])
         hidden, weight_of_row, gate_up_proj, down_proj, perm, offsets, codes, levels, nan_flag = (
             saved[:9]
         )
@@ -103,7 +113,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_top_k_weights = _routing_grad(ctx, product, grad_rows, saved)
             hats = (a_hat, up_hat, product)
             grads = _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats)
-            return grads[0], grad_top_k_weights, *grads[1:], None, None
+            return grads[0], grad_top_k_weights, *grads[1:], None, None, None
         grad_product = _grouped_linear(
             grad_out_rows, down_proj.to(dtype), offsets, is_transposed=True
         )
@@ -131,7 +141,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_hidden = torch.zeros_like(hidden, dtype=dtype)
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grad_hidden = grad_hidden.to(ctx.input_dtype)
-        return grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj, None, None
+        return grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj, None, None, None
 
 
 def _routing_grad(ctx, product, grad_rows, saved):
@@ -200,8 +210,9 @@ def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if not wants_backward(self, hidden_states, top_k_weights, *weights):
         keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
         return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
+    refolds = (refolded(self, "gate_up_proj"), refolded(self, "down_proj"))
     return CompressedExpertsFunction.apply(
-        hidden_states, top_k_weights, *weights, top_k_index, state
+        hidden_states, top_k_weights, *weights, top_k_index, state, refolds
     )
 
 

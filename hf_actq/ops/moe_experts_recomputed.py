@@ -22,7 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from hf_actq.ops.moe_routing import combine, expert_weight_grads, grouped_mm_backward, route
+from hf_actq.ops.moe_routing import (
+    combine,
+    expert_weight_grads,
+    grouped_mm_backward,
+    keep_weights,
+    kept_weights,
+    refolded,
+    route,
+)
 from hf_actq.ops.state import once_differentiable
 
 # The experts' own parameters this op takes as inputs (transformers' names); experts with any
@@ -38,7 +46,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
     ):
         from transformers.integrations.moe import _grouped_linear
 
-        top_k_index, module, state = rest
+        top_k_index, module, state, refolds = rest
         transposed = module.is_transposed
         expert_ids, perm, offsets = route(top_k_index, up_weight.shape[0])
         token_of_row = perm // top_k_index.shape[1]  # rows sorted by expert -> their token
@@ -72,14 +80,15 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         del product
         output = combine(out * weight_of_row.unsqueeze(-1), perm, top_k_index.shape)
 
-        ctx.header, ctx.module = packed.with_tensors(()), module
+        ctx.header, ctx.module, ctx.refolds = packed.with_tensors(()), module, refolds
         ctx.input_dtype = hidden_states.dtype
+        up_kept, down_kept = keep_weights((up_weight, down_weight), refolds)
         ctx.save_for_backward(
             hidden_states,
             weight_of_row,
-            up_weight,
+            up_kept,
             up_bias,
-            down_weight,
+            down_kept,
             down_bias,
             perm.to(torch.int32),
             offsets,
@@ -93,7 +102,9 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         from transformers.integrations.moe import _grouped_linear
 
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
-        hidden, weight_of_row, up_weight, up_bias, down_weight, down_bias, perm, offsets = saved[:8]
+        up_weight, down_weight = kept_weights((saved[2], saved[4]), ctx.refolds)
+        saved = (*saved[:2], up_weight, saved[3], down_weight, *saved[5:])
+        hidden, weight_of_row, _, up_bias, _, down_bias, perm, offsets = saved[:8]
         module, transposed = ctx.module, ctx.module.is_transposed
         dtype = grad_output.dtype
         perm = perm.long()
@@ -109,7 +120,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         projection = ctx.header.with_tensors(saved[8:]).unpack().detach()
         if torch.compiler.is_compiling():
             grads = _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection)
-            return *grads, None, None, None
+            return *grads, None, None, None, None
         with torch.enable_grad():
             projection.requires_grad_()
             product = gate_function(module)(projection)
@@ -156,7 +167,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             grad_hidden = torch.zeros_like(hidden, dtype=dtype)
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grads[0] = grad_hidden.to(ctx.input_dtype)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection):
@@ -242,6 +253,7 @@ def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, s
         top_k_index,
         module,
         state,
+        (refolded(module, up_name), refolded(module, "down_proj")),
     )
 
 

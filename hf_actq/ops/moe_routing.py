@@ -73,3 +73,55 @@ def grouped_mm_backward(
 @grouped_mm_backward.register_fake
 def _(rows, weight, offsets, grad_output):
     return rows.new_empty(rows.shape), weight.new_empty(weight.shape)
+
+
+# PEFT's LoRA on an experts parameter (``target_parameters``; "all-linear" on a Qwen3-MoE under
+# transformers 5) folds ``base + scaling * lhs @ rhs`` into a merged copy of the whole expert
+# stack each forward (a parametrization read under ``parametrize.cached()``); an op that saved
+# that copy for backward kept a second set of expert weights per layer (1.125 GiB a layer on
+# Qwen3-30B-A3B). The fold is a pure function of the base weight and the two factors, which
+# stay alive anyway, so the ops keep how to fold it again instead.
+_FOLDS = ("_LoraFactorsProxy",)
+
+
+class RefoldedWeight:
+    """Rebuilds a parametrized weight, bit for bit, from its original and its folds."""
+
+    def __init__(self, original: torch.Tensor, folds: list) -> None:
+        self.original, self.folds = original, folds
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            weight = self.original
+            for fold in self.folds:
+                weight = fold(weight)
+        return weight
+
+
+def refolded(module, name: str) -> RefoldedWeight | None:
+    """How to rebuild ``getattr(module, name)`` in backward, where it is PEFT's LoRA fold of a
+    parameter (and not under torch.compile, which traces the fold itself); None otherwise."""
+    from torch.nn.utils import parametrize
+
+    if torch.compiler.is_compiling() or not parametrize.is_parametrized(module, name):
+        return None
+    chain = module.parametrizations[name]
+    folds = list(chain)
+    if not hasattr(chain, "original") or not all(type(f).__name__ in _FOLDS for f in folds):
+        return None
+    return RefoldedWeight(chain.original, folds)
+
+
+def keep_weights(weights: tuple, refolds: tuple) -> tuple:
+    """What an op saves for ``weights``: an empty stand-in where it can fold one again."""
+    return tuple(
+        weight if refold is None or weight is None else weight.new_empty(0)
+        for weight, refold in zip(weights, refolds)
+    )
+
+
+def kept_weights(saved: tuple, refolds: tuple) -> tuple:
+    """The weights :func:`keep_weights` kept, folded again where they were left out."""
+    return tuple(
+        refold() if refold is not None else weight for weight, refold in zip(saved, refolds)
+    )

@@ -312,11 +312,8 @@ def test_experts_whose_activation_has_no_few_bit_table_recompute_the_gate():
         torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
-def test_lora_on_the_expert_weights_trains_through_the_compressed_experts(name):
-    # PEFT's target_parameters wraps the experts' 3-D weights (base + low-rank delta): the op
-    # takes the effective weights as inputs, so the adapters get their gradients through it
-    # (gpt-oss's transposed, biased experts through the op that recomputes their gate).
+def _lora_on_experts(name):
+    """A tiny ``name`` with PEFT LoRA on q, v and the experts' 3-D weights (target_parameters)."""
     import peft
 
     if name == "gpt_oss":
@@ -329,7 +326,15 @@ def test_lora_on_the_expert_weights_trains_through_the_compressed_experts(name):
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         init_lora_weights=False,
     )
-    model = peft.get_peft_model(model, lora).train()
+    return peft.get_peft_model(model, lora).train(), batch
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_lora_on_the_expert_weights_trains_through_the_compressed_experts(name):
+    # PEFT's target_parameters wraps the experts' 3-D weights (base + low-rank delta): the op
+    # takes the effective weights as inputs, so the adapters get their gradients through it
+    # (gpt-oss's transposed, biased experts through the op that recomputes their gate).
+    model, batch = _lora_on_experts(name)
     _, grads, nbytes = _step(model, batch)
     handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
     assert sum(p.endswith("mlp.experts.base_layer.base_layer") for p in handle.patched) == 2
@@ -343,6 +348,34 @@ def test_lora_on_the_expert_weights_trains_through_the_compressed_experts(name):
     for name, exact, got in zip(names, grads, patched):
         cosine = torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), dim=0)
         assert cosine > 0.99, name
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_lora_folded_expert_weights_are_folded_again_in_backward_not_kept(name, monkeypatch):
+    """PEFT folds base + scaling * lhs @ rhs into a merged copy of each layer's expert weights
+    every forward: the experts ops (few-bit for Mixtral, the recomputed gate for gpt-oss) keep
+    how to fold it again instead of the copy: the same gradients bit for bit, without the
+    copies' bytes."""
+    from hf_actq.ops import moe_experts, moe_experts_recomputed
+
+    model, batch = _lora_on_experts(name)
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    copies = sum(
+        getattr(module, weight).nbytes
+        for module in model.modules()
+        if type(module).__name__.endswith("Experts")
+        for weight in ("gate_up_proj", "down_proj")
+    )
+    torch.manual_seed(0)
+    _, refolded, refolded_bytes = _step(model, batch)
+    for op in (moe_experts, moe_experts_recomputed):
+        monkeypatch.setattr(op, "refolded", lambda module, name: None)
+    torch.manual_seed(0)
+    _, kept, kept_bytes = _step(model, batch)
+    assert refolded_bytes <= kept_bytes - copies
+    assert len(refolded) == len(kept)
+    for got, want in zip(refolded, kept):
+        assert torch.equal(got, want)
 
 
 def test_deberta_attention_with_exact_operands_and_dropout_gives_the_stock_gradients():
