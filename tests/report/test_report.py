@@ -241,8 +241,16 @@ def test_lora_on_a_mixture_of_experts_trains_its_experts_parameters():
     report = measure_model(config, ["uniform"], batch_size=2, seq_len=16, peft="lora")
     base, uniform = (result.measurement for result in report.results)
     assert uniform.activation_bytes < base.activation_bytes
+    # The graph walk sees up to 8 bytes per adapter that saved-tensor hooks do not (see
+    # test_lora_keeps_frozen_weights_out_of_gradients_and_optimizer).
+    from hf_actq.report import build_model
+
+    model = build_model(config, 2, torch.float32, "lora", "causal-lm", "cpu")
+    adapters = sum(hasattr(module, "lora_A") for module in model.modules())
     for row in report.rows():
-        assert row["activation_bytes"] == pytest.approx(row["independent_count_bytes"], rel=1e-3)
+        assert row["activation_bytes"] == pytest.approx(
+            row["independent_count_bytes"], rel=1e-3, abs=8 * adapters
+        )
 
 
 def test_qlora_params_are_four_bit():
