@@ -109,6 +109,10 @@ def refolded(module, name: str) -> RefoldedWeight | None:
     folds = list(chain)
     if not hasattr(chain, "original") or not all(type(f).__name__ in _FOLDS for f in folds):
         return None
+    # A sharded original (DeepSpeed ZeRO-3's, FSDP2's DTensor) is whole only while its owner's
+    # hooks have gathered it: the copy is kept there, as before.
+    if hasattr(chain.original, "ds_id") or type(chain.original).__name__ == "DTensor":
+        return None
     return RefoldedWeight(chain.original, folds)
 
 
