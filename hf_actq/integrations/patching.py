@@ -79,9 +79,9 @@ def foreign_forward(module: nn.Module) -> str | None:
 
 
 def left_to_foreign_forward(module: nn.Module, path: str, handle) -> bool:
-    """For the modules patched through an interface their class's forward calls (attention,
-    MoE experts): whether another library set a forward on the instance, which goes around
-    that interface (Liger-Kernel's fused experts); recorded as skipped if so."""
+    """Whether another library set a forward on ``module``'s instance, which hf_actq leaves as
+    it is (and which goes around the interfaces attention and MoE experts are patched
+    through: Liger-Kernel's fused experts); recorded as skipped if so."""
     foreign = foreign_forward(module)
     if foreign is not None:
         handle.skipped[path] = FOREIGN_FORWARD + foreign
@@ -136,10 +136,9 @@ def bind_forward(module, op_forward, state: OpState, path: str, describe, handle
     set a forward on the instance: ``apply`` warns once for all of them).
 
     ``describe()`` says what the module keeps now (``print(model)`` and ``handle.patched``)."""
-    attribute = _forward_attribute(module)
-    if attribute is None:
-        handle.skipped[path] = FOREIGN_FORWARD + foreign_forward(module)
+    if left_to_foreign_forward(module, path, handle):
         return False
+    attribute = _forward_attribute(module)
     previous = module.__dict__.get(attribute, MISSING)
     # What runs when nothing is kept for backward: the forward this one replaces.
     state.plain = (
