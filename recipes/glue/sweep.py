@@ -40,7 +40,7 @@ REPO = HERE.parents[1]
 RECIPES = {
     "baseline": ["--no_actq"],
     **{f"fewbit-{b}": ["--recipe", "fewbit", "--bits", str(b)] for b in (1, 2, 3, 4)},
-    **{f"uniform-{b}": ["--recipe", "uniform", "--bits", str(b)] for b in (2, 4)},
+    **{f"uniform-{b}": ["--recipe", "uniform", "--bits", str(b)] for b in (2, 3, 4)},
     # ALAM as its code runs it (its sensitivity on one example, its ladder of precisions and
     # accounting), with eager attention, whose probabilities ALAM keeps.
     **{
@@ -118,7 +118,8 @@ THREE_SEEDS = [
     "alam-1-even",
     "checkpoint-4",
 ]
-ONE_SEED = ["fewbit-1", "fewbit-2", "uniform-2"]
+# "uniform" at 3 bits is what ``ActQCallback(bits=3)`` trains with.
+ONE_SEED = ["fewbit-1", "fewbit-2", "uniform-2", "uniform-3"]
 TASKS = ["rte", "mrpc", "stsb", "cola", "sst2"]
 RUN_ORDER = ["cola", "sst2", "stsb", "mrpc", "rte"]  # shortest sentences first
 # The same training for every run: run_glue's usual setting, 3 epochs, lr 5e-5, batch 32,
