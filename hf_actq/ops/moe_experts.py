@@ -24,12 +24,14 @@ from hf_actq.ops import moe_experts_recomputed as recomputed
 from hf_actq.ops.gated_mlp import product_backward, product_forward
 from hf_actq.ops.moe_routing import (
     combine,
-    expert_weight_grads,
+    factor_inputs,
+    grouped_linear,
     grouped_mm_backward,
     keep_weights,
     kept_weights,
     refolded,
     route,
+    weight_grads,
 )
 from hf_actq.ops.slots import observer
 from hf_actq.ops.state import STATE, keep_rng_stream, once_differentiable, wants_backward
@@ -41,8 +43,11 @@ SLOTS = ("act", "gate", "up")
 class CompressedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, state, refolds
-    ):
+        ctx, hidden_states, top_k_weights, gate_up_proj, down_proj, top_k_index, state, refolds,
+        *factors,
+    ):  # fmt: skip
+        # factors: each weight's LoRA (lhs, rhs) where backward takes it as base + rank-r path
+        # (moe_routing.LowRankWeight), inputs for their gradients; Nones for the others.
         from transformers.integrations.moe import _grouped_linear
 
         _, perm, offsets = route(top_k_index, gate_up_proj.shape[0])
@@ -71,12 +76,13 @@ class CompressedExpertsFunction(torch.autograd.Function):
             packed_a, packed_up = state.pack(activated, "gate"), state.pack(up, "up")
         ctx.headers = (packed_a.with_tensors(()), packed_up.with_tensors(()))
         ctx.split, ctx.bits = len(packed_a.tensors), act.bits
-        ctx.input_dtype, ctx.refolds = hidden_states.dtype, refolds
+        ctx.input_dtype = hidden_states.dtype
+        kept = keep_weights(ctx, (gate_up_proj, down_proj), refolds)
         # The input as it is (the router keeps the same tensor); routing as int32 rows.
         ctx.save_for_backward(
             hidden_states,
             weight_of_row,
-            *keep_weights((gate_up_proj, down_proj), refolds),
+            *kept[:2],
             perm.to(torch.int32),
             offsets,
             codes,
@@ -84,16 +90,16 @@ class CompressedExpertsFunction(torch.autograd.Function):
             nan_flag,
             *packed_a.tensors,
             *packed_up.tensors,
+            *kept[2:],  # the low-rank weights' parts, last
         )
         return output
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-        from transformers.integrations.moe import _grouped_linear
-
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
-        saved = (*saved[:2], *kept_weights(saved[2:4], ctx.refolds), *saved[4:])
+        saved, low_rank = saved[:-6], saved[-6:]
+        saved = (*saved[:2], *kept_weights(ctx, saved[2:4], low_rank), *saved[4:])
         hidden, weight_of_row, gate_up_proj, down_proj, perm, offsets, codes, levels, nan_flag = (
             saved[:9]
         )
@@ -113,13 +119,14 @@ class CompressedExpertsFunction(torch.autograd.Function):
             grad_top_k_weights = _routing_grad(ctx, product, grad_rows, saved)
             hats = (a_hat, up_hat, product)
             grads = _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats)
-            return grads[0], grad_top_k_weights, *grads[1:], None, None, None
-        grad_product = _grouped_linear(
-            grad_out_rows, down_proj.to(dtype), offsets, is_transposed=True
-        )
+            return grads[0], grad_top_k_weights, *grads[1:], None, None, None, *(None,) * 4
+        grad_product = grouped_linear(grad_out_rows, down_proj, offsets, is_transposed=True)
+        # Each weight's gradient, or its LoRA factors' (inputs 7-10).
+        needs_gate_up = any(ctx.needs_input_grad[i] for i in (2, 7, 8))
+        needs_down = any(ctx.needs_input_grad[i] for i in (3, 9, 10))
         # act(gate) and up read from their packs by one kernel where it takes them (gated_mlp),
         # with the product, which the routing weights' and the down projection's gradients need.
-        with_product = ctx.needs_input_grad[1] or ctx.needs_input_grad[3]
+        with_product = ctx.needs_input_grad[1] or needs_down
         grad_gate, grad_up, product = product_backward(
             grad_product, packed_a, packed_up, codes, levels, nan_flag, ctx.bits, with_product
         )
@@ -130,29 +137,31 @@ class CompressedExpertsFunction(torch.autograd.Function):
         # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
         rows = hidden[token_of_row].to(dtype)
         grad_gate_up_proj = grad_down_proj = grad_hidden = None
-        if ctx.needs_input_grad[2]:
-            grad_gate_up_proj = expert_weight_grads(grad_gate_up, rows, offsets, gate_up_proj)
-        if ctx.needs_input_grad[3]:
-            grad_down_proj = expert_weight_grads(grad_out_rows, product, offsets, down_proj)
-        if ctx.needs_input_grad[0]:
-            grad_rows_in = _grouped_linear(
-                grad_gate_up, gate_up_proj.to(dtype), offsets, is_transposed=True
+        factor_grads = [None] * 4
+        if needs_gate_up:
+            grad_gate_up_proj, factor_grads[:2] = weight_grads(
+                gate_up_proj, grad_gate_up, rows, offsets, transposed=False
             )
+        if needs_down:
+            grad_down_proj, factor_grads[2:] = weight_grads(
+                down_proj, grad_out_rows, product, offsets, transposed=False
+            )
+        if ctx.needs_input_grad[0]:
+            grad_rows_in = grouped_linear(grad_gate_up, gate_up_proj, offsets, is_transposed=True)
             grad_hidden = torch.zeros_like(hidden, dtype=dtype)
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grad_hidden = grad_hidden.to(ctx.input_dtype)
-        return grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj, None, None, None
+        grads = (grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj)
+        return *grads, None, None, None, *factor_grads
 
 
 def _routing_grad(ctx, product, grad_rows, saved):
     """The routing weights' gradient, from the down projection's output rebuilt from the
     product (None where they need none)."""
-    from transformers.integrations.moe import _grouped_linear
-
     if not ctx.needs_input_grad[1]:
         return None
     hidden, weight_of_row, _, down_proj, perm, offsets = saved[:6]
-    out = _grouped_linear(product, down_proj.to(product.dtype), offsets)
+    out = grouped_linear(product, down_proj, offsets)
     grad_weight_of_row = (grad_rows * out).sum(-1)
     grad = torch.empty_like(grad_weight_of_row)
     grad[perm.long()] = grad_weight_of_row
@@ -212,7 +221,7 @@ def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
     refolds = (refolded(self, "gate_up_proj"), refolded(self, "down_proj"))
     return CompressedExpertsFunction.apply(
-        hidden_states, top_k_weights, *weights, top_k_index, state, refolds
+        hidden_states, top_k_weights, *weights, top_k_index, state, refolds, *factor_inputs(refolds)
     )
 
 

@@ -24,12 +24,14 @@ import torch
 
 from hf_actq.ops.moe_routing import (
     combine,
-    expert_weight_grads,
+    factor_inputs,
+    grouped_linear,
     grouped_mm_backward,
     keep_weights,
     kept_weights,
     refolded,
     route,
+    weight_grads,
 )
 from hf_actq.ops.state import once_differentiable
 
@@ -46,7 +48,9 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
     ):
         from transformers.integrations.moe import _grouped_linear
 
-        top_k_index, module, state, refolds = rest
+        # factors: each weight's LoRA (lhs, rhs) where backward takes it as base + rank-r path
+        # (moe_routing.LowRankWeight), inputs for their gradients; Nones for the others.
+        top_k_index, module, state, refolds, *factors = rest
         transposed = module.is_transposed
         expert_ids, perm, offsets = route(top_k_index, up_weight.shape[0])
         token_of_row = perm // top_k_index.shape[1]  # rows sorted by expert -> their token
@@ -80,9 +84,9 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         del product
         output = combine(out * weight_of_row.unsqueeze(-1), perm, top_k_index.shape)
 
-        ctx.header, ctx.module, ctx.refolds = packed.with_tensors(()), module, refolds
+        ctx.header, ctx.module = packed.with_tensors(()), module
         ctx.input_dtype = hidden_states.dtype
-        up_kept, down_kept = keep_weights((up_weight, down_weight), refolds)
+        up_kept, down_kept, *low_rank = keep_weights(ctx, (up_weight, down_weight), refolds)
         ctx.save_for_backward(
             hidden_states,
             weight_of_row,
@@ -93,16 +97,17 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             perm.to(torch.int32),
             offsets,
             *packed.tensors,
+            *low_rank,  # the low-rank weights' parts, last
         )
         return output.to(hidden_states.dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-        from transformers.integrations.moe import _grouped_linear
 
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
-        up_weight, down_weight = kept_weights((saved[2], saved[4]), ctx.refolds)
+        saved, low_rank = saved[:-6], saved[-6:]
+        up_weight, down_weight = kept_weights(ctx, (saved[2], saved[4]), low_rank)
         saved = (*saved[:2], up_weight, saved[3], down_weight, *saved[5:])
         hidden, weight_of_row, _, up_bias, _, down_bias, perm, offsets = saved[:8]
         module, transposed = ctx.module, ctx.module.is_transposed
@@ -120,13 +125,13 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         projection = ctx.header.with_tensors(saved[8:]).unpack().detach()
         if torch.compiler.is_compiling():
             grads = _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection)
-            return *grads, None, None, None, None
+            return *grads, None, None, None, None, *(None,) * 4
         with torch.enable_grad():
             projection.requires_grad_()
             product = gate_function(module)(projection)
         # A weight [experts, out, in] (not transposed) takes the gradient as x @ W[e].
-        grad_product = _grouped_linear(
-            grad_out_rows, down_weight.to(dtype), offsets, is_transposed=not transposed
+        grad_product = grouped_linear(
+            grad_out_rows, down_weight, offsets, is_transposed=not transposed
         )
         (grad_projection,) = torch.autograd.grad(
             product, projection, grad_product.to(product.dtype)
@@ -135,11 +140,11 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         product, grad_projection = product.detach().to(dtype), grad_projection.to(dtype)
         del projection
 
-        grads = [None] * 6
+        grads, factor_grads = [None] * 6, [None] * 4
         if ctx.needs_input_grad[1]:
-            out = _grouped_linear(
+            out = grouped_linear(
                 product,
-                down_weight.to(dtype),
+                down_weight,
                 offsets,
                 bias=None if down_bias is None else down_bias[expert_ids].to(dtype),
                 is_transposed=transposed,
@@ -148,26 +153,31 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             grad_weight_of_row[perm] = (grad_rows * out).sum(-1)
             del out
             grads[1] = grad_weight_of_row.view(hidden.shape[0], -1).to(weight_of_row.dtype)
-        if ctx.needs_input_grad[4]:
-            grads[4] = _weight_grad(grad_out_rows, product, offsets, down_weight, transposed)
+        # Each weight's gradient, or its LoRA factors' (inputs 10-13).
+        if any(ctx.needs_input_grad[i] for i in (4, 12, 13)):
+            grads[4], factor_grads[2:] = weight_grads(
+                down_weight, grad_out_rows, product, offsets, transposed
+            )
         if ctx.needs_input_grad[5]:
             grads[5] = _bias_grad(grad_out_rows, expert_ids, down_bias)
         del product
         if ctx.needs_input_grad[3]:
             grads[3] = _bias_grad(grad_projection, expert_ids, up_bias)
         # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
-        if ctx.needs_input_grad[2]:
+        if any(ctx.needs_input_grad[i] for i in (2, 10, 11)):
             rows_in = hidden[token_of_row].to(dtype)
-            grads[2] = _weight_grad(grad_projection, rows_in, offsets, up_weight, transposed)
+            grads[2], factor_grads[:2] = weight_grads(
+                up_weight, grad_projection, rows_in, offsets, transposed
+            )
             del rows_in
         if ctx.needs_input_grad[0]:
-            grad_rows_in = _grouped_linear(
-                grad_projection, up_weight.to(dtype), offsets, is_transposed=not transposed
+            grad_rows_in = grouped_linear(
+                grad_projection, up_weight, offsets, is_transposed=not transposed
             )
             grad_hidden = torch.zeros_like(hidden, dtype=dtype)
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grads[0] = grad_hidden.to(ctx.input_dtype)
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, *factor_grads
 
 
 def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projection):
@@ -214,14 +224,6 @@ def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projectio
     )
 
 
-def _weight_grad(grad_rows, input_rows, offsets, weight, transposed: bool):
-    """An experts weight's gradient, in its layout: [experts, out, in], or [experts, in, out]
-    where transposed."""
-    if transposed:
-        return expert_weight_grads(input_rows, grad_rows, offsets, weight)
-    return expert_weight_grads(grad_rows, input_rows, offsets, weight)
-
-
 def _bias_grad(grad_rows, expert_ids, bias):
     """Each expert's bias gradient: the sum of its rows' gradients."""
     grad = torch.zeros(bias.shape, dtype=grad_rows.dtype, device=grad_rows.device)
@@ -243,6 +245,7 @@ def projection_names(module) -> tuple[str, str | None]:
 
 def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, state):
     up_name, up_bias_name = projection_names(module)
+    refolds = (refolded(module, up_name), refolded(module, "down_proj"))
     return RecomputedGateExpertsFunction.apply(
         hidden_states,
         top_k_weights,
@@ -253,7 +256,8 @@ def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, s
         top_k_index,
         module,
         state,
-        (refolded(module, up_name), refolded(module, "down_proj")),
+        refolds,
+        *factor_inputs(refolds),
     )
 
 

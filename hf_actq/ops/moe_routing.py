@@ -80,7 +80,9 @@ def _(rows, weight, offsets, grad_output):
 # stack each forward (a parametrization read under ``parametrize.cached()``); an op that saved
 # that copy for backward kept a second set of expert weights per layer (1.125 GiB a layer on
 # Qwen3-30B-A3B). The fold is a pure function of the base weight and the two factors, which
-# stay alive anyway, so the ops keep how to fold it again instead.
+# stay alive anyway, so the ops keep how to rebuild it instead: with one adapter on a frozen
+# base (PEFT's usual case) as base plus a rank-r path (:class:`LowRankWeight`), else by folding
+# it again (:class:`RefoldedWeight`).
 _FOLDS = ("_LoraFactorsProxy",)
 
 
@@ -96,6 +98,18 @@ class RefoldedWeight:
             for fold in self.folds:
                 weight = fold(weight)
         return weight
+
+    def low_rank(self) -> tuple | None:
+        """``(base, lhs, rhs, scaling)`` where the weight is one adapter's fold over a frozen
+        base; None otherwise (a trained base needs the full gradient)."""
+        if len(self.folds) != 1 or self.original.requires_grad:
+            return None
+        fold = self.folds[0]
+        # CUDA's grouped matmul takes rows of 16-byte multiples: the rank-r products need r a
+        # multiple of 8 in 16-bit dtypes (PEFT's usual 8, 16, 32, ...); others fold again.
+        if fold.lhs.shape[-1] % 8:
+            return None
+        return self.original, fold.lhs, fold.rhs, fold.scaling
 
 
 def refolded(module, name: str) -> RefoldedWeight | None:
@@ -116,16 +130,109 @@ def refolded(module, name: str) -> RefoldedWeight | None:
     return RefoldedWeight(chain.original, folds)
 
 
-def keep_weights(weights: tuple, refolds: tuple) -> tuple:
-    """What an op saves for ``weights``: an empty stand-in where it can fold one again."""
-    return tuple(
+class LowRankWeight:
+    """An experts weight ``base + scaling * lhs @ rhs`` (one LoRA adapter, its base frozen) as
+    its parts. Backward multiplies by it as the base plus a rank-r path and gives the factors
+    their gradients from r-wide products: it never folds the weight again (a transient of the
+    expert weights' size per layer) nor forms its full gradient (as many FLOPs as the
+    projection's forward, and another such transient) only to reduce it to the factors'. The
+    forward keeps the stock fold, so outputs stay bit for bit; gradients change by rounding."""
+
+    def __init__(self, base, lhs, rhs, scaling) -> None:
+        self.base, self.lhs, self.rhs, self.scaling = base, lhs, rhs, scaling
+        # PEFT's factors are views of its adapters (an experts stride of 1 for lhs), which
+        # CUDA's grouped matmul does not take; they are small.
+        self.operands = {}
+
+    def factors(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lhs, rhs)`` in ``dtype``, contiguous (made once per dtype)."""
+        if dtype not in self.operands:
+            self.operands[dtype] = tuple(f.to(dtype).contiguous() for f in (self.lhs, self.rhs))
+        return self.operands[dtype]
+
+    def linear(self, rows, offsets, is_transposed: bool = False, bias=None) -> torch.Tensor:
+        """``_grouped_linear(rows, weight, ...)`` for the folded weight [experts, a, b] (rows
+        @ weight[e].T, or rows @ weight[e] where transposed), without forming it."""
+        from transformers.integrations.moe import _grouped_linear
+
+        lhs, rhs = self.factors(rows.dtype)
+        out = _grouped_linear(rows, self.base.to(rows.dtype), offsets, bias, is_transposed)
+        if is_transposed:  # rows @ (base + s lhs @ rhs) = rows @ base + s (rows @ lhs) @ rhs
+            low = _grouped_linear(
+                _grouped_linear(rows, lhs, offsets, is_transposed=True),
+                rhs,
+                offsets,
+                is_transposed=True,
+            )
+        else:  # rows @ (base + s lhs @ rhs).T = rows @ base.T + s (rows @ rhs.T) @ lhs.T
+            low = _grouped_linear(_grouped_linear(rows, rhs, offsets), lhs, offsets)
+        return out.add_(low, alpha=self.scaling)
+
+    def factor_grads(self, grad_rows, input_rows, offsets, transposed: bool) -> tuple:
+        """``(grad of lhs, grad of rhs)`` for the projection ``input_rows -> grad_rows``'s
+        side: the weight's gradient would be ``left.T @ right`` per expert (grad.T @ input, or
+        input.T @ grad where the layout is transposed), so lhs takes ``s left.T @ (right @
+        rhs.T)`` and rhs ``s (left @ lhs).T @ right``."""
+        from transformers.integrations.moe import _grouped_linear
+
+        left, right = (input_rows, grad_rows) if transposed else (grad_rows, input_rows)
+        lhs, rhs = self.factors(left.dtype)
+        right_rhs = _grouped_linear(right, rhs, offsets).mul_(self.scaling)
+        left_lhs = _grouped_linear(left, lhs, offsets, is_transposed=True).mul_(self.scaling)
+        grad_lhs = expert_weight_grads(left, right_rhs, offsets, self.lhs)
+        grad_rhs = expert_weight_grads(left_lhs, right, offsets, self.rhs)
+        return grad_lhs, grad_rhs
+
+
+def grouped_linear(rows, weight, offsets, is_transposed: bool = False, bias=None):
+    """transformers' ``_grouped_linear`` in ``rows``' dtype, for a weight kept whole or as
+    :class:`LowRankWeight`."""
+    from transformers.integrations.moe import _grouped_linear
+
+    if isinstance(weight, LowRankWeight):
+        return weight.linear(rows, offsets, is_transposed, bias)
+    return _grouped_linear(rows, weight.to(rows.dtype), offsets, bias, is_transposed)
+
+
+def factor_inputs(refolds: tuple) -> tuple:
+    """``(lhs, rhs)`` of each weight kept as :class:`LowRankWeight`, ``(None, None)`` for the
+    others, flat: the op takes them as inputs, to return their gradients."""
+    parts = (None if refold is None else refold.low_rank() for refold in refolds)
+    return tuple(x for part in parts for x in ((None, None) if part is None else part[1:3]))
+
+
+def keep_weights(ctx, weights: tuple, refolds: tuple) -> tuple:
+    """What an op saves for ``weights`` (an empty stand-in where it can rebuild one), then for
+    each the frozen base and factors of a :class:`LowRankWeight` (Nones for the others); the
+    rest of how to rebuild them goes on ``ctx``."""
+    parts = [None if refold is None else refold.low_rank() for refold in refolds]
+    ctx.refolds = tuple(None if part else refold for part, refold in zip(parts, refolds))
+    ctx.scalings = tuple(part[3] if part else None for part in parts)
+    kept = tuple(
         weight if refold is None or weight is None else weight.new_empty(0)
         for weight, refold in zip(weights, refolds)
     )
+    return kept + tuple(x for part in parts for x in (part[:3] if part else (None,) * 3))
 
 
-def kept_weights(saved: tuple, refolds: tuple) -> tuple:
-    """The weights :func:`keep_weights` kept, folded again where they were left out."""
-    return tuple(
-        refold() if refold is not None else weight for weight, refold in zip(saved, refolds)
-    )
+def kept_weights(ctx, saved: tuple, low_rank: tuple) -> tuple:
+    """The weights :func:`keep_weights` kept: as saved, folded again, or a
+    :class:`LowRankWeight` (``low_rank``: the three saved tensors per weight it appended)."""
+    weights = []
+    for i, (weight, refold, scaling) in enumerate(zip(saved, ctx.refolds, ctx.scalings)):
+        if scaling is not None:
+            weights.append(LowRankWeight(*low_rank[3 * i : 3 * i + 3], scaling))
+        else:
+            weights.append(refold() if refold is not None else weight)
+    return tuple(weights)
+
+
+def weight_grads(weight, grad_rows, input_rows, offsets, transposed: bool) -> tuple:
+    """``(the weight's gradient, its factors' gradients)``: the full gradient in the weight's
+    layout ([experts, out, in], or [experts, in, out] where transposed) for a weight kept
+    whole, ``(None, (grad of lhs, grad of rhs))`` for a :class:`LowRankWeight`."""
+    if isinstance(weight, LowRankWeight):
+        return None, weight.factor_grads(grad_rows, input_rows, offsets, transposed)
+    if transposed:
+        return expert_weight_grads(input_rows, grad_rows, offsets, weight), (None, None)
+    return expert_weight_grads(grad_rows, input_rows, offsets, weight), (None, None)

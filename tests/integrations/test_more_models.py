@@ -312,8 +312,9 @@ def test_experts_whose_activation_has_no_few_bit_table_recompute_the_gate():
         torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-6)
 
 
-def _lora_on_experts(name):
-    """A tiny ``name`` with PEFT LoRA on q, v and the experts' 3-D weights (target_parameters)."""
+def _lora_on_experts(name, r=4):
+    """A tiny ``name`` with PEFT LoRA of rank ``r`` on q, v and the experts' 3-D weights
+    (target_parameters)."""
     import peft
 
     if name == "gpt_oss":
@@ -321,7 +322,7 @@ def _lora_on_experts(name):
     else:
         model, batch = more_model(name)
     lora = peft.LoraConfig(
-        r=4,
+        r=r,
         target_modules=["q_proj", "v_proj"],
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
         init_lora_weights=False,
@@ -376,6 +377,59 @@ def test_lora_folded_expert_weights_are_folded_again_in_backward_not_kept(name, 
     assert len(refolded) == len(kept)
     for got, want in zip(refolded, kept):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_lora_expert_weights_take_their_factors_gradients_without_the_full_weight_gradient(
+    name, monkeypatch
+):
+    """With one adapter on frozen experts (rank a multiple of 8), backward multiplies by the
+    weight as base plus the rank-r path and gives lhs and rhs their gradients from r-wide
+    products: no fold again, no [experts, out, in] gradient, the loss bit for bit and the
+    adapters' gradients those of folding again up to rounding, the same saved bytes."""
+    from hf_actq.ops import moe_routing
+
+    model, batch = _lora_on_experts(name, r=8)
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    experts = [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+    full_shapes = {getattr(m, w).shape for m in experts for w in ("gate_up_proj", "down_proj")}
+    shapes, folds = [], []
+    expert_weight_grads = moe_routing.expert_weight_grads
+
+    def recorded(grad_rows, input_rows, offsets, weight):
+        shapes.append(weight.shape)
+        return expert_weight_grads(grad_rows, input_rows, offsets, weight)
+
+    refold = moe_routing.RefoldedWeight.__call__
+    monkeypatch.setattr(moe_routing, "expert_weight_grads", recorded)
+    monkeypatch.setattr(
+        moe_routing.RefoldedWeight, "__call__", lambda self: folds.append(1) or refold(self)
+    )
+    torch.manual_seed(0)
+    loss, grads, nbytes = _step(model, batch)
+    assert not folds and shapes and not full_shapes & set(shapes)
+    monkeypatch.setattr(moe_routing.RefoldedWeight, "low_rank", lambda self: None)
+    torch.manual_seed(0)
+    folded_loss, folded_grads, folded_bytes = _step(model, batch)
+    assert folds and full_shapes <= set(shapes)  # the other path does both
+    assert torch.equal(loss, folded_loss) and nbytes == folded_bytes
+    names = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert sum("experts" in n for n in names) == 8  # A and B of two wrapped weights, two layers
+    assert len(grads) == len(folded_grads) == len(names)
+    for name, got, want in zip(names, grads, folded_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_lora_expert_weights_of_a_rank_not_a_multiple_of_8_fold_again():
+    # CUDA's grouped matmul takes rows of 16-byte multiples: the rank-r path needs r % 8 == 0.
+    from hf_actq.ops.moe_routing import refolded
+
+    model, _ = _lora_on_experts("mixtral", r=4)
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    wrappers = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+    with wrappers[0]._activate_lora(["default"]), wrappers[1]._activate_lora(["default"]):
+        refolds = [refolded(experts, name) for name in ("gate_up_proj", "down_proj")]
+        assert all(r is not None and r.low_rank() is None for r in refolds)
 
 
 def test_deberta_attention_with_exact_operands_and_dropout_gives_the_stock_gradients():
