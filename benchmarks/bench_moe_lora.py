@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     low_rank = moe_routing.RefoldedWeight.low_rank
 
     def step(mode):
-        # "folded again": the path a rank that is not a multiple of 8 takes (and before).
+        # "folded again": the path a trained base takes (and every LoRA before the rank-r path).
         moe_routing.RefoldedWeight.low_rank = (
             (lambda self: None) if mode == "folded again" else low_rank
         )

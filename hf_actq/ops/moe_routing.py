@@ -105,10 +105,6 @@ class RefoldedWeight:
         if len(self.folds) != 1 or self.original.requires_grad:
             return None
         fold = self.folds[0]
-        # CUDA's grouped matmul takes rows of 16-byte multiples: the rank-r products need r a
-        # multiple of 8 in 16-bit dtypes (PEFT's usual 8, 16, 32, ...); others fold again.
-        if fold.lhs.shape[-1] % 8:
-            return None
         return self.original, fold.lhs, fold.rhs, fold.scaling
 
 
@@ -140,14 +136,19 @@ class LowRankWeight:
 
     def __init__(self, base, lhs, rhs, scaling) -> None:
         self.base, self.lhs, self.rhs, self.scaling = base, lhs, rhs, scaling
-        # PEFT's factors are views of its adapters (an experts stride of 1 for lhs), which
-        # CUDA's grouped matmul does not take; they are small.
+        self.rank = lhs.shape[-1]
         self.operands = {}
 
     def factors(self, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(lhs, rhs)`` in ``dtype``, contiguous (made once per dtype)."""
+        """``(lhs, rhs)`` in ``dtype``, made once per dtype: contiguous (PEFT's are views of its
+        adapters, lhs with an experts stride of 1, which CUDA's grouped matmul does not take)
+        and padded with zeros to a rank that is a multiple of 8 (its operands' rows must be
+        16-byte multiples); the products are unchanged, and they are small."""
         if dtype not in self.operands:
-            self.operands[dtype] = tuple(f.to(dtype).contiguous() for f in (self.lhs, self.rhs))
+            pad = -self.rank % 8
+            lhs = torch.nn.functional.pad(self.lhs.to(dtype), (0, pad))
+            rhs = torch.nn.functional.pad(self.rhs.to(dtype), (0, 0, 0, pad))
+            self.operands[dtype] = (lhs.contiguous(), rhs.contiguous())
         return self.operands[dtype]
 
     def linear(self, rows, offsets, is_transposed: bool = False, bias=None) -> torch.Tensor:
@@ -179,9 +180,9 @@ class LowRankWeight:
         lhs, rhs = self.factors(left.dtype)
         right_rhs = _grouped_linear(right, rhs, offsets).mul_(self.scaling)
         left_lhs = _grouped_linear(left, lhs, offsets, is_transposed=True).mul_(self.scaling)
-        grad_lhs = expert_weight_grads(left, right_rhs, offsets, self.lhs)
-        grad_rhs = expert_weight_grads(left_lhs, right, offsets, self.rhs)
-        return grad_lhs, grad_rhs
+        grad_lhs = expert_weight_grads(left, right_rhs, offsets, lhs)[..., : self.rank]
+        grad_rhs = expert_weight_grads(left_lhs, right, offsets, rhs)[:, : self.rank]
+        return grad_lhs.to(self.lhs.dtype), grad_rhs.to(self.rhs.dtype)
 
 
 def grouped_linear(rows, weight, offsets, is_transposed: bool = False, bias=None):
