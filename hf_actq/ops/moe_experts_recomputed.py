@@ -104,7 +104,6 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output):
-
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
         saved, low_rank = saved[:-6], saved[-6:]
         up_weight, down_weight = kept_weights(ctx, (saved[2], saved[4]), low_rank)
