@@ -96,6 +96,7 @@ RECIPES = {
     "baseline": ["--no_actq"],
     "fewbit-3": ["--recipe", "fewbit", "--bits", "3"],
     "uniform-4": ["--recipe", "uniform", "--bits", "4"],
+    "uniform-3": ["--recipe", "uniform", "--bits", "3"],  # ActQCallback(bits=3)
     # Our allocator at 1 bit on 8 examples: what "alam" was when these ran, retired since
     # (hf_actq/config.py, RETIRED_FIELDS): its results stay in the table; it runs no more.
     "alam-1-gradvar": None,
@@ -106,6 +107,7 @@ COLOURS = {
     "baseline": "black",
     "fewbit-3": "tab:blue",
     "uniform-4": "tab:green",
+    "uniform-3": "tab:olive",
     "alam-1-gradvar": "tab:red",
     "checkpoint-4": "tab:purple",
 }
