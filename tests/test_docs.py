@@ -97,3 +97,31 @@ def _x32():
 
 def test_every_page_with_examples_is_read():
     assert sum(1 for _ in _examples()) >= 9
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_in_the_docs_reaches_its_file_and_heading():
+    headings = {
+        page: {_anchor(h) for h in re.findall(r"^#+ (.*)$", (ROOT / page).read_text(), re.M)}
+        for page in PAGES
+    }
+    broken, checked = [], 0
+    for page in PAGES:
+        for link in re.findall(r"\]\(([^)\s]+)\)", (ROOT / page).read_text()):
+            if link.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = link.partition("#")
+            target = ((ROOT / page).parent / path).resolve() if path else ROOT / page
+            checked += 1
+            if not target.exists():
+                broken.append(f"{page}: {link} (no such file)")
+            elif anchor and target.suffix == ".md":
+                key = str(target.relative_to(ROOT))
+                if anchor not in headings.get(key, set()):
+                    broken.append(f"{page}: {link} (no such heading)")
+    assert checked > 50 and not broken, broken
