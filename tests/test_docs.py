@@ -125,3 +125,17 @@ def test_every_relative_link_in_the_docs_reaches_its_file_and_heading():
                 if anchor not in headings.get(key, set()):
                     broken.append(f"{page}: {link} (no such heading)")
     assert checked > 50 and not broken, broken
+
+
+def test_no_line_of_prose_starts_a_list_by_accident():
+    # The pages' lists are "- " items; a wrapped line of prose that begins with "+ " or "* "
+    # (a formula broken at its operator) renders as a list item instead.
+    starts = []
+    for page in PAGES:
+        in_code = False
+        for number, line in enumerate((ROOT / page).read_text().splitlines(), 1):
+            if line.startswith("```"):
+                in_code = not in_code
+            elif not in_code and re.match(r"\s*[*+] ", line):
+                starts.append(f"{page}:{number}: {line[:60]}")
+    assert not starts, starts
