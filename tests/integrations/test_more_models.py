@@ -462,6 +462,29 @@ def test_gradient_checkpointing_gives_the_same_step(name):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_the_checkpoint_recipe_recomputes_each_layer_with_its_forwards_routing(name):
+    # "checkpoint" recomputes a layer from its rounded input; the router would route some
+    # tokens of that input to other experts than the forward did (the second half fails without
+    # the replay), and backward would train experts the forward never ran.
+    model, batch = (tiny_model(name), tiny_batch(name)) if name == "gpt_oss" else more_model(name)
+    handle = hf_actq.apply(model, ActQConfig.from_recipe("checkpoint", bits=2))
+    routed = []
+    for layer in model.model.layers:
+        layer.mlp.experts.register_forward_pre_hook(lambda _, args: routed.append(args[1]))
+    for replays in (True, False):
+        for layer in model.model.layers:
+            layer._gradient_checkpointing_func.keywords["reparametrized"].routes_tokens = replays
+        routed.clear()
+        model(**batch).loss.backward()
+        layers = len(model.model.layers)
+        assert len(routed) == 2 * layers  # each layer's forward, then its recompute
+        first, again = routed[:layers], routed[layers:][::-1]  # backward runs the last first
+        same = all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        assert same == replays, replays
+    handle.revert()
+
+
 @pytest.mark.parametrize("name", ["t5", "mixtral", "deberta-v2"])
 def test_bf16_autocast_step_follows_the_unpatched_one(name):
     # The recomputing ops (DeBERTa's attention) replay the forward's autocast in backward.

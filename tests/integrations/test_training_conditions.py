@@ -1,4 +1,5 @@
-"""The training-conditions matrix: every recipe on tiny LLaMA, Qwen2, BERT, T5 and a LoRA LLaMA, in fp32,
+"""The training-conditions matrix: every recipe on tiny LLaMA, Qwen2, BERT, T5, a LoRA LLaMA and a
+Qwen3-MoE with LoRA on its experts, in fp32,
 under CPU bf16 autocast and with fp16 weights, on a normal batch, a batch with no supervised
 token, a one-token batch, two accumulated micro-batches (the second all padding) and a batch
 with a NaN in its input embeddings. Patched and stock agree on which of the loss and the
@@ -15,10 +16,12 @@ import torch
 
 import hf_actq
 from hf_actq import ActQConfig
-from hf_actq.testing import tiny_bert, tiny_llama, tiny_qwen2, tiny_t5
+from hf_actq.testing import more_model, tiny_bert, tiny_llama, tiny_qwen2, tiny_t5
 
 # "llama-lora": PEFT LoRA on q and v, a frozen head (the fused loss's other path).
-MODELS = ("llama", "qwen2", "bert", "t5", "llama-lora")
+# "moe-lora": Qwen3-MoE with LoRA on q, v and the experts' 3-D weights (PEFT's
+# target_parameters), which the experts ops take back as base plus the rank-r path.
+MODELS = ("llama", "qwen2", "bert", "t5", "llama-lora", "moe-lora")
 RECIPES = ("fewbit", "uniform", "alam", "checkpoint")
 PRECISIONS = ("fp32", "bf16-autocast", "fp16")
 CONDITIONS = ("normal", "no-supervised-token", "one-token", "accumulation", "nan-input")
@@ -27,7 +30,9 @@ CONDITIONS = ("normal", "no-supervised-token", "one-token", "accumulation", "nan
 # least minimum of the per-tensor cosines (None: some tensor is noise at 1 bit). The worst
 # measured over every model, precision and finite condition here: fewbit 0.9999 / 0.9999 /
 # 0.984, uniform 0.914 / 0.925 / 0.762, alam 0.387 / 0.320 / -0.066, checkpoint 0.970 / 0.972 /
-# 0.923; each floor allows 1.5x that cosine distance (alam's median: only that it is positive).
+# 0.920 ("moe-lora"; its fp32 normal step without the recompute replaying the router: 0.957 /
+# 0.944 / 0.747);
+# each floor allows 1.5x that cosine distance (alam's median: only that it is positive).
 # Packing 3-bit codes in bf16 (autocast) took "fewbit"'s gate_proj gradients to 0.58.
 FLOORS = {
     "fewbit": (0.999, 0.999, 0.975),
@@ -38,11 +43,19 @@ FLOORS = {
 
 
 def _model(model_type: str):
-    if model_type == "llama-lora":
+    if model_type in ("llama-lora", "moe-lora"):
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-        model = get_peft_model(tiny_llama(), lora)
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        lora = LoraConfig(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=experts if model_type == "moe-lora" else None,
+            lora_dropout=0.0,
+        )
+        base = tiny_llama() if model_type == "llama-lora" else more_model("qwen3_moe")[0]
+        model = get_peft_model(base, lora)
         for name, parameter in model.named_parameters():  # LoRA B starts at zero: no signal
             if "lora_B" in name:
                 torch.nn.init.normal_(parameter, std=0.1)
@@ -91,7 +104,7 @@ def _run(model, model_type: str, condition: str, precision: str):
         loss.backward()
     else:
         batches = [_batch(model_type, condition, index) for index in (0, 1)]
-        causal = model_type in ("llama", "qwen2", "llama-lora")
+        causal = model_type in ("llama", "qwen2", "llama-lora", "moe-lora")
         count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches) if causal else 0
         loss = 0.0
         for batch in batches:

@@ -1,6 +1,6 @@
 """Packed activation checkpointing as an op: exact replay, gradients for every tensor input
-(positional or keyword), parameters trained when no input needs a gradient, bytes kept, and
-the traced form torch.compile takes whole."""
+(positional or keyword), parameters trained when no input needs a gradient, bytes kept, the
+traced form torch.compile takes whole, and a router's choices replayed in the recompute."""
 
 import functools
 import weakref
@@ -16,10 +16,14 @@ from hf_actq.memory.meter import graph_saved_bytes
 from hf_actq.ops.packed_checkpoint import (
     REPLAY_KEY,
     Reparametrized,
+    SelectionRecorder,
+    SelectionReplay,
     draws_random_numbers,
     make_dropouts_replayable,
     packed_checkpoint,
+    routes_tokens,
 )
+from hf_actq.testing import more_model, tiny_llama, tiny_model
 
 WIDTH = 64
 
@@ -317,3 +321,123 @@ def test_replayable_dropout_is_stock_outside_the_traced_form():
         got = block(x, bias=bias)[0]
         torch.manual_seed(3)
         torch.testing.assert_close(got, reference(x, bias=bias)[0], rtol=0, atol=0)
+
+
+EXPERTS, TOP_K = 8, 2
+
+
+class Routed(nn.Module):
+    """A mixture of experts in one module: a softmax router picks TOP_K of EXPERTS square
+    experts per token (``torch.topk``, as transformers' routers) and weighs their outputs;
+    ``seen`` collects each pass's choices while ``record`` is set (eager only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k = TOP_K
+        self.router = nn.Linear(WIDTH, EXPERTS, bias=False)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, WIDTH, WIDTH) / WIDTH**0.5)
+        self.seen, self.record = [], False
+
+    def forward(self, x):
+        weights, chosen = torch.topk(self.router(x).softmax(-1), self.top_k, dim=-1)
+        if self.record:
+            self.seen.append(chosen.clone())
+        out = torch.einsum("...koi,...i->...ko", self.experts[chosen], x)
+        return (x + (weights.unsqueeze(-1) * out).sum(-2),)
+
+
+def _routed_run(block, codec, replays: bool):
+    wrapper = Reparametrized(block)
+    assert wrapper.routes_tokens
+    wrapper.routes_tokens = replays  # off: the recompute routes the rounded input anew
+
+    def run(x):
+        return packed_checkpoint(block.forward, x, codec=codec, reparametrized=wrapper, layer=block)
+
+    return run
+
+
+def _routed_grads(block, x, run):
+    block.zero_grad()
+    x.grad = None
+    torch.manual_seed(1)
+    (out,) = run(x)
+    out.square().sum().backward()
+    return [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+
+
+def test_a_routing_layer_is_recomputed_with_the_experts_its_first_pass_chose():
+    """2 bits round the router's input enough to move most tokens' choices (without the replay
+    the recompute routes them to other experts: the check below fails); with it every token
+    goes to the experts its forward used. The choices are kept a byte each beside the pack."""
+    torch.manual_seed(0)
+    block, x = Routed(), torch.randn(4, 32, WIDTH, requires_grad=True)
+    block.record = True
+    codec = uniform(2)
+    for replays in (False, True):
+        block.seen.clear()
+        run = _routed_run(block, codec, replays)
+        (out,) = run(x)
+        saved = graph_saved_bytes(out, exclude=block.parameters())
+        out.square().sum().backward()
+        first, recomputed = block.seen
+        moved = int((first != recomputed).any(-1).sum())
+        if replays:
+            assert moved == 0
+            assert saved == codec.nbytes(x.shape) + x.shape[0] * x.shape[1] * TOP_K
+        else:
+            assert moved > 0 and saved == codec.nbytes(x.shape)
+
+
+def test_under_torch_compile_a_routing_layer_replays_its_choices_in_the_traced_form():
+    """fullgraph=True: the modes trace without a break, and the compiled gradients equal the
+    eager ones with the replay (and not those without it)."""
+    torch.manual_seed(0)
+    block, x = Routed(), torch.randn(4, 32, WIDTH, requires_grad=True)
+    codec = uniform(2)
+    results = {}
+    for replays in (True, False):
+        torch._dynamo.reset()
+        run = _routed_run(block, codec, replays)
+        compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+        results[replays] = (_routed_grads(block, x, run), _routed_grads(block, x, compiled))
+    (eager, traced), (bare, _) = results[True], results[False]
+    for a, b in zip(eager, traced, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert not all(torch.allclose(a, b) for a, b in zip(eager, bare))
+
+
+def test_the_replay_returns_the_recorded_choices_and_refuses_a_different_call():
+    torch.manual_seed(0)
+    scores = torch.randn(6, 300)
+    with SelectionRecorder() as recorder:
+        values, indices = scores.topk(3)
+        best = torch.argmax(scores, dim=-1)
+    narrow, index = recorder.choices
+    assert narrow.dtype == torch.int16 and torch.equal(narrow.long(), indices)  # 300 choices
+    assert torch.equal(index.long(), best)
+    moved = scores + 10 * torch.randn(6, 300)
+    replay = SelectionReplay(recorder.choices)
+    with replay:
+        again = torch.topk(moved, 3, dim=-1)
+        argmax = moved.argmax(dim=-1)
+    replay.check_done()
+    assert torch.equal(again.indices, indices) and torch.equal(argmax, best)
+    assert torch.equal(again.values, moved.gather(-1, indices))
+    wider = r"chose \(6, 4\) in its topk #1, where its first"
+    with pytest.raises(RuntimeError, match=wider), SelectionReplay(recorder.choices):
+        moved.topk(4)
+    with pytest.raises(RuntimeError, match="more often than its first pass"), SelectionReplay([]):
+        moved.topk(3)
+    replay = SelectionReplay(recorder.choices)
+    with replay:
+        moved.topk(3)
+    with pytest.raises(RuntimeError, match="made 1 of the 2 choices"):
+        replay.check_done()
+
+
+def test_layers_with_a_router_or_experts_route_tokens_and_dense_ones_do_not():
+    for name in ("mixtral", "qwen3_moe"):
+        assert routes_tokens(more_model(name)[0].model.layers[0])
+    assert routes_tokens(tiny_model("gpt_oss").model.layers[0])
+    assert not routes_tokens(tiny_llama().model.layers[0]) and not routes_tokens(Block())
