@@ -6,8 +6,8 @@ Stock grouped-matmul autograd keeps, per routed (token, expert) pair: the gather
 copies of every token), the gate projection (for the activation), act(gate) and up (for the
 product), the product (for the down projection) and the down projection's output (for the
 routing weights' gradient). Here, per pair, only the few-bit code of act'(gate) and compressed
-act(gate) and up; the input is kept once per token as the tensor the router keeps anyway, and
-backward rebuilds the product from the operands and the down output from the product (one extra
+act(gate) and up; the input is kept once per token (the tensor a trained router keeps too)
+where the experts' weights train, not at all where they are frozen, and backward rebuilds the product from the operands and the down output from the product (one extra
 grouped matmul) to differentiate the routing weights. The router stays exact.
 
 The forward runs transformers' own grouped matmuls in the stock order, so the output equals the
@@ -27,6 +27,8 @@ from hf_actq.ops.moe_routing import (
     factor_inputs,
     grouped_linear,
     grouped_mm_backward,
+    input_rows,
+    keep_input,
     keep_weights,
     kept_weights,
     refolded,
@@ -78,9 +80,10 @@ class CompressedExpertsFunction(torch.autograd.Function):
         ctx.split, ctx.bits = len(packed_a.tensors), act.bits
         ctx.input_dtype = hidden_states.dtype
         kept = keep_weights(ctx, (gate_up_proj, down_proj), refolds)
-        # The input as it is (the router keeps the same tensor); routing as int32 rows.
+        # The input as it is, where the experts' gate_up weight trains (inputs 2, 7, 8); routing
+        # as int32 rows.
         ctx.save_for_backward(
-            hidden_states,
+            keep_input(ctx, hidden_states, (2, 7, 8)),
             weight_of_row,
             *kept[:2],
             perm.to(torch.int32),
@@ -109,7 +112,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
         packed_up = header_up.with_tensors(buffers[ctx.split :])
         dtype = grad_output.dtype
         perm = perm.long()
-        top_k = weight_of_row.numel() // hidden.shape[0]
+        top_k = weight_of_row.numel() // ctx.input_shape[0]
         token_of_row = perm // top_k
         grad_rows = grad_output[token_of_row]
         grad_out_rows = grad_rows * weight_of_row.to(dtype).unsqueeze(-1)
@@ -134,21 +137,22 @@ class CompressedExpertsFunction(torch.autograd.Function):
         del grad_gate, grad_up
         grad_top_k_weights = _routing_grad(ctx, product, grad_rows, saved)
 
-        # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
-        rows = hidden[token_of_row].to(dtype)
         grad_gate_up_proj = grad_down_proj = grad_hidden = None
         factor_grads = [None] * 4
         if needs_gate_up:
+            # Gathered only now, after the [rows, intermediate] temporaries above (the peak).
+            rows = hidden[token_of_row].to(dtype)
             grad_gate_up_proj, factor_grads[:2] = weight_grads(
                 gate_up_proj, grad_gate_up, rows, offsets, transposed=False
             )
+            del rows
         if needs_down:
             grad_down_proj, factor_grads[2:] = weight_grads(
                 down_proj, grad_out_rows, product, offsets, transposed=False
             )
         if ctx.needs_input_grad[0]:
             grad_rows_in = grouped_linear(grad_gate_up, gate_up_proj, offsets, is_transposed=True)
-            grad_hidden = torch.zeros_like(hidden, dtype=dtype)
+            grad_hidden = grad_output.new_zeros(ctx.input_shape, dtype=dtype)
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grad_hidden = grad_hidden.to(ctx.input_dtype)
         grads = (grad_hidden, grad_top_k_weights, grad_gate_up_proj, grad_down_proj)
@@ -160,12 +164,12 @@ def _routing_grad(ctx, product, grad_rows, saved):
     product (None where they need none)."""
     if not ctx.needs_input_grad[1]:
         return None
-    hidden, weight_of_row, _, down_proj, perm, offsets = saved[:6]
+    _, weight_of_row, _, down_proj, perm, offsets = saved[:6]
     out = grouped_linear(product, down_proj, offsets)
     grad_weight_of_row = (grad_rows * out).sum(-1)
     grad = torch.empty_like(grad_weight_of_row)
     grad[perm.long()] = grad_weight_of_row
-    return grad.view(hidden.shape[0], -1).to(weight_of_row.dtype)
+    return grad.view(ctx.input_shape[0], -1).to(weight_of_row.dtype)
 
 
 def _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved):
@@ -188,11 +192,11 @@ def _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats):
         product, down_proj.to(dtype).transpose(-2, -1), offsets, grad_out_rows
     )
     grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
-    rows = hidden[token_of_row].to(dtype)
+    rows = input_rows(ctx, hidden, token_of_row, dtype)
     grad_rows_in, grad_gate_up_weight = grouped_mm_backward(
         rows, gate_up_proj.to(dtype).transpose(-2, -1), offsets, grad_gate_up
     )
-    grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_add_(0, token_of_row, grad_rows_in)
+    grad_hidden = grad_rows_in.new_zeros(ctx.input_shape).index_add_(0, token_of_row, grad_rows_in)
     return (
         grad_hidden.to(ctx.input_dtype),
         grad_gate_up_weight.transpose(-2, -1).to(gate_up_proj.dtype),

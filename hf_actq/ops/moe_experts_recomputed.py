@@ -8,7 +8,7 @@ Stock grouped-matmul autograd keeps, per routed (token, expert) pair, the gather
 projection's output and every intermediate of the gate function (gpt-oss's: six tensors of the
 intermediate width), the product and the down projection's output. Here only the projection's
 output, packed with the config's codec (``gate_up`` slot; exact under an activations-only
-config), and the input once per token as the tensor the router keeps anyway. Backward unpacks
+config), and the input once per token where the experts' weights train. Backward unpacks
 the projection's output, runs the gate function on it again (elementwise: cheap next to the
 grouped matmuls) and differentiates it there, so any gate the model defines takes its exact
 derivative at the rebuilt point; the down output, for the routing weights' gradient, is rebuilt
@@ -27,6 +27,8 @@ from hf_actq.ops.moe_routing import (
     factor_inputs,
     grouped_linear,
     grouped_mm_backward,
+    input_rows,
+    keep_input,
     keep_weights,
     kept_weights,
     refolded,
@@ -88,7 +90,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         ctx.input_dtype = hidden_states.dtype
         up_kept, down_kept, *low_rank = keep_weights(ctx, (up_weight, down_weight), refolds)
         ctx.save_for_backward(
-            hidden_states,
+            keep_input(ctx, hidden_states, (2, 10, 11)),  # where the up weight trains
             weight_of_row,
             up_kept,
             up_bias,
@@ -112,7 +114,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         module, transposed = ctx.module, ctx.module.is_transposed
         dtype = grad_output.dtype
         perm = perm.long()
-        top_k = weight_of_row.numel() // hidden.shape[0]
+        top_k = weight_of_row.numel() // ctx.input_shape[0]
         token_of_row = perm // top_k
         # The expert of each sorted row, from the spans' ends (no host read of the counts).
         rows = torch.arange(perm.numel(), device=perm.device, dtype=offsets.dtype)
@@ -151,7 +153,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             grad_weight_of_row = torch.empty_like(out[:, 0])
             grad_weight_of_row[perm] = (grad_rows * out).sum(-1)
             del out
-            grads[1] = grad_weight_of_row.view(hidden.shape[0], -1).to(weight_of_row.dtype)
+            grads[1] = grad_weight_of_row.view(ctx.input_shape[0], -1).to(weight_of_row.dtype)
         # Each weight's gradient, or its LoRA factors' (inputs 10-13).
         if any(ctx.needs_input_grad[i] for i in (4, 12, 13)):
             grads[4], factor_grads[2:] = weight_grads(
@@ -173,7 +175,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             grad_rows_in = grouped_linear(
                 grad_projection, up_weight, offsets, is_transposed=not transposed
             )
-            grad_hidden = torch.zeros_like(hidden, dtype=dtype)
+            grad_hidden = grad_output.new_zeros(ctx.input_shape, dtype=dtype)
             grad_hidden.index_add_(0, token_of_row, grad_rows_in)
             grads[0] = grad_hidden.to(ctx.input_dtype)
         return *grads, None, None, None, None, *factor_grads
@@ -209,13 +211,13 @@ def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projectio
         out = out + down_bias[expert_ids].to(dtype)
     grad_weight_of_row = torch.empty_like(out[:, 0])
     grad_weight_of_row[perm.long()] = (grad_rows * out).sum(-1)
-    token_of_row = perm.long() // (weight_of_row.numel() // hidden.shape[0])
-    rows = hidden[token_of_row].to(dtype)
+    token_of_row = perm.long() // (weight_of_row.numel() // ctx.input_shape[0])
+    rows = input_rows(ctx, hidden, token_of_row, dtype)
     grad_rows_in, grad_up = grouped_mm_backward(rows, in_out(up_weight), offsets, grad_projection)
-    grad_hidden = torch.zeros_like(hidden, dtype=dtype).index_add_(0, token_of_row, grad_rows_in)
+    grad_hidden = grad_rows_in.new_zeros(ctx.input_shape).index_add_(0, token_of_row, grad_rows_in)
     return (
         grad_hidden.to(ctx.input_dtype),
-        grad_weight_of_row.view(hidden.shape[0], -1).to(weight_of_row.dtype),
+        grad_weight_of_row.view(ctx.input_shape[0], -1).to(weight_of_row.dtype),
         layout(grad_up, up_weight),
         None if up_bias is None else _bias_grad(grad_projection, expert_ids, up_bias),
         layout(grad_down, down_weight),

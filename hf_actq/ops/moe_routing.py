@@ -202,6 +202,28 @@ def factor_inputs(refolds: tuple) -> tuple:
     return tuple(x for part in parts for x in ((None, None) if part is None else part[1:3]))
 
 
+def keep_input(ctx, hidden_states: torch.Tensor, weight_inputs: tuple) -> torch.Tensor:
+    """What an experts op saves of its input: the input where the first projection's weight or
+    its LoRA factors (``weight_inputs``: their positions among the op's inputs) take a gradient,
+    which needs it, and in a torch.compile trace (whose backward forms the input's and the
+    weight's gradients in one operator); otherwise an empty stand-in. The input's own gradient
+    needs only the weights, and a frozen router keeps no copy of its input either: frozen
+    experts (LoRA on attention alone) kept ``tokens x hidden`` a layer for nothing."""
+    ctx.input_shape = hidden_states.shape
+    if torch.compiler.is_compiling() or any(ctx.needs_input_grad[i] for i in weight_inputs):
+        return hidden_states
+    return hidden_states.new_empty(0)
+
+
+def input_rows(ctx, hidden: torch.Tensor, token_of_row: torch.Tensor, dtype) -> torch.Tensor:
+    """The kept input gathered per routed row, in ``dtype``; zeros where :func:`keep_input`
+    kept none (a backward traced apart from its forward, as compiled autograd traces it: only
+    the frozen weight's discarded gradient reads them)."""
+    if hidden.numel() == 0 and ctx.input_shape.numel() != 0:
+        return hidden.new_zeros((token_of_row.numel(), ctx.input_shape[-1]), dtype=dtype)
+    return hidden[token_of_row].to(dtype)
+
+
 def keep_weights(ctx, weights: tuple, refolds: tuple) -> tuple:
     """What an op saves for ``weights`` (an empty stand-in where it can rebuild one), then for
     each the frozen base and factors of a :class:`LowRankWeight` (Nones for the others); the

@@ -463,6 +463,39 @@ def test_gradient_checkpointing_gives_the_same_step(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_frozen_experts_keep_no_copy_of_their_input(name):
+    # The input's gradient needs only the weights: frozen experts (LoRA on attention alone)
+    # keep tokens x hidden less a layer than trained ones, and with the router frozen nothing
+    # else keeps that tensor, so the step keeps that much less in all.
+    kept = {}
+    for frozen in (False, True):
+        model, batch = (
+            (tiny_model(name), tiny_batch(name)) if name == "gpt_oss" else more_model(name)
+        )
+        for layer in model.model.layers:
+            layer.mlp.requires_grad_(False)
+            layer.mlp.experts.requires_grad_(not frozen)
+        _, stock_grads, _ = _step(model, batch)
+        hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+        params = list(model.parameters())
+        model.zero_grad()
+        with SavedTensorMeter(exclude=params, model=model) as meter:
+            loss = model(**batch).loss
+        loss.backward()
+        experts = {p: n for p, n in meter.by_module().items() if p.endswith("mlp.experts")}
+        kept[frozen] = meter.nbytes, experts
+        grads = [p.grad for p in params if p.grad is not None]
+        for exact, got in zip(stock_grads, grads, strict=True):
+            assert torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), 0) > 0.99
+    tokens = batch["input_ids"].numel()
+    input_bytes = tokens * model.config.hidden_size * 4
+    (trained_total, trained), (frozen_total, frozen) = kept[False], kept[True]
+    assert len(frozen) == len(model.model.layers)
+    assert all(frozen[path] == trained[path] - input_bytes for path in frozen)
+    assert frozen_total == trained_total - len(frozen) * input_bytes
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_the_checkpoint_recipe_recomputes_each_layer_with_its_forwards_routing(name):
     # "checkpoint" recomputes a layer from its rounded input; the router would route some
     # tokens of that input to other experts than the forward did (the second half fails without

@@ -1,5 +1,7 @@
 """The compressed MoE experts op against transformers' grouped-matmul experts."""
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 from transformers import MixtralConfig
@@ -183,3 +185,60 @@ def test_the_forward_reads_gate_and_up_in_place_in_one_kernel(dtype, monkeypatch
     composition = (moe_experts, "product_forward")
     _assert_same(*_one_kernel_against_the_composition(monkeypatch, dtype, "gated_forward",
                                                       composition))  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ["compressed", "recomputed gate"])
+def test_frozen_experts_keep_no_input_and_compiled_autograd_runs_their_backward(op, monkeypatch):
+    """Frozen experts keep nothing of their input (its gradient needs the weights only), in
+    both experts ops (the recomputed gate's on gpt-oss's layout). Compiled autograd traces the
+    backward apart from the eager forward that kept none: the traced backward stands zeros in
+    for it (only the frozen weight's discarded gradient reads them) and gives eager's
+    gradients."""
+    from test_moe_experts_recomputed import _experts as recomputed_gate_experts
+
+    from hf_actq.codecs import uniform
+    from hf_actq.ops import dedup, moe_experts, moe_experts_recomputed, moe_routing
+
+    def make():
+        if op == "compressed":
+            return _experts(codec=uniform(4))
+        return recomputed_gate_experts("gpt_oss", codec=uniform(4))
+
+    module = moe_experts if op == "compressed" else moe_experts_recomputed
+
+    monkeypatch.setattr(dedup, "_step_seed_advances", lambda: False)  # eager's draws in both
+    gathered = []  # the kept input's size at each gather of it
+
+    def input_rows(ctx, hidden, *args):
+        gathered.append(hidden.numel())
+        return moe_routing.input_rows(ctx, hidden, *args)
+
+    monkeypatch.setattr(module, "input_rows", input_rows)
+    hidden, index, weights = _routing()
+    grad = torch.randn(TOKENS, HIDDEN)
+    kept = {}
+    for frozen in (False, True):
+        experts = make()
+        experts.requires_grad_(not frozen)
+        kept[frozen] = experts_step(
+            compressed_experts_forward, experts, hidden, index, weights, grad
+        )[2]
+    assert kept[True] == kept[False] - TOKENS * HIDDEN * 4
+    results = []
+    for compiled in (False, True):
+        experts = make()
+        experts.requires_grad_(False)
+        backend = torch.compile(backend="aot_eager")
+        traced = torch._dynamo.compiled_autograd._enable(backend) if compiled else nullcontext()
+        torch.manual_seed(0)
+        with traced:
+            results.append(
+                experts_step(
+                    compressed_experts_forward, experts, hidden, index, weights, grad, metered=False
+                )[1]
+            )
+    torch._dynamo.reset()
+    assert gathered == [0]  # the traced backward's, of the empty stand-in
+    eager, compiled = results
+    for name in ("hidden", "routing weights"):
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
