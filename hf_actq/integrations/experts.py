@@ -14,6 +14,7 @@ from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of
 from hf_actq.integrations.patching import left_to_foreign_forward
 from hf_actq.integrations.slots import slot_activation, slot_codec
+from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.moe_experts import SLOTS, register_experts, supports_experts
 from hf_actq.ops.moe_experts_recomputed import supports_recomputed_gate
 from hf_actq.ops.state import OpState, remove_state, set_state
@@ -23,12 +24,15 @@ from hf_actq.ops.state import OpState, remove_state, set_state
 _REPLACEABLE = (None, "eager", "grouped_mm", "batched_mm")
 
 
-def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Module, str]:
+def patch_experts(
+    model: nn.Module, config: ActQConfig, handle, cache: PackCache | None = None
+) -> dict[nn.Module, str]:
     """Compress the experts of every MoE block: with ``gated_mlp`` the product's operands take
     the config's codec, with only ``activations`` they stay exact (the few-bit code still replaces
-    the activation's input, and the product and down output are rebuilt in backward). Returns
-    the modules the op computes itself (the experts' activations), for the other patches to
-    leave alone."""
+    the activation's input, and the product and down output are rebuilt in backward); with
+    ``linear`` the input, where the experts' weights train, is packed as a linear layer's
+    (``cache``: the one the router's linear packs the same tensor into). Returns the modules
+    the op computes itself (the experts' activations), for the other patches to leave alone."""
     claimed: dict[nn.Module, str] = {}
     if not (config.gated_mlp or config.activations):
         return claimed
@@ -51,7 +55,9 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
         if previous not in _REPLACEABLE:
             handle.skipped[path] = f"{previous!r} experts implementation (kept)"
             continue
-        state = OpState(path=path, experts_fallback=previous)
+        state = OpState(
+            path=path, experts_fallback=previous, cache=cache if cache is not None else PackCache()
+        )
         if few_bit:
             state.activation = slot_activation(found, config, state.slot_id("act"))
             slots = {"act": "activation", "gate": "mlp", "up": "mlp"}
@@ -61,6 +67,9 @@ def patch_experts(model: nn.Module, config: ActQConfig, handle) -> dict[nn.Modul
         for slot in slots:
             if slot != "act":
                 state.codecs[slot] = slot_codec(config, state.slot_id(slot), codec)
+        if config.linear:
+            slots["input"] = "linear"
+            state.codecs["input"] = slot_codec(config, state.slot_id("input"), config.make_codec())
         describe = functools.partial(_describe, state)
         handle.record(path, describe, undo=functools.partial(remove_state, module))
         set_state(module, state)
@@ -91,8 +100,11 @@ def _is_experts(module) -> bool:
 
 
 def _describe(state: OpState) -> str:
+    given = ""
+    if "input" in state.codecs:
+        given = f"; input={state.codecs['input']!r} (where the experts train)"
     if state.activation is None:
-        return f"moe_experts, gate recomputed in backward; gate_up={state.codecs['gate_up']!r}"
-    return f"moe_experts {state.activation.describe()}; " + ", ".join(
-        f"{slot}={state.codecs[slot]!r}" for slot in SLOTS if slot != "act"
-    )
+        gate_up = state.codecs["gate_up"]
+        return f"moe_experts, gate recomputed in backward; gate_up={gate_up!r}{given}"
+    operands = ", ".join(f"{slot}={state.codecs[slot]!r}" for slot in SLOTS if slot != "act")
+    return f"moe_experts {state.activation.describe()}; {operands}{given}"

@@ -43,6 +43,7 @@ from hf_actq.ops.gated_mlp import (
     t5_gated_activation,
 )
 from hf_actq.ops.linear import CompressedConv1D, CompressedLinear
+from hf_actq.ops.moe_router import compressed_router_forward, is_router
 from hf_actq.ops.norm import (
     CompressedLayerNorm,
     CompressedRMSNorm,
@@ -267,6 +268,12 @@ def _linear(module, walk: Walk) -> Patch | None:
     return None
 
 
+def _router(module, walk: Walk) -> Patch | None:
+    if not walk.config.linear or not is_router(module):
+        return None
+    return Patch(compressed_router_forward, {"input": "linear"}, "MoE router: linear {input}")
+
+
 def _norm_patch(forward, config: ActQConfig, module, offset=0.0, **fields) -> Patch | Skip:
     """A norm compressed (``norm``), or exact but keeping its output (memory sharing)."""
     if config.norm:
@@ -319,17 +326,22 @@ RULES: tuple[Callable[[nn.Module, Walk], Patch | Skip | None], ...] = (
     _fused_gated_mlp,
     _activation,
     _linear,
+    _router,
     _norm,
     _dropout,
 )
 
 
 def patch_layers(
-    model: nn.Module, config: ActQConfig, handle, exclude: dict[nn.Module, str] | None = None
+    model: nn.Module,
+    config: ActQConfig,
+    handle,
+    exclude: dict[nn.Module, str] | None = None,
+    cache: PackCache | None = None,
 ) -> None:
     """Patch every module a rule of ``RULES`` takes; ``exclude`` maps modules to leave alone to
-    the reason (``handle.skipped`` shows it)."""
-    cache = PackCache()
+    the reason (``handle.skipped`` shows it); ``cache``: the model's pack cache."""
+    cache = cache if cache is not None else PackCache()
     walk = Walk(config, config.make_codec())
     exclude = {**(exclude or {}), **_never_called(model)}
     claimed: set[int] = {id(m) for m in exclude}

@@ -20,6 +20,7 @@ from hf_actq.integrations.causal_lm import patch_causal_lm_loss
 from hf_actq.integrations.experts import patch_experts
 from hf_actq.integrations.layers import patch_layers
 from hf_actq.integrations.seq2seq_lm import patch_seq2seq_lm_loss
+from hf_actq.ops.dedup import PackCache
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,9 @@ def apply_generic(
 ) -> None:
     """Patch every known module type in ``model``, attention as ``layout`` says, and a
     registered causal LM's head and loss (``config.fused_loss``)."""
-    exclude = patch_experts(model, config, handle)
+    # One pack cache for the model: the experts and their router pack the same input.
+    cache = PackCache()
+    exclude = patch_experts(model, config, handle, cache)
     fused = config.fused_loss and (
         (layout.causal_lm_loss and patch_causal_lm_loss(model, handle, layout.logit_scale))
         or (layout.seq2seq_lm_loss and patch_seq2seq_lm_loss(model, handle))
@@ -169,7 +172,7 @@ def apply_generic(
         # The fused loss reads the head's weight itself; the head runs only where the stock
         # forward does (eval, no labels, return_logits), and then exactly.
         exclude[model.get_output_embeddings()] = "the fused linear + cross-entropy computes it"
-    patch_layers(model, config, handle, exclude)
+    patch_layers(model, config, handle, exclude, cache)
     patch_attention(model, config, handle, layout)
 
 

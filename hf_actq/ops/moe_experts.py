@@ -6,9 +6,11 @@ Stock grouped-matmul autograd keeps, per routed (token, expert) pair: the gather
 copies of every token), the gate projection (for the activation), act(gate) and up (for the
 product), the product (for the down projection) and the down projection's output (for the
 routing weights' gradient). Here, per pair, only the few-bit code of act'(gate) and compressed
-act(gate) and up; the input is kept once per token (the tensor a trained router keeps too)
-where the experts' weights train, not at all where they are frozen, and backward rebuilds the product from the operands and the down output from the product (one extra
-grouped matmul) to differentiate the routing weights. The router stays exact.
+act(gate) and up; the input once per token where the experts' weights train (packed as a
+linear layer's input, the pack the router's linear keeps too: :mod:`hf_actq.ops.moe_router`),
+nothing of it where they are frozen. Backward rebuilds the product from the operands and the
+down output from the product (one extra grouped matmul) to differentiate the routing weights.
+The router's softmax and top-k stay exact.
 
 The forward runs transformers' own grouped matmuls in the stock order, so the output equals the
 "grouped_mm" implementation's bit for bit. Experts of other layouts and gates (gpt-oss's):
@@ -30,6 +32,7 @@ from hf_actq.ops.moe_routing import (
     input_rows,
     keep_input,
     keep_weights,
+    kept_input,
     kept_weights,
     refolded,
     route,
@@ -80,10 +83,8 @@ class CompressedExpertsFunction(torch.autograd.Function):
         ctx.split, ctx.bits = len(packed_a.tensors), act.bits
         ctx.input_dtype = hidden_states.dtype
         kept = keep_weights(ctx, (gate_up_proj, down_proj), refolds)
-        # The input as it is, where the experts' gate_up weight trains (inputs 2, 7, 8); routing
-        # as int32 rows.
+        # Routing as int32 rows; the input last, where the gate_up weight trains (inputs 2, 7, 8).
         ctx.save_for_backward(
-            keep_input(ctx, hidden_states, (2, 7, 8)),
             weight_of_row,
             *kept[:2],
             perm.to(torch.int32),
@@ -93,7 +94,8 @@ class CompressedExpertsFunction(torch.autograd.Function):
             nan_flag,
             *packed_a.tensors,
             *packed_up.tensors,
-            *kept[2:],  # the low-rank weights' parts, last
+            *kept[2:],  # the low-rank weights' parts
+            *keep_input(ctx, state, hidden_states, (2, 7, 8)),
         )
         return output
 
@@ -101,11 +103,20 @@ class CompressedExpertsFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        saved, load_input = kept_input(ctx, saved)
         saved, low_rank = saved[:-6], saved[-6:]
-        saved = (*saved[:2], *kept_weights(ctx, saved[2:4], low_rank), *saved[4:])
-        hidden, weight_of_row, gate_up_proj, down_proj, perm, offsets, codes, levels, nan_flag = (
-            saved[:9]
-        )
+        saved = (load_input, saved[0], *kept_weights(ctx, saved[1:3], low_rank), *saved[3:])
+        (
+            load_input,
+            weight_of_row,
+            gate_up_proj,
+            down_proj,
+            perm,
+            offsets,
+            codes,
+            levels,
+            nan_flag,
+        ) = saved[:9]
         buffers = saved[9:]
         header_a, header_up = ctx.headers
         packed_a = header_a.with_tensors(buffers[: ctx.split])
@@ -141,7 +152,7 @@ class CompressedExpertsFunction(torch.autograd.Function):
         factor_grads = [None] * 4
         if needs_gate_up:
             # Gathered only now, after the [rows, intermediate] temporaries above (the peak).
-            rows = hidden[token_of_row].to(dtype)
+            rows = input_rows(ctx, load_input, token_of_row, dtype)
             grad_gate_up_proj, factor_grads[:2] = weight_grads(
                 gate_up_proj, grad_gate_up, rows, offsets, transposed=False
             )
@@ -185,14 +196,14 @@ def _traced_backward(ctx, saved, grad_out_rows, token_of_row, hats):
     through one opaque operator (:func:`~hf_actq.ops.moe_routing.grouped_mm_backward`), as
     their per-expert shapes depend on the routed counts, which a trace cannot follow."""
     a_hat, up_hat, product = hats
-    hidden, _, gate_up_proj, down_proj, _, offsets = saved[:6]
+    load_input, _, gate_up_proj, down_proj, _, offsets = saved[:6]
     dtype = grad_out_rows.dtype
     # Each projection as the operator takes it: rows @ weight[e], weight [experts, in, out].
     grad_product, grad_down = grouped_mm_backward(
         product, down_proj.to(dtype).transpose(-2, -1), offsets, grad_out_rows
     )
     grad_gate_up = _grad_gate_up(ctx, grad_product, a_hat, up_hat, saved)
-    rows = input_rows(ctx, hidden, token_of_row, dtype)
+    rows = input_rows(ctx, load_input, token_of_row, dtype)
     grad_rows_in, grad_gate_up_weight = grouped_mm_backward(
         rows, gate_up_proj.to(dtype).transpose(-2, -1), offsets, grad_gate_up
     )

@@ -8,11 +8,11 @@ Stock grouped-matmul autograd keeps, per routed (token, expert) pair, the gather
 projection's output and every intermediate of the gate function (gpt-oss's: six tensors of the
 intermediate width), the product and the down projection's output. Here only the projection's
 output, packed with the config's codec (``gate_up`` slot; exact under an activations-only
-config), and the input once per token where the experts' weights train. Backward unpacks
+config), and the input as :mod:`hf_actq.ops.moe_experts` keeps it. Backward unpacks
 the projection's output, runs the gate function on it again (elementwise: cheap next to the
 grouped matmuls) and differentiates it there, so any gate the model defines takes its exact
 derivative at the rebuilt point; the down output, for the routing weights' gradient, is rebuilt
-from the product. The router stays exact.
+from the product. The router as for :mod:`hf_actq.ops.moe_experts`.
 
 The forward runs transformers' grouped matmuls, bias additions and gate in the stock order, so the
 output equals the "grouped_mm" implementation's bit for bit.
@@ -30,6 +30,7 @@ from hf_actq.ops.moe_routing import (
     input_rows,
     keep_input,
     keep_weights,
+    kept_input,
     kept_weights,
     refolded,
     route,
@@ -90,7 +91,6 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
         ctx.input_dtype = hidden_states.dtype
         up_kept, down_kept, *low_rank = keep_weights(ctx, (up_weight, down_weight), refolds)
         ctx.save_for_backward(
-            keep_input(ctx, hidden_states, (2, 10, 11)),  # where the up weight trains
             weight_of_row,
             up_kept,
             up_bias,
@@ -99,7 +99,8 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             perm.to(torch.int32),
             offsets,
             *packed.tensors,
-            *low_rank,  # the low-rank weights' parts, last
+            *low_rank,  # the low-rank weights' parts
+            *keep_input(ctx, state, hidden_states, (2, 10, 11)),  # where the up weight trains
         )
         return output.to(hidden_states.dtype)
 
@@ -107,10 +108,11 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output):
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor only once
+        saved, load_input = kept_input(ctx, saved)
         saved, low_rank = saved[:-6], saved[-6:]
-        up_weight, down_weight = kept_weights(ctx, (saved[2], saved[4]), low_rank)
-        saved = (*saved[:2], up_weight, saved[3], down_weight, *saved[5:])
-        hidden, weight_of_row, _, up_bias, _, down_bias, perm, offsets = saved[:8]
+        up_weight, down_weight = kept_weights(ctx, (saved[1], saved[3]), low_rank)
+        saved = (load_input, saved[0], up_weight, saved[2], down_weight, *saved[4:])
+        load_input, weight_of_row, _, up_bias, _, down_bias, perm, offsets = saved[:8]
         module, transposed = ctx.module, ctx.module.is_transposed
         dtype = grad_output.dtype
         perm = perm.long()
@@ -166,7 +168,7 @@ class RecomputedGateExpertsFunction(torch.autograd.Function):
             grads[3] = _bias_grad(grad_projection, expert_ids, up_bias)
         # Gathered only now, after the [rows, intermediate] temporaries above (the step's peak).
         if any(ctx.needs_input_grad[i] for i in (2, 10, 11)):
-            rows_in = hidden[token_of_row].to(dtype)
+            rows_in = input_rows(ctx, load_input, token_of_row, dtype)
             grads[2], factor_grads[:2] = weight_grads(
                 up_weight, grad_projection, rows_in, offsets, transposed
             )
@@ -188,7 +190,7 @@ def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projectio
     their per-expert shapes depend on the routed counts, which a trace cannot follow."""
     from transformers.integrations.moe import _grouped_linear
 
-    hidden, weight_of_row, up_weight, up_bias, down_weight, down_bias, perm, offsets = saved[:8]
+    load_input, weight_of_row, up_weight, up_bias, down_weight, down_bias, perm, offsets = saved[:8]
     module, transposed = ctx.module, ctx.module.is_transposed
     dtype = grad_out_rows.dtype
 
@@ -212,7 +214,7 @@ def _traced_backward(ctx, saved, grad_out_rows, grad_rows, expert_ids, projectio
     grad_weight_of_row = torch.empty_like(out[:, 0])
     grad_weight_of_row[perm.long()] = (grad_rows * out).sum(-1)
     token_of_row = perm.long() // (weight_of_row.numel() // ctx.input_shape[0])
-    rows = input_rows(ctx, hidden, token_of_row, dtype)
+    rows = input_rows(ctx, load_input, token_of_row, dtype)
     grad_rows_in, grad_up = grouped_mm_backward(rows, in_out(up_weight), offsets, grad_projection)
     grad_hidden = grad_rows_in.new_zeros(ctx.input_shape).index_add_(0, token_of_row, grad_rows_in)
     return (

@@ -4,6 +4,8 @@ gradients over the routed spans."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -202,25 +204,52 @@ def factor_inputs(refolds: tuple) -> tuple:
     return tuple(x for part in parts for x in ((None, None) if part is None else part[1:3]))
 
 
-def keep_input(ctx, hidden_states: torch.Tensor, weight_inputs: tuple) -> torch.Tensor:
-    """What an experts op saves of its input: the input where the first projection's weight or
-    its LoRA factors (``weight_inputs``: their positions among the op's inputs) take a gradient,
-    which needs it, and in a torch.compile trace (whose backward forms the input's and the
-    weight's gradients in one operator); otherwise an empty stand-in. The input's own gradient
-    needs only the weights, and a frozen router keeps no copy of its input either: frozen
-    experts (LoRA on attention alone) kept ``tokens x hidden`` a layer for nothing."""
-    ctx.input_shape = hidden_states.shape
-    if torch.compiler.is_compiling() or any(ctx.needs_input_grad[i] for i in weight_inputs):
-        return hidden_states
-    return hidden_states.new_empty(0)
+def keep_input(ctx, state, hidden_states: torch.Tensor, weight_inputs: tuple) -> tuple:
+    """What an experts op saves of its input, to append last to what it saves (and
+    :func:`kept_input` takes back): nothing where neither the first projection's weight nor its
+    LoRA factors (``weight_inputs``: their positions among the op's inputs) take a gradient,
+    since the input's own gradient needs only the weights (frozen experts, LoRA on attention
+    alone, kept ``tokens x hidden`` a layer for nothing); else the input packed into the
+    state's ``input`` slot where it has one (a linear layer's input: the router's linear packs
+    the same tensor, and they share the pack), or as it is. A torch.compile trace keeps it
+    whatever (its backward forms the input's and the weight's gradients in one operator)."""
+    ctx.input_shape, ctx.input_header, ctx.n_input = hidden_states.shape, None, 0
+    if not torch.compiler.is_compiling() and not any(
+        ctx.needs_input_grad[i] for i in weight_inputs
+    ):
+        return ()
+    kept = (hidden_states,)
+    if state.codecs.get("input") is not None:
+        packed = state.pack(hidden_states, "input", linear_input=True)
+        ctx.input_header, kept = packed.with_tensors(()), packed.tensors
+    ctx.n_input = len(kept)
+    return kept
 
 
-def input_rows(ctx, hidden: torch.Tensor, token_of_row: torch.Tensor, dtype) -> torch.Tensor:
-    """The kept input gathered per routed row, in ``dtype``; zeros where :func:`keep_input`
-    kept none (a backward traced apart from its forward, as compiled autograd traces it: only
-    the frozen weight's discarded gradient reads them)."""
+def kept_input(ctx, saved: tuple) -> tuple[tuple, functools.partial]:
+    """``(saved without the input's tensors, load)``: ``load()`` returns what
+    :func:`keep_input` kept (unpacked; an empty tensor where it kept nothing), called where the
+    backward uses it, so that an unpacked copy lives only from there on."""
+    count = ctx.n_input
+    kept = saved[len(saved) - count :] if count else ()
+    return saved[: len(saved) - count], functools.partial(_load_input, ctx.input_header, kept)
+
+
+def _load_input(header, kept: tuple) -> torch.Tensor:
+    if not kept:
+        return torch.empty(0)
+    return kept[0] if header is None else header.with_tensors(kept).unpack()
+
+
+def input_rows(ctx, load, token_of_row: torch.Tensor, dtype) -> torch.Tensor:
+    """The kept input (``load``: from :func:`kept_input`) gathered per routed row, in
+    ``dtype``; zeros where :func:`keep_input` kept none (a backward traced apart from its
+    forward, as compiled autograd traces it: only the frozen weight's discarded gradient reads
+    them)."""
+    hidden = load()
     if hidden.numel() == 0 and ctx.input_shape.numel() != 0:
-        return hidden.new_zeros((token_of_row.numel(), ctx.input_shape[-1]), dtype=dtype)
+        rows = (token_of_row.numel(), ctx.input_shape[-1])
+        return torch.zeros(rows, dtype=dtype, device=token_of_row.device)
     return hidden[token_of_row].to(dtype)
 
 

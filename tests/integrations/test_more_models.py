@@ -231,10 +231,13 @@ def test_moe_experts_run_the_compressed_op_and_revert(name):
     assert {"layers.0.mlp.experts:act", "layers.0.mlp.experts:up"} <= {
         s.removeprefix("model.") for s in handle.slots
     }
-    # The router stays exact: nothing of it is patched.
-    assert not any(".mlp.gate" in p and "proj" not in p for p in handle.patched)
+    # The router's linear keeps its input packed (shared with the experts); its softmax and
+    # top-k run as they are.
+    routers = [p for p in handle.patched if p.endswith(".mlp.gate")]
+    assert len(routers) == 2 and all(handle.patched[p].startswith("MoE router") for p in routers)
     handle.revert()
     assert all(e.config._experts_implementation == "grouped_mm" for e in experts)
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 def test_experts_of_transformers_without_the_newer_flags_are_compressed_too():
@@ -465,8 +468,9 @@ def test_gradient_checkpointing_gives_the_same_step(name):
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_frozen_experts_keep_no_copy_of_their_input(name):
     # The input's gradient needs only the weights: frozen experts (LoRA on attention alone)
-    # keep tokens x hidden less a layer than trained ones, and with the router frozen nothing
-    # else keeps that tensor, so the step keeps that much less in all.
+    # keep nothing of it, trained ones its pack (as a linear layer's input), and with the router
+    # frozen nothing else keeps it, so the step keeps that much less in all.
+    config = ActQConfig.from_recipe("uniform", bits=8)
     kept = {}
     for frozen in (False, True):
         model, batch = (
@@ -476,7 +480,7 @@ def test_frozen_experts_keep_no_copy_of_their_input(name):
             layer.mlp.requires_grad_(False)
             layer.mlp.experts.requires_grad_(not frozen)
         _, stock_grads, _ = _step(model, batch)
-        hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+        hf_actq.apply(model, config)
         params = list(model.parameters())
         model.zero_grad()
         with SavedTensorMeter(exclude=params, model=model) as meter:
@@ -488,11 +492,39 @@ def test_frozen_experts_keep_no_copy_of_their_input(name):
         for exact, got in zip(stock_grads, grads, strict=True):
             assert torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), 0) > 0.99
     tokens = batch["input_ids"].numel()
-    input_bytes = tokens * model.config.hidden_size * 4
+    input_bytes = config.make_codec().nbytes((tokens, model.config.hidden_size))
     (trained_total, trained), (frozen_total, frozen) = kept[False], kept[True]
     assert len(frozen) == len(model.model.layers)
     assert all(frozen[path] == trained[path] - input_bytes for path in frozen)
     assert frozen_total == trained_total - len(frozen) * input_bytes
+
+
+def test_under_all_linear_lora_the_router_and_the_experts_share_one_pack_of_their_input():
+    # PEFT's "all-linear" LoRA trains Qwen3-MoE's router and experts (transformers 5): both
+    # kept the MoE input exact. The router's linear now keeps it packed, the experts take the
+    # same pack: a layer keeps tokens x hidden exact less than with the router left exact (the
+    # experts' own pack is no extra), and the gradients follow stock's.
+    import peft
+
+    model, batch = more_model("qwen3_moe")
+    lora = peft.LoraConfig(
+        r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
+    )
+    model = peft.get_peft_model(model, lora)
+    _, stock_grads, _ = _step(model, batch)
+    kept = {}
+    for router in (False, True):
+        skip = [] if router else [r"mlp\.gate\.base_layer$"]
+        config = ActQConfig.from_recipe("uniform", bits=8, skip_modules=skip)
+        handle = hf_actq.apply(model, config)
+        assert sum(p.endswith("mlp.gate.base_layer") for p in handle.patched) == 2 * router
+        torch.manual_seed(0)
+        _, grads, kept[router] = _step(model, batch)
+        handle.revert()
+        for exact, got in zip(stock_grads, grads, strict=True):
+            assert torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), 0) > 0.99
+    exact_input = batch["input_ids"].numel() * model.config.hidden_size * 4
+    assert kept[True] == kept[False] - 2 * exact_input
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])

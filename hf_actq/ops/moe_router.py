@@ -1,0 +1,84 @@
+"""A mixture of experts' router keeping its input packed, as a linear layer does.
+
+transformers 5's routers (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``, ``GptOssTopKRouter``,
+...) are modules of their own that call ``F.linear(hidden_states, self.weight[, self.bias])`` on
+the MoE block's input, then a softmax and a top-k of the model's own. Where the router's weight
+trains (full fine-tuning, or PEFT's LoRA on it, which "all-linear" adds on Qwen3-MoE), that
+linear keeps the input exact: at Qwen3-30B-A3B shapes 8 MiB of a layer's ~35 under "uniform"
+4 bits, and the experts, whose weights train too, keep the same tensor. Here the router's forward
+runs as it is, with its ``F.linear`` calls taken by :class:`CompressedLinearFunction` into the
+``input`` slot (a linear layer's input, so the experts op, which packs the same tensor into its
+own ``input`` slot, shares the pack). The softmax and top-k stay the model's, exact."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from hf_actq.ops.linear import linear_keeping_input
+from hf_actq.ops.state import keep_rng_stream, state_of, wants_backward
+
+SLOTS = ("input",)
+
+
+class _LinearKeepingInput(TorchFunctionMode):
+    """Inside a router's forward: each ``F.linear`` keeps its input packed into ``state``'s
+    ``input`` slot; every other call runs as it is."""
+
+    def __init__(self, state):
+        super().__init__()
+        self.state = state
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            return linear_keeping_input(x, weight, bias, self.state, "input")
+        return func(*args, **kwargs)
+
+
+def compressed_router_forward(self, *args, **kwargs):
+    """The router's own forward, its linear keeping the input packed, whenever autograd
+    records; otherwise the forward as it was."""
+    state = state_of(self)
+    trains = _weight_trains(self)
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not wants_backward(self, *tensors, *self.parameters()) and not (
+        trains and self.training and torch.is_grad_enabled()
+    ):
+        if trains:  # the seed its pack would draw (checkpointing replays the stream)
+            keep_rng_stream(self, state.codecs["input"])
+        return state.plain(*args, **kwargs)
+    with _LinearKeepingInput(state):
+        return state.plain(*args, **kwargs)
+
+
+def _weight_trains(module: torch.nn.Module) -> bool:
+    """Whether the router's weight takes a gradient: a trained parameter, or PEFT's LoRA fold
+    over it (a parametrization, whose factors live on PEFT's wrapper)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, "weight"):
+        return True
+    weight = module._parameters.get("weight")
+    return weight is not None and weight.requires_grad
+
+
+def is_router(module: torch.nn.Module) -> bool:
+    """A transformers MoE router module: not a linear layer itself, with an integer ``top_k``
+    and ``num_experts`` and a 2-D ``weight`` of ``num_experts`` rows (PEFT's LoRA on it makes
+    ``weight`` a parametrization, which reads the same)."""
+    if isinstance(module, torch.nn.Linear):
+        return False
+    top_k, experts = getattr(module, "top_k", None), getattr(module, "num_experts", None)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (top_k, experts)):
+        return False
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, "weight"):
+        weight = module.parametrizations["weight"].original
+    else:
+        weight = module._parameters.get("weight")
+    return weight is not None and weight.dim() == 2 and weight.shape[0] == experts
