@@ -271,7 +271,8 @@ def _linear(module, walk: Walk) -> Patch | None:
 def _router(module, walk: Walk) -> Patch | None:
     if not walk.config.linear or not is_router(module):
         return None
-    return Patch(compressed_router_forward, {"input": "linear"}, "MoE router: linear {input}")
+    describe = "MoE router: its linear's input {input} where it trains; softmax and top-k exact"
+    return Patch(compressed_router_forward, {"input": "linear"}, describe)
 
 
 def _norm_patch(forward, config: ActQConfig, module, offset=0.0, **fields) -> Patch | Skip:
