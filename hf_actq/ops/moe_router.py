@@ -23,19 +23,21 @@ SLOTS = ("input",)
 
 
 class _LinearKeepingInput(TorchFunctionMode):
-    """Inside a router's forward: each ``F.linear`` keeps its input packed into ``state``'s
-    ``input`` slot; every other call runs as it is."""
+    """Inside a router's forward: each ``F.linear`` onto its ``experts`` logits keeps its input
+    packed into ``state``'s ``input`` slot; every other call (a LoRA fold's own products)
+    runs as it is."""
 
-    def __init__(self, state):
+    def __init__(self, state, experts: int):
         super().__init__()
-        self.state = state
+        self.state, self.experts = state, experts
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
             x, weight, *rest = args
-            bias = rest[0] if rest else kwargs.get("bias")
-            return linear_keeping_input(x, weight, bias, self.state, "input")
+            if weight.dim() == 2 and weight.shape[0] == self.experts:
+                bias = rest[0] if rest else kwargs.get("bias")
+                return linear_keeping_input(x, weight, bias, self.state, "input")
         return func(*args, **kwargs)
 
 
@@ -51,7 +53,7 @@ def compressed_router_forward(self, *args, **kwargs):
         if trains:  # the seed its pack would draw (checkpointing replays the stream)
             keep_rng_stream(self, state.codecs["input"])
         return state.plain(*args, **kwargs)
-    with _LinearKeepingInput(state):
+    with _LinearKeepingInput(state, self.num_experts):
         return state.plain(*args, **kwargs)
 
 
