@@ -82,6 +82,20 @@ def _where(x: torch.Tensor) -> tuple:
     return (pointer, x.storage_offset(), x.shape, x.stride(), x.dtype, x.device)
 
 
+def _reshaped_from(x: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``x`` is a reshaped view of (the same contiguous data, all of it), or None."""
+    base = x._base
+    if (
+        base is None
+        or base.dtype != x.dtype
+        or base.numel() != x.numel()
+        or base.data_ptr() != x.data_ptr()
+        or not (x.is_contiguous() and base.is_contiguous())
+    ):
+        return None
+    return base
+
+
 def _anchor(x: torch.Tensor, key: tuple) -> weakref.ref:
     """A weak reference alive exactly while the data ``key = _where(x)`` names is: to the
     storage (torch keeps one Python object per live storage), or to ``x`` where the key is its
@@ -114,8 +128,8 @@ class _Alias:
 
 @dataclass(frozen=True)
 class DerivedPacked(Packed):
-    """A tensor rebuilt from its source's packed form: cast to its dtype, and with a seeded
-    dropout the very mask it was made with. ``tensors`` are the source's buffers, then the
+    """A tensor rebuilt from its source's packed form: cast to its dtype, with a seeded dropout
+    the very mask it was made with, and in its shape (a reshaped view). ``tensors`` are the source's buffers, then the
     dropout's seed tensor (the one the dropout itself keeps: no bytes of its own)."""
 
     source: Packed | None = None  # without its tensors
@@ -129,7 +143,7 @@ class DerivedPacked(Packed):
         value = self.source.with_tensors(self.tensors[: self._split]).unpack().to(self.dtype)
         if self.p > 0:
             value = seeded_dropout(value, self.p, int(self.tensors[-1].item()))
-        return value
+        return value if value.shape == self.shape else value.reshape(self.shape)
 
 
 class PackCache:
@@ -199,6 +213,11 @@ class PackCache:
             if source is not x:
                 packed = self.pack(source, codec, slot, linear_input)
                 return self._derived(packed, x, dropout)
+        base = _reshaped_from(x)
+        if base is not None and self.holds(base):
+            # A reshape of a tensor already packed or offered (a MoE block flattens the norm's
+            # output to [tokens, hidden] for its router and experts): its form, reshaped.
+            return self._derived(self.pack(base, codec, slot, linear_input), x, None)
         seed = self.seed_for(codec, slot, x.device)
         watcher = observer()
         if self._aliases and not x.is_inference():

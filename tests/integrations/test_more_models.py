@@ -468,9 +468,10 @@ def test_gradient_checkpointing_gives_the_same_step(name):
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_frozen_experts_keep_no_copy_of_their_input(name):
     # The input's gradient needs only the weights: frozen experts (LoRA on attention alone)
-    # keep nothing of it, trained ones its pack (as a linear layer's input), and with the router
-    # frozen nothing else keeps it, so the step keeps that much less in all.
-    config = ActQConfig.from_recipe("uniform", bits=8)
+    # keep nothing of it, trained ones its pack (as a linear layer's input; not the norm's
+    # offered output here, which would cost them nothing), and with the router frozen nothing
+    # else keeps it, so the step keeps that much less in all.
+    config = ActQConfig.from_recipe("uniform", bits=8, share_norm_outputs=False)
     kept = {}
     for frozen in (False, True):
         model, batch = (
@@ -525,6 +526,23 @@ def test_under_all_linear_lora_the_router_and_the_experts_share_one_pack_of_thei
             assert torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), 0) > 0.99
     exact_input = batch["input_ids"].numel() * model.config.hidden_size * 4
     assert kept[True] == kept[False] - 2 * exact_input
+    # And that pack is the norm's: its offered output (a form rebuilt from the norm's own pack),
+    # which the block takes through its [tokens, hidden] view; without the offer the router and
+    # experts pack one of their own per layer.
+    moe_bytes = {}
+    for share in (True, False):
+        handle = hf_actq.apply(model, ActQConfig.from_recipe("uniform", share_norm_outputs=share))
+        with SavedTensorMeter(exclude=list(model.parameters()), model=model) as meter:
+            loss = model(**batch).loss
+        loss.backward()
+        handle.revert()
+        moe_bytes[share] = sum(n for p, n in meter.by_module().items() if ".mlp." in p)
+    pack = (
+        ActQConfig.from_recipe("uniform")
+        .make_codec()
+        .nbytes((batch["input_ids"].numel(), model.config.hidden_size))
+    )
+    assert moe_bytes[False] == moe_bytes[True] + 2 * pack
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])

@@ -46,6 +46,25 @@ def test_aliases_of_an_input_share_its_packed_copy_while_its_storage_lives():
     assert cache.pack(x.detach(), codec).tensors[0] is not first.tensors[0]
 
 
+def test_a_reshape_of_a_packed_or_offered_tensor_takes_its_form_reshaped():
+    # A MoE block flattens the norm's [batch, seq, hidden] output to [tokens, hidden] for its
+    # router and experts: they take the form the cache holds for it (the norm's offered one in
+    # a model, tests/integrations/test_more_models.py), rebuilt in their shape. A reshape of a
+    # tensor the cache does not hold is packed as before, and a view of part of one is not
+    # taken for it.
+    cache = PackCache()
+    codec = uniform(4)
+    x = torch.randn(2, 6, 64)
+    held = cache.pack(x, codec)
+    taken = cache.pack(x.view(-1, 64), codec)
+    assert all(a is b for a, b in zip(taken.tensors, held.tensors, strict=True))
+    assert torch.equal(taken.unpack(), held.unpack().view(12, 64))
+    assert cache.pack(x[:1].view(-1, 64), codec).tensors[0] is not held.tensors[0]
+    other = torch.randn(2, 6, 64)
+    fresh = cache.pack(other.view(-1, 64), codec)
+    assert fresh.unpack().shape == (12, 64) and fresh.tensors[0] is not held.tensors[0]
+
+
 def test_a_new_tensor_in_freed_memory_is_not_taken_for_the_old_one():
     # Two storages over one buffer, one after the other: what an allocator reusing a freed
     # block does, made certain.
