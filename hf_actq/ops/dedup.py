@@ -129,8 +129,9 @@ class _Alias:
 @dataclass(frozen=True)
 class DerivedPacked(Packed):
     """A tensor rebuilt from its source's packed form: cast to its dtype, with a seeded dropout
-    the very mask it was made with, and in its shape (a reshaped view). ``tensors`` are the source's buffers, then the
-    dropout's seed tensor (the one the dropout itself keeps: no bytes of its own)."""
+    the very mask it was made with, and in its shape (a reshaped view). ``tensors`` are the
+    source's buffers, then the dropout's seed tensor (the one the dropout itself keeps: no
+    bytes of its own)."""
 
     source: Packed | None = None  # without its tensors
     p: float = 0.0
