@@ -19,8 +19,6 @@ from torch.overrides import TorchFunctionMode
 from hf_actq.ops.linear import linear_keeping_input
 from hf_actq.ops.state import keep_rng_stream, state_of, wants_backward
 
-SLOTS = ("input",)
-
 
 class _LinearKeepingInput(TorchFunctionMode):
     """Inside a router's forward: each ``F.linear`` onto its ``experts`` logits keeps its input
