@@ -29,11 +29,10 @@ CONDITIONS = ("normal", "no-supervised-token", "one-token", "accumulation", "nan
 # One step's gradient against stock, per recipe (its default bits; "alam" without a
 # calibration: 1 bit spread evenly): the least whole-model cosine, the least median and the
 # least minimum of the per-tensor cosines (None: some tensor is noise at 1 bit). The worst
-# measured over every model, precision and finite condition here: fewbit 0.9999 / 0.9999 /
-# 0.984, uniform 0.914 / 0.925 / 0.762, alam 0.387 / 0.269 / -0.211, checkpoint 0.969 / 0.965 /
-# 0.869 ("moe-lora": its first q_proj's lora_A, 32 wide; its fp32 normal step without the
-# recompute replaying the router's choices: 0.956 / 0.932 / 0.803); each floor allows 1.5x that
-# cosine distance (alam's median: only that it is positive).
+# measured over every model, precision and finite condition here (transformers 5.25 and 5.20,
+# PEFT 0.21 and 0.22 alike): fewbit 0.999 / 0.9995 / 0.984, uniform 0.963 / 0.975 / 0.910,
+# alam 0.266 / 0.276 / -0.222, checkpoint 0.970 / 0.972 / 0.923 (T5); each floor allows at
+# least 1.5x that cosine distance (alam's median: only that it is positive).
 # Packing 3-bit codes in bf16 (autocast) took "fewbit"'s gate_proj gradients to 0.58.
 FLOORS = {
     "fewbit": (0.999, 0.999, 0.975),
@@ -41,6 +40,11 @@ FLOORS = {
     "alam": (0.08, 0.0, None),
     "checkpoint": (0.955, 0.948, 0.80),
 }
+# "checkpoint" on the 32-wide MoE measures 0.889 / 0.910 / 0.718 (fp16 and fp32): one 4-bit
+# rounding of each layer's input, carried through attention, the router and the experts, on
+# 128-value blocks that span four tokens. It is the rounding and not the recompute: over the
+# same matrix, bits=6 measures 0.994 / 0.996 / 0.986 and bits=8 0.9995 / 0.9997 / 0.9986.
+MODEL_FLOORS = {("moe-lora", "checkpoint"): (0.83, 0.86, 0.57)}
 
 
 def _model(model_type: str):
@@ -52,9 +56,16 @@ def _model(model_type: str):
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
         base = tiny_llama() if model_type == "llama-lora" else more_model("qwen3_moe")[0]
         model = get_peft_model(base, lora)
-        for name, parameter in model.named_parameters():  # LoRA B starts at zero: no signal
-            if "lora_B" in name:
-                torch.nn.init.normal_(parameter, std=0.1)
+        # The adapters drawn here, not by PEFT: each PEFT release draws its own (0.22 drew
+        # another lora_A than 0.21), and the floors are for one model. B is not left at zero,
+        # where it carries no signal.
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "lora_A" in name:
+                    torch.nn.init.kaiming_uniform_(parameter, a=math.sqrt(5), generator=generator)
+                elif "lora_B" in name:
+                    torch.nn.init.normal_(parameter, std=0.1, generator=generator)
         return model.train()
     if model_type == "bert":
         sizes = dict(hidden_size=32, intermediate_size=64, num_labels=3)
@@ -167,7 +178,7 @@ def _compare(recipe, stock, patched) -> tuple[float, float, float] | None:
 @pytest.mark.parametrize("model_type", MODELS)
 def test_patched_training_behaves_as_stock_in_every_condition(model_type, recipe, caplog):
     caplog.set_level(logging.ERROR, logger="hf_actq")  # "alam" warns that it is uncalibrated
-    whole_floor, median_floor, every_floor = FLOORS[recipe]
+    whole_floor, median_floor, every_floor = MODEL_FLOORS.get((model_type, recipe), FLOORS[recipe])
     for precision in PRECISIONS:
         for condition in CONDITIONS:
             stock_model, stock = _stock(model_type, precision, condition)
