@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 10 s: a benchmark's dry run
 def test_bench_host_times_each_op_against_stock(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "host.json"

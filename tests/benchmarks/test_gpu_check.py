@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # 60 s: every part of the older full check (speed.sh is the short one)
 def test_the_gpu_check_runs_every_part_and_writes_its_tables(tmp_path):
     pytest.importorskip("triton")  # its kernels part runs them under the interpreter
     # Every part and the summary in one process (``all``): what check.sh runs part by part,
@@ -207,6 +208,7 @@ def test_the_speed_check_runs_every_kernel_case(tmp_path):
     }
 
 
+@pytest.mark.slow  # 30 s of compiles: run with -m slow before a GPU session
 def test_the_graphed_step_times_each_recipe_against_the_unpatched_compiled_step(tmp_path):
     """benchmarks/gpu/graphed.py on the CPU (--dry-run: tiny shapes, aot_eager): the unpatched
     step and each recipe compiled alike in one run, ratios to the first, graph skips counted."""

@@ -168,6 +168,7 @@ def test_trainer_under_zero3_through_accelerate_launch(tmp_path):
     assert runs["alam-plan"]["plan"] is not None
 
 
+@pytest.mark.slow  # 20 s a launch; the ZeRO-3 launch above stays in the default run
 def test_trainer_under_zero2_through_the_deepspeed_argument_calibrates_alam(tmp_path):
     _plan_file(tmp_path)
     ranks = _torchrun(tmp_path, "trainer", "2", *TRAINER_RECIPES)
