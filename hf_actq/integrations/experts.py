@@ -38,6 +38,7 @@ def patch_experts(
         return claimed
     codec = config.make_codec() if config.gated_mlp else ExactCodec()
     configs = {}
+    wrappers = _lora_wrappers(model)
     for path, module in model.named_modules():
         if not _is_experts(module) or config.skips(path):
             continue
@@ -56,7 +57,10 @@ def patch_experts(
             handle.skipped[path] = f"{previous!r} experts implementation (kept)"
             continue
         state = OpState(
-            path=path, experts_fallback=previous, cache=cache if cache is not None else PackCache()
+            path=path,
+            experts_fallback=previous,
+            cache=cache if cache is not None else PackCache(),
+            lora_wrappers=wrappers.get(id(module), {}),
         )
         if few_bit:
             state.activation = slot_activation(found, config, state.slot_id("act"))
@@ -91,6 +95,17 @@ def patch_experts(
         )
         experts_config._experts_implementation = name
     return claimed
+
+
+def _lora_wrappers(model: nn.Module) -> dict[int, dict[str, nn.Module]]:
+    """PEFT's ``ParamWrapper`` (LoRA on a parameter) of each wrapped parameter name, by the id
+    of the module that holds the parameter: the experts ops make the adapter's factors again
+    from it in backward (``moe_routing.refolded``) instead of keeping PEFT's copies."""
+    found: dict[int, dict[str, nn.Module]] = {}
+    for module in model.modules():
+        if type(module).__name__ == "ParamWrapper" and hasattr(module, "get_delta_factors"):
+            found.setdefault(id(module.get_base_layer()), {})[module.parameter_name] = module
+    return found
 
 
 def _is_experts(module) -> bool:

@@ -32,6 +32,7 @@ from hf_actq.ops.moe_routing import (
     keep_weights,
     kept_input,
     kept_weights,
+    op_weights,
     refolded,
     route,
     weight_grads,
@@ -248,13 +249,15 @@ def projection_names(module) -> tuple[str, str | None]:
 
 def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, state):
     up_name, up_bias_name = projection_names(module)
-    refolds = (refolded(module, up_name), refolded(module, "down_proj"))
+    wrappers = state.lora_wrappers
+    refolds = (refolded(module, up_name, wrappers), refolded(module, "down_proj", wrappers))
+    up_weight, down_weight = op_weights((getattr(module, up_name), module.down_proj), refolds)
     return RecomputedGateExpertsFunction.apply(
         hidden_states,
         top_k_weights,
-        getattr(module, up_name),
+        up_weight,
         None if up_bias_name is None else getattr(module, up_bias_name),
-        module.down_proj,
+        down_weight,
         module.down_proj_bias if module.has_bias else None,
         top_k_index,
         module,

@@ -89,10 +89,17 @@ _FOLDS = ("_LoraFactorsProxy",)
 
 
 class RefoldedWeight:
-    """Rebuilds a parametrized weight, bit for bit, from its original and its folds."""
+    """Rebuilds a parametrized weight, bit for bit, from its original and its folds.
+    ``factors``: where known, how to make the one fold's ``(lhs, rhs)`` again (PEFT's own
+    ``get_delta_factors`` for the active adapter)."""
 
-    def __init__(self, original: torch.Tensor, folds: list) -> None:
+    def __init__(self, original: torch.Tensor, folds: list, factors=None) -> None:
         self.original, self.folds = original, folds
+        # One adapter's fold over a frozen base (a trained base needs the full gradient).
+        self._low_rank = None
+        if len(folds) == 1 and not original.requires_grad:
+            self._low_rank = original, folds[0].lhs, folds[0].rhs, folds[0].scaling
+        self.factors = factors if self._low_rank is not None else None
 
     def __call__(self) -> torch.Tensor:
         with torch.no_grad():
@@ -103,16 +110,15 @@ class RefoldedWeight:
 
     def low_rank(self) -> tuple | None:
         """``(base, lhs, rhs, scaling)`` where the weight is one adapter's fold over a frozen
-        base; None otherwise (a trained base needs the full gradient)."""
-        if len(self.folds) != 1 or self.original.requires_grad:
-            return None
-        fold = self.folds[0]
-        return self.original, fold.lhs, fold.rhs, fold.scaling
+        base; None otherwise."""
+        return self._low_rank
 
 
-def refolded(module, name: str) -> RefoldedWeight | None:
+def refolded(module, name: str, wrappers: dict | None = None) -> RefoldedWeight | None:
     """How to rebuild ``getattr(module, name)`` in backward, where it is PEFT's LoRA fold of a
-    parameter (and not under torch.compile, which traces the fold itself); None otherwise."""
+    parameter (and not under torch.compile, which traces the fold itself); None otherwise.
+    ``wrappers``: the PEFT ``ParamWrapper`` of each parameter name, where ``apply`` found
+    them (:func:`_factors_again`)."""
     from torch.nn.utils import parametrize
 
     if torch.compiler.is_compiling() or not parametrize.is_parametrized(module, name):
@@ -125,7 +131,27 @@ def refolded(module, name: str) -> RefoldedWeight | None:
     # hooks have gathered it: the copy is kept there, as before.
     if hasattr(chain.original, "ds_id") or type(chain.original).__name__ == "DTensor":
         return None
-    return RefoldedWeight(chain.original, folds)
+    wrapper = (wrappers or {}).get(name)
+    factors = _factors_again(wrapper, folds[0]) if wrapper is not None and len(folds) == 1 else None
+    return RefoldedWeight(chain.original, folds, factors)
+
+
+def _factors_again(wrapper, fold):
+    """How to make ``fold``'s ``(lhs, rhs)`` again from the adapter's own weights, or None.
+    PEFT folds in the base weight's dtype, so on a bf16 model with fp32 adapters (its default)
+    the factors are bf16 copies of the adapters (19.5 MiB a layer at Qwen3-30B-A3B, as much as
+    the rest of the layer's activations under "alam"); an op that kept them for backward held
+    them as activations. Made again in backward, the copies live there only."""
+    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if len(adapters) != 1 or wrapper.scaling[adapters[0]] != fold.scaling:
+        return None
+    return functools.partial(_factors, wrapper, adapters[0])
+
+
+def _factors(wrapper, adapter: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        lhs, rhs, _ = wrapper.get_delta_factors(adapter)
+    return lhs, rhs
 
 
 class LowRankWeight:
@@ -197,6 +223,18 @@ def grouped_linear(rows, weight, offsets, is_transposed: bool = False, bias=None
     return _grouped_linear(rows, weight.to(rows.dtype), offsets, bias, is_transposed)
 
 
+def op_weights(weights: tuple, refolds: tuple) -> tuple:
+    """``weights`` as an experts op takes them: detached from PEFT's fold where the op takes one
+    as base plus a rank-r path. The op gives the factors their gradients itself and the merged
+    weight none, so nothing needs the fold's graph; attached, it lived until backward with what
+    it saved (bf16 copies of the fp32 factors: 19.5 MiB a layer at Qwen3-30B-A3B, as much as
+    the layer's other activations under "alam"). Other weights as they are."""
+    return tuple(
+        weight.detach() if refold is not None and refold.low_rank() is not None else weight
+        for weight, refold in zip(weights, refolds)
+    )
+
+
 def factor_inputs(refolds: tuple) -> tuple:
     """``(lhs, rhs)`` of each weight kept as :class:`LowRankWeight`, ``(None, None)`` for the
     others, flat: the op takes them as inputs, to return their gradients."""
@@ -260,11 +298,16 @@ def keep_weights(ctx, weights: tuple, refolds: tuple) -> tuple:
     parts = [None if refold is None else refold.low_rank() for refold in refolds]
     ctx.refolds = tuple(None if part else refold for part, refold in zip(parts, refolds))
     ctx.scalings = tuple(part[3] if part else None for part in parts)
+    # The factors made again in backward where the refold knows how, else kept.
+    ctx.factors = tuple(None if refold is None else refold.factors for refold in refolds)
     kept = tuple(
         weight if refold is None or weight is None else weight.new_empty(0)
         for weight, refold in zip(weights, refolds)
     )
-    return kept + tuple(x for part in parts for x in (part[:3] if part else (None,) * 3))
+    low_rank = []
+    for part, again in zip(parts, ctx.factors):
+        low_rank += (None,) * 3 if not part else (part[0], None, None) if again else part[:3]
+    return kept + tuple(low_rank)
 
 
 def kept_weights(ctx, saved: tuple, low_rank: tuple) -> tuple:
@@ -273,7 +316,10 @@ def kept_weights(ctx, saved: tuple, low_rank: tuple) -> tuple:
     weights = []
     for i, (weight, refold, scaling) in enumerate(zip(saved, ctx.refolds, ctx.scalings)):
         if scaling is not None:
-            weights.append(LowRankWeight(*low_rank[3 * i : 3 * i + 3], scaling))
+            base, lhs, rhs = low_rank[3 * i : 3 * i + 3]
+            if ctx.factors[i] is not None:
+                lhs, rhs = ctx.factors[i]()
+            weights.append(LowRankWeight(base, lhs, rhs, scaling))
         else:
             weights.append(refold() if refold is not None else weight)
     return tuple(weights)

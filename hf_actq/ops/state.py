@@ -83,8 +83,10 @@ class OpState:
     # differentiates again in backward.
     attention_function: Callable | None = None
     key_layout: str = "head"
-    # MoE experts: the ``ExpertsInterface`` implementation to run where nothing is kept.
+    # MoE experts: the ``ExpertsInterface`` implementation to run where nothing is kept, and
+    # the PEFT ``ParamWrapper`` of each parameter name that one wraps (LoRA on the parameter).
     experts_fallback: str | None = None
+    lora_wrappers: dict = field(default_factory=dict)
     # Norms: keep the output (which the next layer keeps anyway) instead of the input, and
     # rebuild the normalized input from it in backward.
     norm_from_output: bool = False

@@ -372,7 +372,7 @@ def test_lora_folded_expert_weights_are_folded_again_in_backward_not_kept(name, 
     torch.manual_seed(0)
     _, refolded, refolded_bytes = _step(model, batch)
     for op in (moe_experts, moe_experts_recomputed):
-        monkeypatch.setattr(op, "refolded", lambda module, name: None)
+        monkeypatch.setattr(op, "refolded", lambda module, name, wrappers=None: None)
     torch.manual_seed(0)
     _, kept, kept_bytes = _step(model, batch)
     assert refolded_bytes <= kept_bytes - copies
@@ -422,6 +422,51 @@ def test_lora_expert_weights_take_their_factors_gradients_without_the_full_weigh
     assert len(grads) == len(folded_grads) == len(names)
     for name, got, want in zip(names, grads, folded_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_bf16_experts_with_fp32_adapters_keep_no_copy_of_the_adapters(name, monkeypatch):
+    """PEFT keeps a bf16 model's adapters in fp32 and folds them in bf16: each forward makes
+    bf16 copies of both factors, which its fold kept for backward and so did the experts ops.
+    The ops make them again in backward from the adapters (PEFT's own get_delta_factors) and
+    take the fold's output detached (they give the factors their gradients themselves): the
+    step keeps exactly the copies' bytes less, with the same loss and gradients bit for bit."""
+    import peft
+
+    from hf_actq.ops import moe_routing
+
+    model, batch = _lora_on_experts(name)
+    model = model.to(torch.bfloat16)
+    for module in model.modules():  # PEFT's default: adapters in fp32 on a bf16 model
+        if hasattr(module, "lora_A"):
+            module.lora_A.float(), module.lora_B.float()
+    wrappers = [m for m in model.modules() if isinstance(m, peft.tuners.lora.ParamWrapper)]
+    assert len(wrappers) == 4  # two weights, two layers
+    copies = sum(
+        2 * (w.lora_A["default"].weight.numel() + w.lora_B["default"].weight.numel())
+        for w in wrappers
+    )
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    made_again = []
+    factors = moe_routing._factors
+    monkeypatch.setattr(
+        moe_routing, "_factors", lambda *args: made_again.append(1) or factors(*args)
+    )
+    torch.manual_seed(0)
+    loss, grads, nbytes = _step(model, batch)
+    assert len(made_again) == 4
+    with SavedTensorMeter(exclude=model.parameters(), model=model) as meter:
+        model(**batch)
+    assert not [
+        p for p in meter.by_module() if isinstance(model.get_submodule(p), type(wrappers[0]))
+    ]
+    monkeypatch.setattr(moe_routing, "_factors_again", lambda wrapper, fold: None)
+    torch.manual_seed(0)
+    kept_loss, kept_grads, kept_bytes = _step(model, batch)
+    assert nbytes == kept_bytes - copies
+    assert torch.equal(loss, kept_loss) and len(grads) == len(kept_grads)
+    for got, want in zip(grads, kept_grads):
+        assert torch.equal(got, want)
 
 
 def test_deberta_attention_with_exact_operands_and_dropout_gives_the_stock_gradients():
