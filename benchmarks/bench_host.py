@@ -43,7 +43,24 @@ def cases():
         ("LayerNorm 64", norm, CompressedLayerNorm(norm, codec, PackCache()), (16, 64)),
         ("GELU, 3-bit derivative", nn.GELU(), FewBitActivation("gelu", bits=3), (16, 64)),
         ("Dropout 0.1 (seed)", nn.Dropout(0.1), CompressedDropout(0.1), (16, 64)),
+        (*_moe_blocks(), (1, 16, 32)),
     ]
+
+
+def _moe_blocks():
+    """A tiny Qwen3-MoE block (4 experts, 2 a token) as it is and as ``hf_actq.apply`` patches
+    it ("uniform"): the router's forward under the mode that sends its linear to the compressed
+    op, and the compressed experts op."""
+    import copy
+
+    import hf_actq
+    from hf_actq.testing import more_model
+
+    model, _ = more_model("qwen3_moe")
+    patched = copy.deepcopy(model)
+    hf_actq.apply(patched, hf_actq.ActQConfig.from_recipe("uniform"))
+    block = "Qwen3-MoE block: router and experts"
+    return block, model.model.layers[0].mlp, patched.model.layers[0].mlp
 
 
 def _fwd_bwd(module, x, grad):

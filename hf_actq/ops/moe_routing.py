@@ -139,9 +139,9 @@ def refolded(module, name: str, wrappers: dict | None = None) -> RefoldedWeight 
 def _factors_again(wrapper, fold):
     """How to make ``fold``'s ``(lhs, rhs)`` again from the adapter's own weights, or None.
     PEFT folds in the base weight's dtype, so on a bf16 model with fp32 adapters (its default)
-    the factors are bf16 copies of the adapters (19.5 MiB a layer at Qwen3-30B-A3B, as much as
-    the rest of the layer's activations under "alam"); an op that kept them for backward held
-    them as activations. Made again in backward, the copies live there only."""
+    the factors are bf16 copies of the adapters (19.5 MiB a layer at Qwen3-30B-A3B, more than
+    the rest of the layer keeps under "alam"); an op that kept them for backward held them as
+    activations. Made again in backward, the copies live there only."""
     adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
     if len(adapters) != 1 or wrapper.scaling[adapters[0]] != fold.scaling:
         return None
@@ -227,8 +227,7 @@ def op_weights(weights: tuple, refolds: tuple) -> tuple:
     """``weights`` as an experts op takes them: detached from PEFT's fold where the op takes one
     as base plus a rank-r path. The op gives the factors their gradients itself and the merged
     weight none, so nothing needs the fold's graph; attached, it lived until backward with what
-    it saved (bf16 copies of the fp32 factors: 19.5 MiB a layer at Qwen3-30B-A3B, as much as
-    the layer's other activations under "alam"). Other weights as they are."""
+    it saved (the factors, :func:`_factors_again`). Other weights as they are."""
     return tuple(
         weight.detach() if refold is not None and refold.low_rank() is not None else weight
         for weight, refold in zip(weights, refolds)
