@@ -31,8 +31,8 @@ CONDITIONS = ("normal", "no-supervised-token", "one-token", "accumulation", "nan
 # least minimum of the per-tensor cosines (None: some tensor is noise at 1 bit). The worst
 # measured over every model, precision and finite condition here (transformers 5.25 and 5.20,
 # PEFT 0.21 and 0.22 alike): fewbit 0.999 / 0.9995 / 0.984, uniform 0.963 / 0.975 / 0.910,
-# alam 0.266 / 0.276 / -0.222, checkpoint 0.970 / 0.972 / 0.923 (T5); each floor allows at
-# least 1.5x that cosine distance (alam's median: only that it is positive).
+# alam 0.266 / 0.276 / -0.222, checkpoint 0.970 / 0.972 / 0.923 (T5; the MoE: below); each
+# floor allows at least 1.5x that cosine distance (alam's median: only that it is positive).
 # Packing 3-bit codes in bf16 (autocast) took "fewbit"'s gate_proj gradients to 0.58.
 FLOORS = {
     "fewbit": (0.999, 0.999, 0.975),
