@@ -35,7 +35,6 @@ from hf_actq.ops.moe_routing import (
     kept_input,
     kept_weights,
     op_weights,
-    refolded,
     route,
     weight_grads,
 )
@@ -235,9 +234,7 @@ def compressed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if not wants_backward(self, hidden_states, top_k_weights, *weights):
         keep_rng_stream(self, state.codecs["gate"], state.codecs["up"])
         return _fallback(self, state)(self, hidden_states, top_k_index, top_k_weights)
-    wrappers = state.lora_wrappers
-    refolds = (refolded(self, "gate_up_proj", wrappers), refolded(self, "down_proj", wrappers))
-    weights = op_weights(weights, refolds)
+    weights, refolds = op_weights(self, ("gate_up_proj", "down_proj"), weights, state)
     return CompressedExpertsFunction.apply(
         hidden_states, top_k_weights, *weights, top_k_index, state, refolds, *factor_inputs(refolds)
     )

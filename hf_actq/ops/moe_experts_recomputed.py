@@ -33,7 +33,6 @@ from hf_actq.ops.moe_routing import (
     kept_input,
     kept_weights,
     op_weights,
-    refolded,
     route,
     weight_grads,
 )
@@ -249,9 +248,8 @@ def projection_names(module) -> tuple[str, str | None]:
 
 def recomputed_gate_experts(module, hidden_states, top_k_index, top_k_weights, state):
     up_name, up_bias_name = projection_names(module)
-    wrappers = state.lora_wrappers
-    refolds = (refolded(module, up_name, wrappers), refolded(module, "down_proj", wrappers))
-    up_weight, down_weight = op_weights((getattr(module, up_name), module.down_proj), refolds)
+    weights = (getattr(module, up_name), module.down_proj)
+    (up_weight, down_weight), refolds = op_weights(module, (up_name, "down_proj"), weights, state)
     return RecomputedGateExpertsFunction.apply(
         hidden_states,
         top_k_weights,

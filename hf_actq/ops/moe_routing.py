@@ -223,15 +223,19 @@ def grouped_linear(rows, weight, offsets, is_transposed: bool = False, bias=None
     return _grouped_linear(rows, weight.to(rows.dtype), offsets, bias, is_transposed)
 
 
-def op_weights(weights: tuple, refolds: tuple) -> tuple:
-    """``weights`` as an experts op takes them: detached from PEFT's fold where the op takes one
-    as base plus a rank-r path. The op gives the factors their gradients itself and the merged
-    weight none, so nothing needs the fold's graph; attached, it lived until backward with what
-    it saved (the factors, :func:`_factors_again`). Other weights as they are."""
-    return tuple(
+def op_weights(module, names: tuple, weights: tuple, state) -> tuple[tuple, tuple]:
+    """``(weights, refolds)`` for an experts op over ``module``'s weights ``names`` (read once
+    by the caller: ``weights``): how to rebuild each in backward (:func:`refolded`), and the
+    weights as the op takes them, detached from PEFT's fold where it takes one as base plus a
+    rank-r path. The op gives the factors their gradients itself and the merged weight none, so
+    nothing needs the fold's graph; attached, it lived until backward with what it saved (the
+    factors, :func:`_factors_again`)."""
+    refolds = tuple(refolded(module, name, state.lora_wrappers) for name in names)
+    weights = tuple(
         weight.detach() if refold is not None and refold.low_rank() is not None else weight
         for weight, refold in zip(weights, refolds)
     )
+    return weights, refolds
 
 
 def factor_inputs(refolds: tuple) -> tuple:
