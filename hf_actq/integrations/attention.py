@@ -29,7 +29,8 @@ from hf_actq.ops.deberta_attention import (
     CompressedDisentangledSelfAttention,
     is_disentangled_attention,
 )
-from hf_actq.ops.state import OpState, remove_state, set_state
+from hf_actq.ops.rotary import NORMS, rotary_attention_forward
+from hf_actq.ops.state import STATE, OpState, remove_state, set_state
 
 # A config is shared by every model built from it (``from_config`` keeps the object): the
 # implementation it had before the first patched model pointed it at ours, and how many
@@ -148,8 +149,9 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
                 ExactCodec() if codec is None else slot_codec(config, state.slot_id(slot), codec)
             )
         describe = functools.partial(_describe, kind, state)
-        handle.record(path, describe, undo=functools.partial(remove_state, module))
-        set_state(module, state)
+        if not _takes_norm_offers(module, layout, state, path, describe, handle):
+            handle.record(path, describe, undo=functools.partial(remove_state, module))
+            set_state(module, state)
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
         own_config = getattr(module, "config", None)
         if own_config is not None and hasattr(own_config, "_attn_implementation"):
@@ -159,6 +161,21 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         return
     for patched_config in configs.values():
         _point(patched_config, name, previous, handle)
+
+
+def _takes_norm_offers(module, layout, state: OpState, path: str, describe, handle) -> bool:
+    """Where the model rotates its q/k norms' outputs into q and k and both norms offer them
+    (compressed, sharing their outputs), wrap the module's forward so that attention keeps the
+    norms' packs (:mod:`hf_actq.ops.rotary`); False where it does not."""
+    if layout.qk_norm_rotary is None:
+        return False
+    for name in NORMS.values():
+        norm = getattr(module, name, None)
+        norm_state = None if norm is None else norm.__dict__.get(STATE)
+        if norm_state is None or not norm_state.offer_output:
+            return False
+    state.qk_norm_rotary = layout.qk_norm_rotary
+    return bind_forward(module, rotary_attention_forward, state, path, describe, handle)
 
 
 def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> None:

@@ -43,6 +43,9 @@ class ModelLayout:
     logit_scale: Callable[[object], float] | None = None
     # The encoder-decoder head (T5, BART): see hf_actq.integrations.seq2seq_lm.
     seq2seq_lm_loss: bool = False
+    # Attention's q and k are RoPE of its q_norm's and k_norm's outputs, laid out as this says
+    # (hf_actq.ops.rotary.LAYOUTS): attention keeps the norms' packs instead of its own.
+    qk_norm_rotary: str | None = None
 
 
 _EAGER = ModelLayout("eager")
@@ -53,6 +56,10 @@ _SDPA_SOFTCAPPED = ModelLayout(
     (("attn_logit_softcapping", "logit soft-capping needs eager attention"),),
     causal_lm_loss=True,
 )
+# q/k norms, then RoPE (ops/rotary.py): per head on [batch, seq, heads, dim] (Qwen3), over all
+# heads (OLMo-2, OLMo-3), or on attention's own layout (Gemma 3).
+_SDPA_QK_HEADS = ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="heads")
+_SDPA_QK_FLAT = ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="flat")
 
 MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "bert": _EAGER,
@@ -84,7 +91,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "llama": _SDPA,
     "mistral": _SDPA,
     "qwen2": _SDPA,
-    "qwen3": _SDPA,
+    "qwen3": _SDPA_QK_HEADS,
     "phi3": _SDPA,
     "gemma": _SDPA,  # its RMSNorm scales by (1 + w) in fp32: found by norm.rms_norm_form
     # LLaMA-like decoders whose attention calls AttentionInterface with q, k, v, the mask and
@@ -93,13 +100,18 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "ministral": _SDPA,
     "smollm3": _SDPA,
     "olmo": _SDPA,
-    "olmo2": _SDPA,
+    "olmo2": _SDPA_QK_FLAT,
     "starcoder2": _SDPA,
     "stablelm": _SDPA,
     "phi": _SDPA,
     "glm": _SDPA,
     "exaone4": _SDPA,
-    "gemma3_text": _SDPA_SOFTCAPPED,
+    "gemma3_text": ModelLayout(
+        "sdpa",
+        _SDPA_SOFTCAPPED.exact_attention_when,
+        causal_lm_loss=True,
+        qk_norm_rotary="attention",
+    ),
     # Newer LLaMA-like decoders (Helium, Seed-OSS, ERNIE 4.5, Hunyuan dense with q/k norms)
     # calling AttentionInterface as LLaMA's does.
     "helium": _SDPA,
@@ -109,7 +121,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # GLM-4 (post-attention and post-MLP norms, a fused gate_up projection) and OLMo-3 (q/k
     # norms over all heads, a sliding window on three layers in four).
     "glm4": _SDPA,
-    "olmo3": _SDPA,
+    "olmo3": _SDPA_QK_FLAT,
     # Heads that scale their logits.
     "granite": ModelLayout(
         "sdpa", causal_lm_loss=True, logit_scale=lambda config: 1 / config.logits_scaling
@@ -120,7 +132,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # Mixture-of-experts decoders: their experts are found by structure (patch_experts).
     "mixtral": _SDPA,
     "qwen2_moe": _SDPA,
-    "qwen3_moe": _SDPA,
+    "qwen3_moe": _SDPA_QK_HEADS,
     "olmoe": _SDPA,
     "glm4_moe": _SDPA,  # GLM-4.5: group-limited routing, a shared expert
     "ernie4_5_moe": _SDPA,
@@ -140,7 +152,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # attention modules carry the sub-configs, which patch_attention points at the op). Their
     # ...ForConditionalGeneration heads are the stock pattern (Gemma 3's without soft-capping,
     # whose composite config has none at its top level, where the fused loss reads it).
-    "gemma3": _SDPA,
+    "gemma3": ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="attention"),
     "llava": _SDPA,
     "qwen2_vl": _SDPA,  # its vision attention calls the op one image at a time
     "qwen2_5_vl": _SDPA,

@@ -26,6 +26,7 @@ import torch
 from hf_actq.codecs.packed import Codec, capturing_cuda_graph, draw_seed
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.dropout import keep_mask
+from hf_actq.ops.rotary import rotated_pack
 from hf_actq.ops.state import STATE, OpState, keep_rng_stream, once_differentiable, wants_backward
 
 EAGER_SLOTS = ("q", "k", "v", "probs")
@@ -55,8 +56,11 @@ class _Slot:
         if self.codec is None:
             saved.append(x)
         else:
-            x = x.transpose(-1, -2) if self.transposed else x
-            packed = state.cache.pack(x, self.codec, state.slot_id(slot))
+            # q and k after q/k norms and RoPE: the norms' packs, rotated again in backward.
+            packed = None if self.transposed else rotated_pack(state, x, slot, self.codec)
+            if packed is None:
+                x = x.transpose(-1, -2) if self.transposed else x
+                packed = state.cache.pack(x, self.codec, state.slot_id(slot))
             self.header = packed.with_tensors(())
             saved.extend(packed.tensors)
         self.count = len(saved) - self.start

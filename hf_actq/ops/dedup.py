@@ -289,16 +289,17 @@ class PackCache:
         if len(self._entries) >= self._purge_at:
             self._purge()
 
-    def offer(self, x: torch.Tensor, packed: Packed, slot: str | None = None) -> None:
+    def offer(self, x: torch.Tensor, packed: Packed, slot: str | None = None) -> _Entry | None:
         """Let later ``pack(x, codec)`` calls with ``packed``'s codec return ``packed``, a form
         of ``x`` rebuilt from buffers an op keeps anyway (a norm's packed input rebuilds its
-        output), while ``x`` and those buffers are alive."""
+        output), while ``x`` and those buffers are alive. Returns the entry, which
+        :meth:`take_offered` takes from where the consumer does not see ``x`` itself."""
         if x.is_inference():
-            return
+            return None
         key = _where(x)
         header = packed.with_tensors(())
         object.__setattr__(header, "_share", UnpackShare())  # its consumers count themselves
-        self._entries[key] = _Entry(
+        entry = self._entries[key] = _Entry(
             _anchor(x, key),
             x._version,
             header,
@@ -306,6 +307,25 @@ class PackCache:
             slot,
             offered=True,
         )
+        return entry
+
+    @classmethod
+    def take_offered(
+        cls, entry: _Entry, x: torch.Tensor, codec: Codec, slot: str | None
+    ) -> Packed | None:
+        """The form ``entry`` offered, for a consumer that keeps it in place of packing ``x``
+        (made from the offered tensor: attention's rotated q and k, :mod:`hf_actq.ops.rotary`)
+        with ``codec`` into ``slot``; None where its buffers are gone or its codec is another.
+        Draws the seed the pack would have drawn."""
+        found = entry.rebuild(codec)
+        if found is None:
+            return None
+        cls.seed_for(codec, slot, x.device)
+        cls._count_consumer(found, entry)
+        watcher = observer()
+        if watcher is not None:
+            watcher.on_pack(slot, x, codec, found.nbytes, entry.slot)
+        return found
 
     @staticmethod
     def _count_consumer(found: Packed, entry: _Entry) -> None:

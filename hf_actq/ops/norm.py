@@ -200,7 +200,8 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False,
             offset=offset,
             fp32_scale=state.norm_fp32_scale,
         )
-        state.cache.offer(y, rebuilt, state.slot_id("input"))
+        # Kept on the state too: attention takes q/k norms' offers through RoPE (ops/rotary.py).
+        state.offered = state.cache.offer(y, rebuilt, state.slot_id("input"))
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
 
 
