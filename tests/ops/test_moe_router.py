@@ -1,6 +1,7 @@
 """The MoE router op: the router's own forward, its linear keeping the input packed."""
 
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -8,8 +9,9 @@ import torch
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import uniform
 from hf_actq.codecs.packed import ExactCodec
+from hf_actq.ops import moe_router
 from hf_actq.ops.dedup import PackCache
-from hf_actq.ops.moe_router import compressed_router_forward, is_router
+from hf_actq.ops.moe_router import SoftmaxKeepingLogits, compressed_router_forward, is_router
 from hf_actq.ops.state import OpState, set_state
 from hf_actq.testing import more_model, tiny_llama, tiny_model
 
@@ -96,3 +98,53 @@ def test_routers_are_found_by_structure_and_linear_layers_are_not():
     assert not any(is_router(m) for m in llama.modules())
     experts = more_model("qwen3_moe")[0].model.layers[0].mlp.experts
     assert not is_router(experts)  # num_experts, but no [num_experts, hidden] weight
+
+
+@pytest.mark.parametrize(
+    "dtype, softmax_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, None), (torch.bfloat16, None)],
+)
+def test_the_softmax_keeps_the_logits_and_gives_stock_values_and_gradients(dtype, softmax_dtype):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(TOKENS, 16, generator=generator).mul(3).to(dtype)
+    grad = torch.randn(TOKENS, 16, generator=generator)
+    results = []
+    for function in (
+        lambda t: torch.nn.functional.softmax(t, dim=-1, dtype=softmax_dtype),
+        lambda t: SoftmaxKeepingLogits.apply(t, -1, softmax_dtype),
+    ):
+        x = logits.clone().requires_grad_()
+        with SavedTensorMeter() as meter:
+            probs = function(x)
+        probs.backward(grad.to(probs.dtype))
+        results.append((probs, x.grad, meter.nbytes))
+    (stock, stock_grad, stock_bytes), (ours, our_grad, our_bytes) = results
+    assert torch.equal(ours, stock) and ours.dtype == stock.dtype
+    assert torch.equal(our_grad, stock_grad)
+    assert stock_bytes == stock.numel() * stock.element_size()
+    assert our_bytes == logits.numel() * logits.element_size()
+
+
+def test_a_half_precision_router_keeps_its_logits_instead_of_fp32_probabilities():
+    """Qwen3-MoE's router in bf16: softmax in fp32 kept its output (4 bytes a logit); it keeps
+    the bf16 logits (2), with the same outputs and gradients as with the stock softmax."""
+    router = _router("qwen3_moe").to(torch.bfloat16)
+    x = torch.randn(TOKENS, router.weight.shape[1], dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(3)
+    grads = (torch.randn(TOKENS, router.num_experts, generator=generator).bfloat16(),
+             torch.randn(TOKENS, router.top_k, generator=generator).bfloat16())  # fmt: skip
+    _bind(router, ExactCodec())
+    with mock.patch.object(moe_router, "SoftmaxKeepingLogits", _StockSoftmax):
+        outs, stock, stock_bytes = _step(router, x, grads)
+    ours, got, nbytes = _step(router, x, grads)
+    for a, b in zip(outs, ours, strict=True):
+        assert torch.equal(a, b)
+    for name, value in stock.items():
+        assert torch.equal(got[name], value), name
+    assert stock_bytes - nbytes == TOKENS * router.num_experts * 2
+
+
+class _StockSoftmax:
+    @staticmethod
+    def apply(logits, dim, dtype):
+        return torch.nn.functional.softmax(logits, dim=dim, dtype=dtype)
