@@ -38,7 +38,7 @@ def patch_experts(
         return claimed
     codec = config.make_codec() if config.gated_mlp else ExactCodec()
     configs = {}
-    wrappers = _lora_wrappers(model)
+    wrappers = param_wrappers(model)
     for path, module in model.named_modules():
         if not _is_experts(module) or config.skips(path):
             continue
@@ -97,10 +97,11 @@ def patch_experts(
     return claimed
 
 
-def _lora_wrappers(model: nn.Module) -> dict[int, dict[str, nn.Module]]:
+def param_wrappers(model: nn.Module) -> dict[int, dict[str, nn.Module]]:
     """PEFT's ``ParamWrapper`` (LoRA on a parameter) of each wrapped parameter name, by the id
     of the module that holds the parameter: the experts ops make the adapter's factors again
-    from it in backward (``moe_routing.refolded``) instead of keeping PEFT's copies."""
+    from it in backward (``moe_routing.refolded``), and the routers their folded weight
+    (``moe_router``), instead of keeping PEFT's copies."""
     found: dict[int, dict[str, nn.Module]] = {}
     for module in model.modules():
         if type(module).__name__ == "ParamWrapper" and hasattr(module, "get_delta_factors"):

@@ -23,6 +23,7 @@ from torch import nn
 from hf_actq.codecs.packed import Codec, ExactCodec
 from hf_actq.config import ActQConfig
 from hf_actq.fewbit.activations import activation_of, activation_subclass
+from hf_actq.integrations.experts import param_wrappers
 from hf_actq.integrations.patching import (
     bind_forward,
     foreign_forward,
@@ -136,6 +137,8 @@ class Walk:
 
     config: ActQConfig
     codec: Codec | None  # the config's
+    # PEFT's ParamWrappers by the id of the module holding the parameter (experts.param_wrappers).
+    lora_wrappers: dict = field(default_factory=dict)
     # act_fn of gated MLPs whose product runs stock (the product keeps act(gate) itself).
     stock_products: set[int] = field(default_factory=set)
 
@@ -272,7 +275,8 @@ def _router(module, walk: Walk) -> Patch | None:
     if not walk.config.linear or not is_router(module):
         return None
     describe = "MoE router: its linear's input {input} where it trains; softmax and top-k exact"
-    return Patch(compressed_router_forward, {"input": "linear"}, describe)
+    fields = {"lora_wrappers": walk.lora_wrappers.get(id(module), {})}
+    return Patch(compressed_router_forward, {"input": "linear"}, describe, fields=fields)
 
 
 def _norm_patch(forward, config: ActQConfig, module, offset=0.0, **fields) -> Patch | Skip:
@@ -343,7 +347,7 @@ def patch_layers(
     """Patch every module a rule of ``RULES`` takes; ``exclude`` maps modules to leave alone to
     the reason (``handle.skipped`` shows it); ``cache``: the model's pack cache."""
     cache = cache if cache is not None else PackCache()
-    walk = Walk(config, config.make_codec())
+    walk = Walk(config, config.make_codec(), lora_wrappers=param_wrappers(model))
     exclude = {**(exclude or {}), **_never_called(model)}
     claimed: set[int] = {id(m) for m in exclude}
     for path, module in model.named_modules():

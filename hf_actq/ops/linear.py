@@ -27,7 +27,9 @@ class CompressedLinearFunction(torch.autograd.Function):
     """``F.linear(x, weight, bias)`` keeping ``x`` packed into ``state``'s slot ``slot``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state, slot):
+    def forward(ctx, x, weight, bias, state, slot, weight_again=None):
+        # weight_again: where given, makes ``weight`` again in backward (a PEFT fold, rebuilt
+        # from the frozen base and the adapters), which is then not kept.
         y = F.linear(x, weight, bias)
         if y._base is not None:
             # With a bias, linear flattens a contiguous input, and its output is a view of the
@@ -38,18 +40,22 @@ class CompressedLinearFunction(torch.autograd.Function):
         ctx.input_shape = x.shape
         ctx.has_bias = bias is not None
         ctx.weight_grad = weight.requires_grad
+        ctx.weight_again = weight_again
+        kept = weight if weight_again is None else weight.new_empty(0)
         if ctx.weight_grad:
             packed = state.pack(x, slot, linear_input=True)
             ctx.header = packed.with_tensors(())
-            ctx.save_for_backward(weight, *packed.tensors)
+            ctx.save_for_backward(kept, *packed.tensors)
         else:
-            ctx.save_for_backward(weight)
+            ctx.save_for_backward(kept)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         weight, *buffers = ctx.saved_tensors
+        if ctx.weight_again is not None:
+            weight = ctx.weight_again()
         grad_x = grad_w = grad_b = None
         # Casts and reshapes only where they change something: each is a dispatch (1-2 µs of
         # host time) even when it returns its input, and this runs for every linear layer.
@@ -66,7 +72,7 @@ class CompressedLinearFunction(torch.autograd.Function):
             grad_w = grad_w if grad_w.dtype == weight.dtype else grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = flat_grad.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 SLOTS = ("input",)
@@ -82,10 +88,10 @@ def compressed_linear(module: nn.Module, x: torch.Tensor, weight: torch.Tensor) 
     return linear_keeping_input(x, weight, module.bias, state, "input")
 
 
-def linear_keeping_input(x, weight, bias, state, slot: str) -> torch.Tensor:
+def linear_keeping_input(x, weight, bias, state, slot: str, weight_again=None) -> torch.Tensor:
     """:class:`CompressedLinearFunction` with its output in ``x``'s shape (a view made here,
     as the stock linear's output is one)."""
-    y = CompressedLinearFunction.apply(x, weight, bias, state, slot)
+    y = CompressedLinearFunction.apply(x, weight, bias, state, slot, weight_again)
     return y if y.dim() == x.dim() else y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -15,6 +15,8 @@ experts, bf16) 0.5 MiB a layer instead of 1 MiB."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -51,9 +53,9 @@ class _LinearKeepingInput(TorchFunctionMode):
     (:class:`SoftmaxKeepingLogits`); every other call (a LoRA fold's own products, a softmax
     over a cast of the logits) runs as it is."""
 
-    def __init__(self, state, experts: int):
+    def __init__(self, state, experts: int, weight_again=None):
         super().__init__()
-        self.state, self.experts = state, experts
+        self.state, self.experts, self.weight_again = state, experts, weight_again
         self.logits = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -62,7 +64,9 @@ class _LinearKeepingInput(TorchFunctionMode):
             x, weight, *rest = args
             if weight.dim() == 2 and weight.shape[0] == self.experts:
                 bias = rest[0] if rest else kwargs.get("bias")
-                self.logits = linear_keeping_input(x, weight, bias, self.state, "input")
+                self.logits = linear_keeping_input(
+                    x, weight, bias, self.state, "input", self.weight_again
+                )
                 return self.logits
         elif func is F.softmax and args and args[0] is self.logits:
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
@@ -84,8 +88,48 @@ def compressed_router_forward(self, *args, **kwargs):
         if trains:  # the seed its pack would draw (checkpointing replays the stream)
             keep_rng_stream(self, state.codecs["input"])
         return state.plain(*args, **kwargs)
-    with _LinearKeepingInput(state, self.num_experts):
+    with _LinearKeepingInput(state, self.num_experts, _weight_again(self, state)):
         return state.plain(*args, **kwargs)
+
+
+def _weight_again(module: torch.nn.Module, state):
+    """How to make the router's weight again in backward where it is PEFT's LoRA fold of the
+    parameter (the adapters' deltas added to the base: ``_LoraParameterProxy``), with PEFT's
+    own ``get_delta_weight``: the linear then does not keep the fold's output, a copy of the
+    weight made each forward (0.5 MiB a layer at Qwen3-30B-A3B in bf16). None otherwise:
+    a parameter, another fold, a sharded base (ZeRO-3, FSDP2: whole only while gathered) or a
+    trace (which traces the fold itself)."""
+    from torch.nn.utils import parametrize
+
+    wrapper = state.lora_wrappers.get("weight")
+    if (
+        wrapper is None
+        or torch.compiler.is_compiling()
+        or not parametrize.is_parametrized(module, "weight")
+    ):
+        return None
+    chain = module.parametrizations["weight"]
+    folds, original = list(chain), getattr(chain, "original", None)
+    if (
+        len(folds) != 1
+        or type(folds[0]).__name__ != "_LoraParameterProxy"
+        or original is None
+        or hasattr(original, "ds_id")
+        or type(original).__name__ == "DTensor"
+    ):
+        return None
+    adapters = tuple(a for a in wrapper.active_adapters if a in wrapper.lora_A)
+    return functools.partial(_folded_again, type(folds[0]), original, wrapper, adapters)
+
+
+def _folded_again(proxy, original, wrapper, adapters) -> torch.Tensor:
+    """PEFT's fold (``ParamWrapper._activate_lora``), step for step, without a graph."""
+    with torch.no_grad():
+        delta = None
+        for adapter in adapters:
+            part = wrapper.get_delta_weight(adapter)
+            delta = part if delta is None else delta + part
+        return proxy(delta)(original)
 
 
 def _weight_trains(module: torch.nn.Module) -> bool:

@@ -468,6 +468,42 @@ def test_bf16_experts_with_fp32_adapters_keep_no_copy_of_the_adapters(name, monk
         assert torch.equal(got, want)
 
 
+def test_a_lora_router_keeps_no_copy_of_its_folded_weight(monkeypatch):
+    """PEFT's LoRA on Qwen3-MoE's router ("all-linear") folds base + B A into a new weight each
+    forward, which the router's linear kept for its input's gradient. The linear makes it again
+    in backward with PEFT's own get_delta_weight: exactly the copies' bytes less, the same loss
+    and gradients bit for bit."""
+    import peft
+
+    from hf_actq.ops import moe_router
+
+    model, batch = more_model("qwen3_moe")
+    lora = peft.LoraConfig(
+        r=4, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
+    )
+    model = peft.get_peft_model(model, lora).to(torch.bfloat16)
+    routers = [m.mlp.gate.get_base_layer() for m in model.base_model.model.model.layers]
+    copies = sum(2 * r.weight.numel() for r in routers)
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform", bits=8))
+    made_again = []
+    folded_again = moe_router._folded_again
+    monkeypatch.setattr(
+        moe_router,
+        "_folded_again",
+        lambda *args: made_again.append(1) or folded_again(*args),
+    )
+    torch.manual_seed(0)
+    loss, grads, nbytes = _step(model, batch)
+    assert len(made_again) == len(routers)
+    monkeypatch.setattr(moe_router, "_weight_again", lambda module, state: None)
+    torch.manual_seed(0)
+    kept_loss, kept_grads, kept_bytes = _step(model, batch)
+    assert nbytes == kept_bytes - copies
+    assert torch.equal(loss, kept_loss) and len(grads) == len(kept_grads)
+    for got, want in zip(grads, kept_grads):
+        assert torch.equal(got, want)
+
+
 def test_deberta_attention_with_exact_operands_and_dropout_gives_the_stock_gradients():
     # q, k, v kept exact: the op's backward differentiates the same core again with the
     # forward's dropout draws, so gradients are those of the same model with attention left to
@@ -569,7 +605,9 @@ def test_under_all_linear_lora_the_router_and_the_experts_share_one_pack_of_thei
         for exact, got in zip(stock_grads, grads, strict=True):
             assert torch.nn.functional.cosine_similarity(exact.flatten(), got.flatten(), 0) > 0.99
     exact_input = batch["input_ids"].numel() * model.config.hidden_size * 4
-    assert kept[True] == kept[False] - 2 * exact_input
+    # Nor does the patched router keep its LoRA-folded weight (made again in backward).
+    folded_weight = model.config.num_experts * model.config.hidden_size * 4
+    assert kept[True] == kept[False] - 2 * exact_input - 2 * folded_weight
     # And that pack is the norm's: its offered output (a form rebuilt from the norm's own pack),
     # which the block takes through its [tokens, hidden] view; without the offer the router and
     # experts pack one of their own per layer.
