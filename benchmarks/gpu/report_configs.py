@@ -1,6 +1,7 @@
 """Writes the config folders that memory reports name in place of a preset, so that a lent
 device (which gets no folder but the working tree) can re-run them: ``gemma3-1b-v32k``, Gemma 3
-1B's shapes with a 32,768-token vocabulary (docs/memory.md, "Gemma").
+1B's shapes with a 32,768-token vocabulary (docs/memory.md, "Gemma"), and ``gemma3-2l``, its
+first two layers (``benchmarks/results/memory_gemma3_2l``).
 
     python benchmarks/gpu/report_configs.py --out .
 """
@@ -20,7 +21,14 @@ def gemma3_1b_v32k():
     return config
 
 
-CONFIGS = {"gemma3-1b-v32k": gemma3_1b_v32k}
+def gemma3_2l():
+    config = gemma3_1b_v32k()
+    config.num_hidden_layers = 2
+    config.layer_types = config.layer_types[:2]
+    return config
+
+
+CONFIGS = {"gemma3-1b-v32k": gemma3_1b_v32k, "gemma3-2l": gemma3_2l}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,9 +45,9 @@ def _run_reports(tmp_path, stand_in: str, budget: int):
     return done, out
 
 
-# The config folder reports.sh writes (benchmarks/gpu/report_configs.py) for the one report that
-# names a folder, not a preset.
-CONFIG_FOLDERS = ("gemma3-1b-v32k",)
+# The config folders reports.sh writes (benchmarks/gpu/report_configs.py) for the reports that
+# name a folder, not a preset.
+CONFIG_FOLDERS = ("gemma3-1b-v32k", "gemma3-2l")
 CONFIGS_CALL = "benchmarks/gpu/report_configs.py --out ."
 
 
