@@ -205,6 +205,8 @@ def _describe(kind: str, state: OpState) -> str:
         if len(codecs) == 1
         else ", ".join(f"{s}={c!r}" for s, c in state.codecs.items())
     )
+    if state.qk_norm_rotary is not None:
+        shown += "; q, k as the q/k norms' packs, rotated again in backward, where they fit"
     return f"attention ({kind}) {shown}"
 
 

@@ -171,6 +171,7 @@ def test_revert_restores_the_attention_modules_forward():
     handle = hf_actq.apply(patched, hf_actq.ActQConfig.from_recipe("uniform"))
     attention = _first_attention(patched)
     assert "forward" in attention.__dict__
+    assert "q, k as the q/k norms' packs" in repr(attention)
     handle.revert()
     assert "forward" not in attention.__dict__
     assert set(attention.__dict__) == set(_first_attention(model).__dict__)
