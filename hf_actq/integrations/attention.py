@@ -169,6 +169,10 @@ def _takes_norm_offers(module, layout, state: OpState, path: str, describe, hand
     norms' packs (:mod:`hf_actq.ops.rotary`); False where it does not."""
     if layout.qk_norm_rotary is None:
         return False
+    # OLMoE's clip_qkv clamps the norms' outputs in place before RoPE: the offers would be of
+    # the unclamped values.
+    if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
+        return False
     for name in NORMS.values():
         norm = getattr(module, name, None)
         norm_state = None if norm is None else norm.__dict__.get(STATE)

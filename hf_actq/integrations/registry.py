@@ -133,7 +133,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "mixtral": _SDPA,
     "qwen2_moe": _SDPA,
     "qwen3_moe": _SDPA_QK_HEADS,
-    "olmoe": _SDPA,
+    "olmoe": _SDPA_QK_FLAT,  # q/k norms over all heads (not where clip_qkv clamps them in place)
     "glm4_moe": _SDPA,  # GLM-4.5: group-limited routing, a shared expert
     "ernie4_5_moe": _SDPA,
     "deepseek_v3": _SDPA,  # latent attention: q, k, v (a narrower v) as AttentionInterface gets them

@@ -1,6 +1,6 @@
 """Attention's q and k rebuilt from their q/k norms' packs, through RoPE.
 
-Qwen3 (dense and MoE), Gemma 3 and OLMo-2/3 normalize q and k (per head, or over all heads)
+Qwen3 (dense and MoE), Gemma 3, OLMo-2/3 and OLMoE normalize q and k (per head, or over all heads)
 and then rotate them (RoPE) before attention. A compressed norm keeps its input packed and
 offers its output, rebuilt from that pack, to the ops that consume it
 (:class:`hf_actq.ops.norm.NormOutputPacked`); but attention consumes the *rotated* output, so it
@@ -17,7 +17,8 @@ the tests:
 
 - ``"heads"``: the norm runs on ``[batch, seq, heads, dim]`` and attention takes its transpose
   (Qwen3, Qwen3-MoE);
-- ``"flat"``: the norm runs over all heads, ``[batch, seq, heads * dim]`` (OLMo-2, OLMo-3);
+- ``"flat"``: the norm runs over all heads, ``[batch, seq, heads * dim]`` (OLMo-2, OLMo-3,
+  OLMoE without ``clip_qkv``, which clamps the norms' outputs in place);
 - ``"attention"``: the norm runs on attention's own ``[batch, heads, seq, dim]`` (Gemma 3).
 
 The attention module's forward is wrapped (on the instance) to hold the call's position
@@ -126,6 +127,8 @@ def rotary_attention_forward(self, *args, **kwargs):
         # A forward hook may give RoPE another tensor than the one the norm offered.
         or any(has_hooks(getattr(self, name)) for name in NORMS.values())
         or torch.nn.modules.module._global_forward_hooks
+        # OLMoE's clip_qkv clamps them in place, set after apply (which leaves such models be).
+        or getattr(getattr(self, "config", None), "clip_qkv", None) is not None
     ):
         return state.plain(*args, **kwargs)
     norm_states = {slot: getattr(self, name).__dict__.get(STATE) for slot, name in NORMS.items()}

@@ -20,7 +20,7 @@ ROTARY_MODELS = sorted(t for t, layout in MODEL_LAYOUTS.items() if layout.qk_nor
 
 
 def _model(model_type: str):
-    if model_type in ("qwen3_moe", "gemma3"):
+    if model_type in ("qwen3_moe", "olmoe", "gemma3"):
         return more_model(model_type)
     return tiny_model(model_type), tiny_batch(model_type)
 
@@ -42,7 +42,9 @@ def _patched(model, rotary: bool = True):
 
 
 def test_every_registered_model_with_qk_norms_is_covered():
-    assert set(ROTARY_MODELS) == {"gemma3", "gemma3_text", "olmo2", "olmo3", "qwen3", "qwen3_moe"}
+    assert set(ROTARY_MODELS) == {
+        "gemma3", "gemma3_text", "olmo2", "olmo3", "olmoe", "qwen3", "qwen3_moe",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize("model_type", ROTARY_MODELS)
@@ -175,3 +177,31 @@ def test_revert_restores_the_attention_modules_forward():
     handle.revert()
     assert "forward" not in attention.__dict__
     assert set(attention.__dict__) == set(_first_attention(model).__dict__)
+
+
+def test_olmoe_clamping_its_norms_outputs_in_place_keeps_attention_packing_its_own():
+    """With clip_qkv, OLMoE clamps q and k in place between the norms and RoPE: the norms'
+    offers are of other values, so attention is left as it was."""
+    model, batch = _model("olmoe")
+    model.config.clip_qkv = 0.5
+    patched = copy.deepcopy(model)
+    handle = hf_actq.apply(patched, hf_actq.ActQConfig.from_recipe("uniform"))
+    attention = _first_attention(patched)
+    assert "forward" not in attention.__dict__
+    assert "q/k norms" not in handle.patched[handle_path(patched, attention)]
+    torch.manual_seed(3)
+    got = metered_step(patched, batch)
+    torch.manual_seed(3)
+    want = metered_step(_patched(model, rotary=False), batch)
+    assert got[2] == want[2]
+    # Set after apply: the wrapped forward sees it.
+    model.config.clip_qkv = None
+    late = _patched(model)
+    late.config.clip_qkv = 0.5
+    assert "forward" in _first_attention(late).__dict__
+    torch.manual_seed(3)
+    assert metered_step(late, batch)[2] == want[2]
+
+
+def handle_path(model, module) -> str:
+    return next(path for path, m in model.named_modules() if m is module)
