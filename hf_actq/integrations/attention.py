@@ -173,13 +173,18 @@ def _takes_norm_offers(module, layout, state: OpState, path: str, describe, hand
     # the unclamped values.
     if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
         return False
+    norm_states = []
     for name in NORMS.values():
         norm = getattr(module, name, None)
-        norm_state = None if norm is None else norm.__dict__.get(STATE)
-        if norm_state is None or not norm_state.offer_output:
+        norm_states.append(None if norm is None else norm.__dict__.get(STATE))
+        if norm_states[-1] is None or not norm_states[-1].offer_output:
             return False
     state.qk_norm_rotary = layout.qk_norm_rotary
-    return bind_forward(module, rotary_attention_forward, state, path, describe, handle)
+    if not bind_forward(module, rotary_attention_forward, state, path, describe, handle):
+        return False
+    for norm_state in norm_states:
+        norm_state.record_offer = True
+    return True
 
 
 def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> None:

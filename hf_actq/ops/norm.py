@@ -200,8 +200,9 @@ def _keep(ctx, state, x_hat_of, y, weight, bias, rstd, x_hat_columns, rms=False,
             offset=offset,
             fp32_scale=state.norm_fp32_scale,
         )
-        # Kept on the state too: attention takes q/k norms' offers through RoPE (ops/rotary.py).
-        state.offered = state.cache.offer(y, rebuilt, state.slot_id("input"))
+        entry = state.cache.offer(y, rebuilt, state.slot_id("input"))
+        if state.record_offer:
+            state.offered = entry
     ctx.save_for_backward(rstd, weight, bias, *packed.tensors)
 
 

@@ -90,9 +90,11 @@ class OpState:
     # Norms: keep the output (which the next layer keeps anyway) instead of the input, and
     # rebuild the normalized input from it in backward.
     norm_from_output: bool = False
-    # Compressed norms: offer the output to the next ops as rebuilt from the packed input, and
-    # the cache entry of the latest offer (attention takes a q/k norm's through RoPE).
+    # Compressed norms: offer the output to the next ops as rebuilt from the packed input; a q/k
+    # norm also holds its latest offer's cache entry while its attention module's forward runs
+    # (attention takes it through RoPE: ops/rotary.py).
     offer_output: bool = False
+    record_offer: bool = False
     offered: object | None = None
     # Attention after q/k norms and RoPE: how a norm's output becomes q or k (``ModelLayout.
     # qk_norm_rotary``), and during a forward the call's ``(cos, sin, layout, offers)``

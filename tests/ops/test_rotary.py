@@ -14,6 +14,7 @@ from hf_actq.integrations import attention as attention_patching
 from hf_actq.integrations.registry import MODEL_LAYOUTS
 from hf_actq.kernels.packing import allocation_bytes
 from hf_actq.ops.rotary import RotaryPacked
+from hf_actq.ops.state import STATE
 from hf_actq.testing import metered_step, more_model, tiny_batch, tiny_model
 
 ROTARY_MODELS = sorted(t for t, layout in MODEL_LAYOUTS.items() if layout.qk_norm_rotary)
@@ -165,6 +166,18 @@ def test_under_non_reentrant_checkpointing_attention_packs_its_own():
     assert got["step"][2] == want["step"][2]
     for a, b in zip(got["step"][1], want["step"][1]):
         assert a is None or torch.equal(a, b)
+
+
+def test_no_norm_holds_an_offer_after_the_step():
+    """The q/k norms hold their latest offer only while their attention module's forward runs,
+    and no other norm records one: nothing of a step (an unpacked tensor some consumer never
+    asked for) outlives its graph through them."""
+    model, batch = _model("qwen3")
+    patched = _patched(model)
+    metered_step(patched, batch)
+    states = [m.__dict__[STATE] for m in patched.modules() if STATE in m.__dict__]
+    assert sum(s.record_offer for s in states) == 2 * model.config.num_hidden_layers
+    assert all(s.offered is None for s in states)
 
 
 def test_revert_restores_the_attention_modules_forward():
