@@ -119,6 +119,8 @@ def _weight_again(module: torch.nn.Module, state):
     ):
         return None
     adapters = tuple(a for a in wrapper.active_adapters if a in wrapper.lora_A)
+    if not adapters:
+        return None
     return functools.partial(_folded_again, type(folds[0]), original, wrapper, adapters)
 
 
