@@ -29,7 +29,7 @@ from hf_actq.ops.deberta_attention import (
     CompressedDisentangledSelfAttention,
     is_disentangled_attention,
 )
-from hf_actq.ops.rotary import NORMS, rotary_attention_forward
+from hf_actq.ops.rotary import NORMS, clamps_in_place, rotary_attention_forward
 from hf_actq.ops.state import STATE, OpState, remove_state, set_state
 
 # A config is shared by every model built from it (``from_config`` keeps the object): the
@@ -169,9 +169,7 @@ def _takes_norm_offers(module, layout, state: OpState, path: str, describe, hand
     norms' packs (:mod:`hf_actq.ops.rotary`); False where it does not."""
     if layout.qk_norm_rotary is None:
         return False
-    # OLMoE's clip_qkv clamps the norms' outputs in place before RoPE: the offers would be of
-    # the unclamped values.
-    if getattr(getattr(module, "config", None), "clip_qkv", None) is not None:
+    if clamps_in_place(module):
         return False
     norm_states = []
     for name in NORMS.values():

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_actq.codecs.packed import Codec, Packed
-from hf_actq.ops.dedup import PackCache, under_checkpoint
+from hf_actq.ops.dedup import PackCache
 from hf_actq.ops.state import STATE, OpState, has_hooks, state_of
 
 LAYOUTS = ("heads", "flat", "attention")
@@ -85,10 +85,12 @@ def rotated_pack(state: OpState, x: torch.Tensor, slot: str, codec: Codec) -> Pa
     call = state.rotary
     if call is None or slot not in NORMS or x.dim() != 4:
         return None
-    cos, sin, layout, norms = call
-    entry = norms.get(slot)
-    if entry is None or under_checkpoint():
+    cos, sin, norm_states = call
+    # None under non-reentrant checkpointing too: the norms offer nothing there (dedup.may_offer).
+    entry = getattr(norm_states.get(slot), "offered", None)
+    if entry is None:
         return None
+    layout = state.qk_norm_rotary
     dim = x.shape[-1]
     if (
         dim % 2
@@ -105,6 +107,12 @@ def rotated_pack(state: OpState, x: torch.Tensor, slot: str, codec: Codec) -> Pa
     return RotaryPacked(
         codec, x.shape, x.dtype, (*found.tensors, cos, sin), found.with_tensors(()), layout
     )
+
+
+def clamps_in_place(attention) -> bool:
+    """Whether the model clamps the norms' outputs in place before RoPE (OLMoE's
+    ``clip_qkv``): their offers would be of the unclamped values."""
+    return getattr(getattr(attention, "config", None), "clip_qkv", None) is not None
 
 
 def _position_embeddings(args, kwargs):
@@ -127,15 +135,14 @@ def rotary_attention_forward(self, *args, **kwargs):
         # A forward hook may give RoPE another tensor than the one the norm offered.
         or any(has_hooks(getattr(self, name)) for name in NORMS.values())
         or torch.nn.modules.module._global_forward_hooks
-        # OLMoE's clip_qkv clamps them in place, set after apply (which leaves such models be).
-        or getattr(getattr(self, "config", None), "clip_qkv", None) is not None
+        or clamps_in_place(self)  # set after apply
     ):
         return state.plain(*args, **kwargs)
     norm_states = {slot: getattr(self, name).__dict__.get(STATE) for slot, name in NORMS.items()}
     for norm_state in norm_states.values():
         if norm_state is not None:
             norm_state.offered = None  # only what the norms offer in this call counts
-    state.rotary = (*embeddings, state.qk_norm_rotary, _Offers(norm_states))
+    state.rotary = (*embeddings, norm_states)
     try:
         return state.plain(*args, **kwargs)
     finally:
@@ -143,16 +150,3 @@ def rotary_attention_forward(self, *args, **kwargs):
         for norm_state in norm_states.values():
             if norm_state is not None:
                 norm_state.offered = None
-
-
-class _Offers:
-    """The q/k norms' latest offers, read when attention packs (after the norms ran)."""
-
-    __slots__ = ("states",)
-
-    def __init__(self, states: dict) -> None:
-        self.states = states
-
-    def get(self, slot: str):
-        state = self.states.get(slot)
-        return None if state is None else state.offered

@@ -97,7 +97,7 @@ class OpState:
     record_offer: bool = False
     offered: object | None = None
     # Attention after q/k norms and RoPE: how a norm's output becomes q or k (``ModelLayout.
-    # qk_norm_rotary``), and during a forward the call's ``(cos, sin, layout, offers)``
+    # qk_norm_rotary``), and during a forward the call's ``(cos, sin, {slot: norm state})``
     # (:mod:`hf_actq.ops.rotary`).
     qk_norm_rotary: str | None = None
     rotary: tuple | None = None
