@@ -207,6 +207,16 @@ _DEEPSEEK_EXPERTS = dict(
     n_shared_experts=1,
     first_k_dense_replace=1,
 )
+# Qwen3.5's and Qwen3-Next's hybrid decoder: a gated delta-rule layer, then an attention layer.
+_HYBRID = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+
+
 TINY_SIZES = {
     "bert": _ENCODER,
     "roberta": _ENCODER,
@@ -255,6 +265,23 @@ TINY_SIZES = {
     "hunyuan_v1_dense": _DECODER_8,
     "glm4": _DECODER_8,
     "olmo3": dict(_DECODER_8, sliding_window=4),
+    "cohere2": dict(_DECODER_8, sliding_window=4),
+    "ministral3": _DECODER_8,
+    # Gemma 4: sliding and full layers (16-wide heads, partial RoPE), the last one reusing the one
+    # before's k and v, 4-wide per-layer token inputs from a vocabulary of 100 (262,144 by
+    # default).
+    "gemma4_text": dict(
+        _DECODER_8,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        num_hidden_layers=3,
+        num_kv_shared_layers=1,
+        global_head_dim=16,
+        vocab_size_per_layer_input=100,
+        hidden_size_per_layer_input=4,
+    ),
+    # Qwen3.5: a gated delta-rule layer, then an attention layer (three in four by default).
+    "qwen3_5_text": dict(_DECODER_8, **_HYBRID),
     # Eager attention with sinks and a 4-token sliding window in every other layer; 4 experts.
     "gpt_oss": dict(_DECODER_8, sliding_window=4, num_local_experts=4, num_experts_per_tok=2),
     # DeepSeek-V3: multi-head latent attention (low-rank q and kv, a value head narrower than
@@ -449,9 +476,11 @@ def _t5(feed_forward_proj):
 
 
 def _moe(model_type):
-    # Four experts, two per token; Qwen2-MoE adds a shared expert (a dense gated MLP).
+    # Four experts, two per token; Qwen2-MoE, Qwen3-Next and Qwen3.5-MoE add a shared expert (a
+    # dense gated MLP).
     config = AutoConfig.for_model(
         model_type,
+        **(_HYBRID if model_type in ("qwen3_next", "qwen3_5_moe_text") else {}),
         vocab_size=100,
         hidden_size=32,
         intermediate_size=64,
@@ -541,15 +570,17 @@ def _llava():
     return AutoModelForImageTextToText.from_config(config), _image_batch(16, token_types=False)
 
 
-def _qwen_vl(model_type, vision):
-    # Qwen2-VL / Qwen2.5-VL: two 16x16 images in 4x4 patches (the vision attention runs one
-    # image at a time), 2x2 patches merged into each of an image's 4 tokens, M-RoPE.
-    text = dict(_LANGUAGE, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})
-    text.pop("head_dim")
+def _qwen_vl(model_type, vision, text=None, **tokens):
+    # Qwen2-VL / Qwen2.5-VL / Qwen3.5: two 16x16 images in 4x4 patches (Qwen2-VL's vision
+    # attention runs one image at a time), 2x2 patches merged into each of an image's 4 tokens;
+    # M-RoPE (Qwen2-VL, Qwen2.5-VL) or the given text config.
+    if text is None:
+        text = dict(_LANGUAGE, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]})
+        text.pop("head_dim")
     vision = dict(vision, patch_size=4, spatial_merge_size=2, temporal_patch_size=2)
     config = AutoConfig.for_model(
         model_type, text_config=text, vision_config=vision, image_token_id=120,
-        video_token_id=121, vision_start_token_id=122,
+        video_token_id=121, vision_start_token_id=122, **tokens,
     )  # fmt: skip
     batch = _image_batch(4, token_types=False)
     batch["pixel_values"] = torch.randn(2 * 16, 3 * 2 * 4 * 4)
@@ -558,7 +589,39 @@ def _qwen_vl(model_type, vision):
     return AutoModelForImageTextToText.from_config(config), batch
 
 
-MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+def _qwen3_5_vl(model_type, **text):
+    # Qwen3.5 (dense or with experts): its ViT before the hybrid decoder (a gated delta-rule
+    # layer, then attention with partial RoPE).
+    vision = dict(
+        depth=2, hidden_size=32, out_hidden_size=32, num_heads=4, intermediate_size=64,
+        num_position_embeddings=16,
+    )  # fmt: skip
+    text = dict(_LANGUAGE, **_HYBRID, **text)
+    return _qwen_vl(model_type, vision, text, vision_end_token_id=123)
+
+
+def _gemma4():
+    # A ViT (RoPE per image axis, its 4x4 patches pooled 2x2 into each image's 4 tokens) before
+    # the tiny Gemma 4 decoder.
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, patch_size=4, pooling_kernel_size=2,
+        position_embedding_size=64,
+    )  # fmt: skip
+    text = dict(TINY_SIZES["gemma4_text"], vocab_size=128, pad_token_id=0)
+    config = AutoConfig.for_model(
+        "gemma4", text_config=text, vision_config=vision, image_token_id=120, boi_token_id=121,
+        eoi_token_id=122, video_token_id=123, audio_token_id=124, boa_token_id=125,
+        eoa_token_index=126,
+    )  # fmt: skip
+    batch = _image_batch(4, token_types=False)
+    batch["pixel_values"] = torch.rand(2, 16, 3 * 4 * 4)
+    grid = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij"), -1)
+    batch["image_position_ids"] = grid.reshape(16, 2).expand(2, 16, 2).clone()
+    return AutoModelForImageTextToText.from_config(config), batch
+
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "qwen3_next", "qwen3_5_moe_text")
 
 MORE_MODELS = {
     "deberta-v2": _deberta,
@@ -585,6 +648,15 @@ MORE_MODELS = {
             fullatt_block_indexes=[1],
         ),
     ),  # fmt: skip
+    "gemma4": _gemma4,
+    "qwen3_5": lambda: _qwen3_5_vl("qwen3_5"),
+    "qwen3_5_moe": lambda: _qwen3_5_vl(
+        "qwen3_5_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=64,
+    ),
 }
 
 

@@ -85,7 +85,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         if layout.note:
             handle.skipped["attention"] = layout.note
         return
-    codec = config.make_codec()
+    codec = _attention_codec(config, layout)
     if not config.attention:
         if not (layout.attention == "eager" and config.dropout and _attention_dropout(model) > 0):
             return
@@ -163,11 +163,26 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
         _point(patched_config, name, previous, handle)
 
 
+def _attention_codec(config: ActQConfig, layout):
+    """The codec of attention's slots: the config's, or uniform rounding at
+    ``layout.attention_min_bits`` where the config's keeps fewer bits a value (averaged or
+    sampled groups count their bits over the group; SmaQ, whose codes have no one width, as
+    fewer), per-slot settings deciding over either."""
+    codec = config.make_codec()
+    least = layout.attention_min_bits
+    bits = getattr(codec, "bits", 0) / getattr(codec, "group_size", 1)
+    if least is None or isinstance(codec, ExactCodec) or bits >= least:
+        return codec
+    return config.codec_for_setting({"codec": "uniform", "bits": least})
+
+
 def _takes_norm_offers(module, layout, state: OpState, path: str, describe, handle) -> bool:
     """Where the model rotates its q/k norms' outputs into q and k and both norms offer them
     (compressed, sharing their outputs), wrap the module's forward so that attention keeps the
     norms' packs (:mod:`hf_actq.ops.rotary`); False where it does not."""
     if layout.qk_norm_rotary is None:
+        return False
+    if layout.qk_norm_rotary_classes and type(module).__name__ not in layout.qk_norm_rotary_classes:
         return False
     if clamps_in_place(module):
         return False

@@ -38,9 +38,11 @@ from hf_actq.ops.state import STATE, OpState, has_hooks, state_of
 DESCRIPTION = "lm_loss chunked linear + cross-entropy (exact; no logits kept)"
 
 
-def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
+def fused_causal_lm_forward(self, *args, logit_scale_of=None, softcap_of=None, **kwargs):
     """The causal LM's forward with the head and loss fused; see the module docstring.
-    ``logit_scale_of(config)`` is what the stock head multiplies its logits by (None: 1)."""
+    ``logit_scale_of(config)`` is what the stock head multiplies its logits by (None: 1),
+    ``softcap_of(config)`` the soft-cap it applies (None: the config's
+    ``final_logit_softcapping``)."""
     if STATE not in self.__dict__:
         return stock_forward_after_revert(self, args, kwargs)
     state = state_of(self)
@@ -88,7 +90,11 @@ def fused_causal_lm_forward(self, *args, logit_scale_of=None, **kwargs):
         labels,
         head.bias,
         shift_labels=shift_labels,
-        softcap=getattr(self.config, "final_logit_softcapping", None),
+        softcap=(
+            getattr(self.config, "final_logit_softcapping", None)
+            if softcap_of is None
+            else softcap_of(self.config)
+        ),
         logit_scale=1.0 if logit_scale_of is None else logit_scale_of(self.config),
         num_items_in_batch=num_items_in_batch,
         # The stock forward hands its extra keywords to the loss too (and to the base model).
@@ -185,11 +191,12 @@ def _forward_signature(cls) -> tuple[inspect.Signature, str | None]:
     return signature, kinds.get(inspect.Parameter.VAR_KEYWORD)
 
 
-def patch_causal_lm_loss(model: nn.Module, handle, logit_scale_of=None) -> bool:
+def patch_causal_lm_loss(model: nn.Module, handle, logit_scale_of=None, softcap_of=None) -> bool:
     """Bind the fused head and loss onto ``model`` when it is a causal LM (``...ForCausalLM``,
     ``...LMHeadModel``; not multi-task heads such as GPT-2's double heads; a decoder-only
     ``...ForConditionalGeneration``: a vision-language model) with a linear head;
-    ``logit_scale_of(config)`` is what its stock head multiplies the logits by."""
+    ``logit_scale_of(config)`` is what its stock head multiplies the logits by, and
+    ``softcap_of(config)`` its soft-cap where the config's ``final_logit_softcapping`` is not."""
     name = type(model).__name__
     vision_language = name.endswith("ForConditionalGeneration") and not getattr(
         model.config, "is_encoder_decoder", False
@@ -203,7 +210,7 @@ def patch_causal_lm_loss(model: nn.Module, handle, logit_scale_of=None) -> bool:
     # from it, and would drop ``input_ids`` for a bare ``*args, **kwargs``).
     forward = functools.wraps(type(model).forward)(
         lambda self, *args, **kwargs: fused_causal_lm_forward(
-            self, *args, logit_scale_of=logit_scale_of, **kwargs
+            self, *args, logit_scale_of=logit_scale_of, softcap_of=softcap_of, **kwargs
         )
     )
     return bind_forward(model, forward, OpState(path=""), "", lambda: DESCRIPTION, handle)

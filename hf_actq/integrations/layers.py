@@ -52,6 +52,8 @@ from hf_actq.ops.norm import (
     rms_norm_form,
     shares_output,
 )
+from hf_actq.ops.packed_checkpoint import Reparametrized
+from hf_actq.ops.recomputed_mixer import is_recomputed_mixer, recomputed_mixer_forward
 from hf_actq.ops.state import STATE, OpState, state_of
 
 # torch's ReLU, tanh and sigmoid keep their *output*. ReLU's 1-bit code is exact, so it replaces
@@ -166,6 +168,20 @@ class Skip:
     """A module a rule recognises and leaves alone, with the reason (``handle.skipped``)."""
 
     reason: str
+
+
+def _recomputed_mixer(module, walk: Walk) -> Patch | None:
+    if not walk.config.attention or not is_recomputed_mixer(module):
+        return None
+    # Its projections, convolution and norm run stock inside it, in both passes.
+    return Patch(
+        recomputed_mixer_forward,
+        {"input": "attention"},
+        "linear attention: its input {input}, the mixer run again in backward",
+        fields={"reparametrized": Reparametrized(module)},
+        claims=tuple(module.modules()),
+        reads_child_weights=True,
+    )
 
 
 def _gated_mlp(module, walk: Walk) -> Patch | None:
@@ -323,9 +339,11 @@ def _dropout(module, walk: Walk) -> Patch | None:
 
 
 # The rules, tried in order on every module: the first that recognises a module (a Patch or a
-# Skip) decides it. Gated MLPs come first, since they run their projections and activation
-# themselves; a model's own modules are matched by type or by the form of their forward.
+# Skip) decides it. Recomputed mixers and gated MLPs come first, since they run their
+# projections (and activation) themselves; a model's own modules are matched by type or by the
+# form of their forward.
 RULES: tuple[Callable[[nn.Module, Walk], Patch | Skip | None], ...] = (
+    _recomputed_mixer,
     _gated_mlp,
     _t5_gated_mlp,
     _fused_gated_mlp,

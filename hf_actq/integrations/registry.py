@@ -41,11 +41,20 @@ class ModelLayout:
     causal_lm_loss: bool = False
     # What that head multiplies its logits by, from the model's config (None: 1).
     logit_scale: Callable[[object], float] | None = None
+    # Its final soft-cap, from the model's config (None: the config's final_logit_softcapping).
+    logit_softcap: Callable[[object], float | None] | None = None
     # The encoder-decoder head (T5, BART): see hf_actq.integrations.seq2seq_lm.
     seq2seq_lm_loss: bool = False
     # Attention's q and k are RoPE of its q_norm's and k_norm's outputs, laid out as this says
     # (hf_actq.ops.rotary.LAYOUTS): attention keeps the norms' packs instead of its own.
     qk_norm_rotary: str | None = None
+    # The attention classes that layout holds for, where a model has others with q/k norms that
+    # rotate otherwise (Gemma 4's vision tower: RoPE per image axis); empty: every one.
+    qk_norm_rotary_classes: tuple[str, ...] = ()
+    # The fewest bits attention's q, k and v take where the recipe's codec has fewer (uniform
+    # rounding at these bits instead; per-slot settings and plans still decide): for attention
+    # whose logits a rounding of q, k or v moves further than usual (Gemma 4's, below).
+    attention_min_bits: int | None = None
 
 
 _EAGER = ModelLayout("eager")
@@ -60,6 +69,22 @@ _SDPA_SOFTCAPPED = ModelLayout(
 # heads (OLMo-2, OLMo-3), or on attention's own layout (Gemma 3).
 _SDPA_QK_HEADS = ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="heads")
 _SDPA_QK_FLAT = ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="flat")
+_SDPA_LOGIT_SCALE = ModelLayout(
+    "sdpa", causal_lm_loss=True, logit_scale=lambda config: config.logit_scale
+)
+# Gemma 4 does not scale its attention logits (``scaling`` 1.0 on normalized q and k), so a
+# rounding of q, k or v moves them sqrt(head_dim) times further than where logits are divided
+# by sqrt(head_dim): on the tiny Gemma 4 of the tests, 4-bit q, k, v took the gradient's cosine
+# with the exact one from 0.973 (attention exact) to 0.895, 8-bit ones to 0.975.
+_GEMMA4 = ModelLayout(
+    "sdpa",
+    causal_lm_loss=True,
+    qk_norm_rotary="heads",
+    qk_norm_rotary_classes=("Gemma4TextAttention",),
+    attention_min_bits=8,
+    # The vision-language head soft-caps by its text config's value (the top level has none).
+    logit_softcap=lambda config: config.get_text_config().final_logit_softcapping,
+)
 
 MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "bert": _EAGER,
@@ -122,18 +147,31 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # norms over all heads, a sliding window on three layers in four).
     "glm4": _SDPA,
     "olmo3": _SDPA_QK_FLAT,
+    # Ministral 3 (Mistral's attention, its RoPE scaled by position).
+    "ministral3": _SDPA,
+    # Gemma 4: q/k norms per head before RoPE, a scale-free norm on v, layers that reuse an
+    # earlier layer's k and v, per-layer token inputs; its head soft-caps when configured.
+    "gemma4_text": _GEMMA4,
+    # Gemma 4 as released: its vision tower's attention (q/k/v norms, unscaled logits, RoPE per
+    # image axis) compressed as its decoder's, but packing q and k itself.
+    "gemma4": _GEMMA4,
+    # Qwen3.5: three gated delta-rule (linear attention) layers in four, whose projections and
+    # norms are found by type; its attention layers gate their output and norm q and k per head.
+    "qwen3_5_text": _SDPA_QK_HEADS,
     # Heads that scale their logits.
     "granite": ModelLayout(
         "sdpa", causal_lm_loss=True, logit_scale=lambda config: 1 / config.logits_scaling
     ),
-    "cohere": ModelLayout(
-        "sdpa", causal_lm_loss=True, logit_scale=lambda config: config.logit_scale
-    ),
+    "cohere": _SDPA_LOGIT_SCALE,
+    "cohere2": _SDPA_LOGIT_SCALE,  # Command R7B and Command A: sliding-window layers in the mask
     # Mixture-of-experts decoders: their experts are found by structure (patch_experts).
     "mixtral": _SDPA,
     "qwen2_moe": _SDPA,
     "qwen3_moe": _SDPA_QK_HEADS,
     "olmoe": _SDPA_QK_FLAT,  # q/k norms over all heads (not where clip_qkv clamps them in place)
+    # Qwen3-Next and Qwen3.5-MoE: Qwen3.5's hybrid layers (see qwen3_5_text) with experts.
+    "qwen3_next": _SDPA_QK_HEADS,
+    "qwen3_5_moe_text": _SDPA_QK_HEADS,
     "glm4_moe": _SDPA,  # GLM-4.5: group-limited routing, a shared expert
     "ernie4_5_moe": _SDPA,
     "deepseek_v3": _SDPA,  # latent attention: q, k, v (a narrower v) as AttentionInterface gets them
@@ -156,6 +194,9 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "llava": _SDPA,
     "qwen2_vl": _SDPA,  # its vision attention calls the op one image at a time
     "qwen2_5_vl": _SDPA,
+    # Qwen3.5 as released (dense and with experts): a ViT and the hybrid decoder of qwen3_5_text.
+    "qwen3_5": _SDPA_QK_HEADS,
+    "qwen3_5_moe": _SDPA_QK_HEADS,
     "bart": ModelLayout("eager", seq2seq_lm_loss=True),
     # T5 passes its relative position bias to the attention function, which takes its gradient;
     # only SDPA is patched (the compressed eager op has no bias input).
@@ -177,7 +218,10 @@ def apply_generic(
     cache = PackCache()
     exclude = patch_experts(model, config, handle, cache)
     fused = config.fused_loss and (
-        (layout.causal_lm_loss and patch_causal_lm_loss(model, handle, layout.logit_scale))
+        (
+            layout.causal_lm_loss
+            and patch_causal_lm_loss(model, handle, layout.logit_scale, layout.logit_softcap)
+        )
         or (layout.seq2seq_lm_loss and patch_seq2seq_lm_loss(model, handle))
     )
     if fused:

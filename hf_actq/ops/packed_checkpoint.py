@@ -161,7 +161,7 @@ class _Call:
     """One checkpointed call: the function and its non-tensor arguments, and after the first
     pass how to rebuild its output."""
 
-    def __init__(self, func, leaves, spec, tensor_index, packed_index, codec):
+    def __init__(self, func, leaves, spec, tensor_index, packed_index, codec, pack=None):
         # The tensors are the node's inputs, never held here: a reference to the layer's input
         # would keep it at full precision until backward, as stock checkpointing does.
         self.func, self.spec = func, spec
@@ -169,6 +169,7 @@ class _Call:
         self.tensor_index = tensor_index  # leaf positions of the node's tensor inputs
         self.packed_index = packed_index  # position among those of the packed input, or None
         self.codec = codec
+        self.pack = pack  # packs the input in place of ``codec.pack`` (through a pack cache)
         self.replays_choices = False  # whether the recompute replays the first pass's topk
         self.out_spec = self.out_leaves = self.out_tensor_index = None
 
@@ -206,9 +207,13 @@ class PackedCheckpointFunction(torch.autograd.Function):
         kept = list(inputs)
         ctx.header = None
         if call.packed_index is not None:
-            source = inputs[call.packed_index].detach()
-            # The pack cache's seed: drawn on the device while a CUDA graph is captured.
-            packed = call.codec.pack(source, PackCache.seed_for(call.codec, None, source.device))
+            source = inputs[call.packed_index]
+            if call.pack is not None:
+                packed = call.pack(source)
+            else:
+                # The pack cache's seed: drawn on the device while a CUDA graph is captured.
+                seed = PackCache.seed_for(call.codec, None, source.device)
+                packed = call.codec.pack(source.detach(), seed)
             ctx.header = packed.with_tensors(())
             ctx.n_packed = len(packed.tensors)
             kept[call.packed_index] = None
@@ -464,12 +469,14 @@ def packed_checkpoint(
     reparametrized: Reparametrized | None = None,
     layer: torch.nn.Module | None = None,
     traceable: bool = True,
+    pack=None,
     **kwargs,
 ):
     """Run ``function(*args, **kwargs)`` keeping only its first positional argument, packed by
     ``codec``, and recompute it in backward (the ``_gradient_checkpointing_func`` of a
     ``GradientCheckpointingLayer``, given as ``layer`` when installed). Under ``no_grad`` it
-    just calls ``function``. ``traceable=False`` keeps the eager form under torch.compile."""
+    just calls ``function``. ``traceable=False`` keeps the eager form under torch.compile;
+    ``pack(x)``, where given, packs the first argument instead of ``codec`` (eager form only)."""
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
     func, bound_args, bound_kwargs = function, (), {}
@@ -497,11 +504,12 @@ def packed_checkpoint(
     frozen = modules and not any(p.requires_grad for m in modules for p in m.parameters())
     if frozen and not inputs_need_grad:
         return function(*args, **kwargs)  # nothing to keep or recompute
-    call = _Call(func, leaves, spec, tensor_index, packed_index, codec)
+    call = _Call(func, leaves, spec, tensor_index, packed_index, codec, pack)
     call.replays_choices = reparametrized is not None and reparametrized.routes_tokens
     if (
         torch.compiler.is_compiling()
         and traceable
+        and pack is None
         and reparametrized is not None
         and modules == [reparametrized.layer]
         and not (reparametrized.draws_random_numbers and modules[0].training)

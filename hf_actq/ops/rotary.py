@@ -44,7 +44,7 @@ NORMS = {"q": "q_norm", "k": "k_norm"}
 class RotaryPacked(Packed):
     """Attention's q or k (``shape``: ``[batch, heads, seq, dim]``) as RoPE of its norm's
     offered form: ``tensors`` are that form's, then the call's cos and sin (``[batch or 1, seq,
-    dim]``, the tensors stock RoPE's backward keeps)."""
+    dim]``, or narrower under partial RoPE: the tensors stock RoPE's backward keeps)."""
 
     source: Packed | None = None  # the norm's offered form, without its tensors
     layout: str = "heads"
@@ -61,10 +61,16 @@ class RotaryPacked(Packed):
             value = value.view(batch, seq, heads, dim)
         if self.layout != "attention":
             value = value.transpose(1, 2)
-        # transformers' apply_rotary_pos_emb, operation for operation.
-        half = dim // 2
-        rotated = torch.cat((-value[..., half:], value[..., :half]), dim=-1)
-        return ((value * cos) + (rotated * sin)).to(self.dtype)
+        # transformers' apply_rotary_pos_emb, operation for operation; where cos and sin are
+        # narrower than a head (partial RoPE: Qwen3.5 rotates a quarter), the rest passes.
+        width = cos.shape[-1]
+        rotating = value[..., :width] if width < dim else value
+        half = width // 2
+        rotated = torch.cat((-rotating[..., half:], rotating[..., :half]), dim=-1)
+        embedded = (rotating * cos) + (rotated * sin)
+        if width < dim:
+            embedded = torch.cat([embedded, value[..., width:]], dim=-1)
+        return embedded.to(self.dtype)
 
 
 def _norm_shape(layout: str, shape: torch.Size) -> tuple[int, ...]:
@@ -93,12 +99,13 @@ def rotated_pack(state: OpState, x: torch.Tensor, slot: str, codec: Codec) -> Pa
     layout = state.qk_norm_rotary
     dim = x.shape[-1]
     if (
-        dim % 2
-        or tuple(entry.header.shape) != _norm_shape(layout, x.shape)
+        tuple(entry.header.shape) != _norm_shape(layout, x.shape)
         or cos.shape != sin.shape
         or cos.dim() != 3
         or cos.shape[0] not in (1, x.shape[0])
-        or tuple(cos.shape[1:]) != (x.shape[2], dim)
+        or cos.shape[1] != x.shape[2]
+        or cos.shape[2] % 2
+        or cos.shape[2] > dim
     ):
         return None
     found = PackCache.take_offered(entry, x, codec, state.slot_id(slot))

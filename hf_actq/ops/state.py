@@ -101,6 +101,9 @@ class OpState:
     # (:mod:`hf_actq.ops.rotary`).
     qk_norm_rotary: str | None = None
     rotary: tuple | None = None
+    # Modules run again in backward from their packed input (ops/recomputed_mixer.py): the
+    # module as the recompute swaps its trainable parameters in (a ``Reparametrized``).
+    reparametrized: object | None = None
 
     def __reduce_ex__(self, protocol):
         raise TypeError(NOT_PICKLABLE)

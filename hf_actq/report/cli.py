@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--layers",
         choices=("auto", "all", "scaled"),
         default="auto",
-        help="all: build every layer; scaled: measure 1 and 2 layers and extrapolate (the "
-        "peak: each phase's on its own, the largest taken); "
+        help="all: build every layer; scaled: measure 1 and 2 layers (a hybrid's repeating run "
+        "of layer kinds once and twice) and extrapolate (the peak: each phase's on its own, the "
+        "largest taken); "
         "auto: all when it fits comfortably in memory",
     )
     parser.add_argument(

@@ -124,7 +124,10 @@ def measure_model(
         layers = "all" if fits_on_device(config, task, dtype, device) else "scaled"
     if decoder_layers(config) not in (None, num_layers):
         layers = "all"  # scaling one depth for both stacks would misstate the decoder
-    measured_layers = [num_layers] if layers == "all" or num_layers <= 2 else [1, 2]
+    period = layer_period(config)
+    if layers == "scaled" and (num_layers % period or num_layers <= 2 * period):
+        layers = "all"  # no whole number of periods to extrapolate by
+    measured_layers = [num_layers] if layers == "all" or num_layers <= 2 else [period, 2 * period]
 
     results = []
     total_steps = len(parsed) * len(measured_layers)
@@ -145,7 +148,7 @@ def measure_model(
             plan_from = runs[0][2]
         measurement = runs[0][0]
         if len(runs) == 2:
-            measurement = _extrapolate(runs[0][0], runs[1][0], num_layers)
+            measurement = _extrapolate(runs[0][0], runs[1][0], num_layers // period)
         as_dict = actq_config.to_dict() if isinstance(actq_config, ActQConfig) else None
         _, patched, plan, kinds = runs[-1]
         if plan is not None:
@@ -177,9 +180,29 @@ def measure_model(
     )
 
 
-def _extrapolate(one: Measurement, two: Measurement, num_layers: int) -> Measurement:
+# Layer kinds that differ in their modules, not only in their mask: a hybrid decoder's
+# linear-attention (Qwen3.5, Qwen3-Next) or state-space layers beside its attention ones.
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def layer_period(config) -> int:
+    """How many layers repeat: 1, or for a text config whose ``layer_types`` mix layers of other
+    modules (Qwen3.5: three linear-attention layers, then an attention one) the shortest
+    repeating run of them, which a scaled report measures once and twice."""
+    kinds = getattr(text_config(config), "layer_types", None)
+    if not isinstance(kinds, list) or not kinds:
+        return 1
+    kinds = ["attention" if kind in _ATTENTION_KINDS else kind for kind in kinds]
+    return next(
+        p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))
+    )
+
+
+def _extrapolate(one: Measurement, two: Measurement, periods: int) -> Measurement:
+    """The measurement at ``periods`` times the depth of ``one`` (``two``: at twice it)."""
+
     def scale(a, b):
-        return a + (num_layers - 1) * (b - a)
+        return a + (periods - 1) * (b - a)
 
     figures = {name: scale(getattr(one, name), getattr(two, name)) for name in _FIGURES}
     kinds = set(one.by_kind) | set(two.by_kind)

@@ -52,7 +52,8 @@ class MemoryReport:
     model: str
     model_type: str
     num_layers: int
-    measured_layers: list[int]  # [num_layers] when whole, [1, 2] when extrapolated
+    # [num_layers] when whole; [1, 2] when extrapolated ([4, 8] for a hybrid repeating every 4)
+    measured_layers: list[int]
     batch_size: int
     seq_len: int
     dtype: str

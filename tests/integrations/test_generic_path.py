@@ -2,7 +2,7 @@
 that says so and what it patched, a forward bit-identical to the unpatched model's, gradients
 within the documented bounds (docs/reference.md, "Gradient error per recipe"), fewer bytes kept,
 and a revert that leaves the model as it was. The toy model in test_apply.py shows the warning;
-these are the decoders a user may bring (OPT, Falcon, GPT-J, BLOOM, Nemotron, Cohere 2, PhiMoE)."""
+these are the decoders a user may bring (OPT, Falcon, GPT-J, BLOOM, Nemotron, Arcee, PhiMoE)."""
 
 import copy
 import logging
@@ -24,7 +24,7 @@ UNREGISTERED = {
     "gptj": {"rotary_dim": 4},
     "bloom": {},
     "nemotron": {},
-    "cohere2": {},
+    "arcee": {},
     "phimoe": {"router_jitter_noise": 0.0, "input_jitter_noise": 0.0},
 }
 SIZES = dict(

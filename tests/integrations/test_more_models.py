@@ -14,6 +14,8 @@ from hf_actq import ActQConfig, SavedTensorMeter
 from hf_actq.integrations.transformers import MODEL_TYPE_TO_APPLY_FN
 from hf_actq.testing import MOE, MORE_MODELS, more_model, tiny_batch, tiny_model
 
+VISION_LANGUAGE = ["gemma3", "gemma4", "llava", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"]
+
 
 def _step(model, batch):
     model.zero_grad()
@@ -58,7 +60,7 @@ def test_fewbit_keeps_the_loss_bit_identical_with_fewer_bytes_and_reverts(name):
     assert all(torch.equal(a, b) for a, b in zip(reverted_grads, grads))
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", VISION_LANGUAGE)
 def test_vision_language_heads_take_the_fused_loss(name):
     model, batch = more_model(name)
     stock = model(**batch)
@@ -82,7 +84,7 @@ def test_vision_language_heads_take_the_fused_loss(name):
     tokens = batch["input_ids"].numel()
     assert meter.by_kind().get("lm_loss", 0) < tokens * model.config.text_config.vocab_size * 4
     # A loss of the user's own: the stock head and that loss run.
-    model.loss_function = lambda logits, labels, **kwargs: logits.float().square().mean()
+    model.loss_function = lambda logits, labels, *args, **kwargs: logits.float().square().mean()
     custom = model(**batch)
     assert custom.logits is not None
     torch.testing.assert_close(custom.loss, stock.logits.float().square().mean())
@@ -672,7 +674,7 @@ def test_bf16_autocast_step_follows_the_unpatched_one(name):
             assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
 
 
-@pytest.mark.parametrize("name", ["gemma3", "llava", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", VISION_LANGUAGE)
 def test_vision_language_models_keep_the_documented_gradient_bound_at_3_bits(name):
     """docs/reference.md: "uniform" at 3 bits, whole-model gradient cosine above 0.86
     on every registered type; the vision-language models measured 0.93-0.996 (3 seeds each,
@@ -688,3 +690,24 @@ def test_vision_language_models_keep_the_documented_gradient_bound_at_3_bits(nam
     pairs = [(g, p) for g, p in zip(grads, patched) if g is not None]
     whole = _cosine(*(torch.cat([t.flatten() for t in side]) for side in zip(*pairs)))
     assert whole > 0.86, whole
+
+
+def test_gemma4_soft_caps_its_fused_loss_by_its_text_configs_value():
+    """Gemma 4's vision-language head soft-caps with ``text_config.final_logit_softcapping``
+    (its composite config has none at its top level): the fused loss takes it from there."""
+    model, batch = more_model("gemma4")
+    model.config.get_text_config().final_logit_softcapping = 0.5  # small: the cap shows
+    stock = model(**batch)
+    stock.loss.backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    want = [p.grad.clone() for p in params]
+    model.zero_grad()
+    off = dict(activations=False, linear=False, norm=False, gated_mlp=False, attention=False)
+    handle = hf_actq.apply(model, ActQConfig(**off, dropout=False))
+    fused = model(**batch)
+    fused.loss.backward()
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, stock.loss, rtol=1e-6, atol=1e-6)
+    for p, grad in zip(params, want):
+        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-6)
+    handle.revert()

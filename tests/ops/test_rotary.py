@@ -15,22 +15,26 @@ from hf_actq.integrations.registry import MODEL_LAYOUTS
 from hf_actq.kernels.packing import allocation_bytes
 from hf_actq.ops.rotary import RotaryPacked
 from hf_actq.ops.state import STATE
-from hf_actq.testing import metered_step, more_model, tiny_batch, tiny_model
+from hf_actq.testing import MORE_MODELS, metered_step, more_model, tiny_batch, tiny_model
 
 ROTARY_MODELS = sorted(t for t, layout in MODEL_LAYOUTS.items() if layout.qk_norm_rotary)
 
 
 def _model(model_type: str):
-    if model_type in ("qwen3_moe", "olmoe", "gemma3"):
+    if model_type in MORE_MODELS:
         return more_model(model_type)
     return tiny_model(model_type), tiny_batch(model_type)
 
 
 def _first_attention(model):
+    """The first attention module with q/k norms that the model's layout rotates."""
+    classes = MODEL_LAYOUTS[model.config.model_type].qk_norm_rotary_classes
     return next(
         m
         for m in model.modules()
-        if type(m).__name__.endswith("Attention") and hasattr(m, "q_norm")
+        if type(m).__name__.endswith("Attention")
+        and hasattr(m, "q_norm")
+        and (not classes or type(m).__name__ in classes)
     )
 
 
@@ -44,7 +48,8 @@ def _patched(model, rotary: bool = True):
 
 def test_every_registered_model_with_qk_norms_is_covered():
     assert set(ROTARY_MODELS) == {
-        "gemma3", "gemma3_text", "olmo2", "olmo3", "olmoe", "qwen3", "qwen3_moe",
+        "gemma3", "gemma3_text", "gemma4", "gemma4_text", "olmo2", "olmo3", "olmoe", "qwen3", "qwen3_5",
+        "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next",
     }  # fmt: skip
 
 
@@ -100,10 +105,12 @@ def _pack_bytes(shape) -> int:
     return allocation_bytes(codec.layout(torch.Size(shape)))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "gemma3_text", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3", "olmo2", "gemma3_text", "qwen3_moe", "qwen3_5_text"]
+)
 def test_attention_keeps_the_norms_packs_instead_of_its_own(model_type):
     """Exactly the q and k packs fewer bytes, the same forward, gradients as close to stock as
-    with attention's own packs."""
+    with attention's own packs (Qwen3.5: partial RoPE, and attention in one layer of two)."""
     model, batch = _model(model_type)
     config = model.config
     tokens = batch["input_ids"].numel()
@@ -117,7 +124,8 @@ def test_attention_keeps_the_norms_packs_instead_of_its_own(model_type):
         torch.manual_seed(3)
         results[rotary] = metered_step(_patched(model, rotary), batch)
     own, taken = results[False], results[True]
-    assert own[2] - taken[2] == per_layer * config.num_hidden_layers
+    layers = sum(hasattr(m, "q_norm") for m in model.modules())
+    assert own[2] - taken[2] == per_layer * layers
     assert torch.equal(taken[0], stock[0])
 
     def cosine(grads):
@@ -218,3 +226,20 @@ def test_olmoe_clamping_its_norms_outputs_in_place_keeps_attention_packing_its_o
 
 def handle_path(model, module) -> str:
     return next(path for path, m in model.named_modules() if m is module)
+
+
+def test_attention_that_rotates_otherwise_packs_its_own_q_and_k():
+    """Gemma 4's vision tower normalizes q and k too but rotates them per image axis, which the
+    registry's layout does not rebuild: only its decoder's attention takes the norms' packs."""
+    model, batch = more_model("gemma4")
+    handle = hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("uniform", bits=8))
+    rotary = {
+        path: STATE in m.__dict__ and m.__dict__[STATE].qk_norm_rotary is not None
+        for path, m in model.named_modules()
+        if path.endswith("self_attn")
+    }
+    # (the decoder's last layer reuses the one before's k and v: it has no k norm to take)
+    assert not any(taken for p, taken in rotary.items() if "vision" in p), rotary
+    assert any(taken for p, taken in rotary.items() if "language_model" in p), rotary
+    model(**batch).loss.backward()
+    handle.revert()

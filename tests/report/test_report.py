@@ -55,6 +55,29 @@ def test_layer_extrapolation_matches_the_whole_model():
     assert "extrapolated linearly to 4" in scaled.to_markdown()
 
 
+def test_a_hybrid_decoder_is_extrapolated_by_whole_runs_of_its_layer_kinds():
+    """Qwen3.5 repeats a linear-attention and an attention layer (here; three and one as
+    released): the scaled report measures one run and two, and matches the whole model; a
+    sliding/full mix of attention layers scales by single layers."""
+    from transformers import AutoConfig
+
+    from hf_actq.report.measure import layer_period
+    from hf_actq.testing import TINY_SIZES
+
+    sizes = dict(TINY_SIZES["qwen3_5_text"], num_hidden_layers=6, vocab_size=100)
+    sizes["layer_types"] = ["linear_attention", "full_attention"] * 3
+    config = AutoConfig.for_model("qwen3_5_text", **sizes)
+    assert layer_period(config) == 2
+    assert layer_period(AutoConfig.for_model("gemma3_text")) == 1
+    kwargs = dict(batch_size=1, seq_len=8)
+    whole = measure_model(config, ["uniform"], layers="all", **kwargs)
+    scaled = measure_model(config, ["uniform"], layers="scaled", **kwargs)
+    assert whole.measured_layers == [6] and scaled.measured_layers == [2, 4]
+    for a, b in zip(whole.results, scaled.results):
+        for name in ("activation_bytes", "param_bytes", "optimizer_bytes"):
+            assert getattr(a.measurement, name) == getattr(b.measurement, name), name
+
+
 @pytest.mark.slow  # 24 s: a 32000-token vocabulary at 1 to 24 layers
 def test_the_peak_is_extrapolated_per_phase_when_its_phase_changes_with_depth():
     """Stock logits of a large vocabulary hold the peak at the head's backward in 1 and 2

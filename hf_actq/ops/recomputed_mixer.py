@@ -1,0 +1,99 @@
+"""Linear-attention token mixers kept as their packed input and run again in backward.
+
+Qwen3.5 and Qwen3-Next mix tokens with a gated delta rule in three layers of four
+(``...GatedDeltaNet``): input projections, a causal depthwise convolution, the chunked delta
+rule, a gated RMSNorm and an output projection. Stock autograd keeps what each of those saves:
+without flash-linear-attention's kernels, the chunked rule's fp32 intra-chunk matrices and every
+chunk's state (on the tiny Qwen3.5 of the tests, 0.8 of its 1.0 MB); with them, still q, k, v,
+the gates and fp32 chunk matrices, several times the layer's input. Here the mixer keeps its
+input alone, packed by the slot's codec (the norm before it offers its output, so under the
+recipes that share norm outputs it keeps nothing of its own), and its backward runs the stock
+forward again from the unpacked input, as the "checkpoint" recipe does for whole layers
+(:func:`hf_actq.ops.packed_checkpoint.packed_checkpoint`): the forward is the stock one, and the
+gradient is the stock backward's at the input rounded once, every tensor inside the mixer exact
+given that input.
+
+Where it runs stock: without grad, under torch.compile, and where the call would read or write
+recurrent state other than its own (a cache that already holds this layer's state: generation,
+or intermediate states kept for speculative decoding). A cache the model makes for a training
+forward (``use_cache``) is written by the first pass as the stock forward writes it; the
+recompute runs without it (a fresh cache gives the same output as none) and never holds it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+
+import torch
+from torch import nn
+
+from hf_actq.ops.packed_checkpoint import packed_checkpoint
+from hf_actq.ops.state import state_of
+
+SLOTS = ("input",)
+
+
+def is_recomputed_mixer(module: nn.Module) -> bool:
+    """A gated delta-rule mixer of transformers' form: ``forward(hidden_states, cache,
+    attention_mask, **kwargs)`` on ``[batch, seq, hidden]``, with a ``layer_idx``."""
+    return type(module).__name__.endswith("GatedDeltaNet") and hasattr(module, "layer_idx")
+
+
+def recomputed_mixer_forward(self, *args, **kwargs):
+    state = state_of(self)
+    if "hidden_states" in kwargs:  # the decoder layer passes it by name
+        args = (kwargs.pop("hidden_states"), *args)
+    name = _cache_parameter(type(self))
+    if len(args) > 1:  # the cache goes by name, so that the recompute can leave it out
+        kwargs[name] = args[1]
+        args = (args[0], *args[2:])
+    cache = kwargs.get(name)
+    if (
+        not args
+        or not torch.is_grad_enabled()
+        or torch.compiler.is_compiling()
+        or not _fresh(cache, self.layer_idx)
+    ):
+        return state.plain(*args, **kwargs)
+    kwargs.pop(name, None)
+    cache_ref = None if cache is None else weakref.ref(cache)
+    return packed_checkpoint(
+        functools.partial(_run, self, name, cache_ref),
+        *args,
+        codec=state.codecs["input"],
+        reparametrized=state.reparametrized,
+        pack=functools.partial(state.pack, slot="input"),
+        **kwargs,
+    )
+
+
+def _run(module: nn.Module, name: str, cache_ref, hidden_states, *args, **kwargs):
+    """The stock forward: with the model's cache in the first pass (under no_grad), without it
+    in the recompute."""
+    cache = cache_ref() if cache_ref is not None and not torch.is_grad_enabled() else None
+    return state_of(module).plain(hidden_states, *args, **{name: cache}, **kwargs)
+
+
+@functools.cache
+def _cache_parameter(mixer_class: type) -> str:
+    """The name of the forward's cache parameter, the one after ``hidden_states``: ``cache``
+    (transformers 5.25), ``cache_params`` (before)."""
+    names = list(inspect.signature(mixer_class.forward).parameters)
+    return names[2] if len(names) > 2 and "cache" in names[2] else "cache"
+
+
+def _fresh(cache, layer_idx: int) -> bool:
+    """Whether ``cache`` holds no state of layer ``layer_idx`` and keeps no intermediate
+    states (None counts as fresh); False where it cannot tell."""
+    if cache is None:
+        return True
+    try:
+        if cache.has_previous_state(layer_idx):
+            return False
+        # Intermediate states for speculative decoding (transformers 5.25; none before).
+        keep = getattr(cache, "get_recurrent_states_to_keep", None)
+        return keep is None or not keep(layer_idx)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return False
