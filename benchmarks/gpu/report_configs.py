@@ -1,7 +1,9 @@
 """Writes the config folders that memory reports name in place of a preset, so that a lent
 device (which gets no folder but the working tree) can re-run them: ``gemma3-1b-v32k``, Gemma 3
-1B's shapes with a 32,768-token vocabulary (docs/memory.md, "Gemma"), and ``gemma3-2l``, its
-first two layers (``benchmarks/results/memory_gemma3_2l``).
+1B's shapes with a 32,768-token vocabulary (docs/memory.md, "Gemma"), ``gemma3-2l``, its
+first two layers (``benchmarks/results/memory_gemma3_2l``), and ``qwen3_5-text-defaults``,
+transformers' own Qwen3.5 text config (hidden 4096, 32 layers, three gated delta-rule layers in
+four, a 248,320-token vocabulary: the defaults, not a released checkpoint's shapes).
 
     python benchmarks/gpu/report_configs.py --out .
 """
@@ -28,7 +30,17 @@ def gemma3_2l():
     return config
 
 
-CONFIGS = {"gemma3-1b-v32k": gemma3_1b_v32k, "gemma3-2l": gemma3_2l}
+def qwen3_5_text_defaults():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("qwen3_5_text")
+
+
+CONFIGS = {
+    "gemma3-1b-v32k": gemma3_1b_v32k,
+    "gemma3-2l": gemma3_2l,
+    "qwen3_5-text-defaults": qwen3_5_text_defaults,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
