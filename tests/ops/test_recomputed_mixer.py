@@ -175,3 +175,19 @@ def test_lora_on_the_mixers_projections_trains_as_stock():
     trained = [i for i, p in enumerate(lora.parameters()) if p.requires_grad]
     assert any("in_proj_qkv.lora_A" in n for n, p in lora.named_parameters() if p.requires_grad)
     assert all(torch.equal(got[i], grads[i]) for i in trained)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_under_stock_checkpointing_the_gradients_stay_the_stock_ones(reentrant):
+    """Inside a layer that transformers' checkpointing runs again, the mixer runs its own
+    recompute in that recompute's backward: with its input exact, stock gradients bit for bit."""
+    model, batch = _model("qwen3_5_text")
+    _, grads, _ = metered_step(model, batch)
+    patched = copy.deepcopy(model)
+    hf_actq.apply(patched, ActQConfig(**_EXACT))
+    # activation_checkpointing_enable since transformers 5.23, gradient_... before
+    prefix = "activation" if hasattr(patched, "activation_checkpointing_enable") else "gradient"
+    options = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": reentrant}}
+    getattr(patched, f"{prefix}_checkpointing_enable")(**options)
+    patched.train()
+    assert _equal(metered_step(patched, batch)[1], grads)
