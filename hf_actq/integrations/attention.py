@@ -149,7 +149,7 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
                 ExactCodec() if codec is None else slot_codec(config, state.slot_id(slot), codec)
             )
         describe = functools.partial(_describe, kind, state)
-        if not _takes_norm_offers(module, layout, state, path, describe, handle):
+        if not _takes_norm_offers(module, layout, state, path, describe, handle, config):
             handle.record(path, describe, undo=functools.partial(remove_state, module))
             set_state(module, state)
         handle.add_slots(state, dict.fromkeys(slots, "attention"))
@@ -176,10 +176,14 @@ def _attention_codec(config: ActQConfig, layout):
     return config.codec_for_setting({"codec": "uniform", "bits": least})
 
 
-def _takes_norm_offers(module, layout, state: OpState, path: str, describe, handle) -> bool:
+def _takes_norm_offers(
+    module, layout, state: OpState, path: str, describe, handle, config: ActQConfig
+) -> bool:
     """Where the model rotates its q/k norms' outputs into q and k and both norms offer them
     (compressed, sharing their outputs), wrap the module's forward so that attention keeps the
-    norms' packs (:mod:`hf_actq.ops.rotary`); False where it does not."""
+    norms' packs (:mod:`hf_actq.ops.rotary`); False where it does not. A norm with no per-slot
+    setting of its own packs with the codec of the slot it feeds, where that one differs (Gemma
+    4's q and k at 8 bits): one pack at the slot's precision, not a pack of each."""
     if layout.qk_norm_rotary is None:
         return False
     if layout.qk_norm_rotary_classes and type(module).__name__ not in layout.qk_norm_rotary_classes:
@@ -195,8 +199,15 @@ def _takes_norm_offers(module, layout, state: OpState, path: str, describe, hand
     state.qk_norm_rotary = layout.qk_norm_rotary
     if not bind_forward(module, rotary_attention_forward, state, path, describe, handle):
         return False
-    for norm_state in norm_states:
+    for slot, norm_state in zip(NORMS, norm_states):
         norm_state.record_offer = True
+        codec = state.codecs[slot]
+        if (
+            not isinstance(codec, ExactCodec)
+            and config.setting_for(norm_state.slot_id("input")) is None
+        ):
+            norm_state.codecs["input"] = codec
+            handle.redescribe(norm_state.path)
     return True
 
 

@@ -76,6 +76,11 @@ class ActQHandle:
             self.describers[path] = describe
             self.patched[path] = shown
 
+    def redescribe(self, path: str) -> None:
+        """Show module ``path`` in ``handle.patched`` as it is now (a later patch changed it)."""
+        if path in self.describers:
+            self.patched[path] = self.describers[path]()
+
     def add_slots(self, state: OpState, kinds: dict[str, str]) -> None:
         """Register the compressed slots of ``state`` (``kinds``: slot name -> kind)."""
         for slot, kind in kinds.items():
@@ -114,8 +119,8 @@ class ActQHandle:
             else:
                 state.codecs[slot] = value
         self.plan = plan
-        for path, describe in self.describers.items():
-            self.patched[path] = describe()
+        for path in self.describers:
+            self.redescribe(path)
 
     def list_slots(self, batch) -> dict:
         """Slot id -> :class:`~hf_actq.adaptive.calibrate.SlotInfo` (shape, codec, bytes,

@@ -243,3 +243,19 @@ def test_attention_that_rotates_otherwise_packs_its_own_q_and_k():
     assert any(taken for p, taken in rotary.items() if "language_model" in p), rotary
     model(**batch).loss.backward()
     handle.revert()
+
+
+def test_q_k_norms_pack_at_the_precision_of_the_q_and_k_they_feed():
+    """Gemma 4's q and k take 8 bits under "uniform" 4 (unscaled logits): its q/k norms pack
+    at 8 bits too, so attention takes their packs, one at 8 bits where a 4-bit norm pack and an
+    8-bit q/k pack would be kept; a per-slot setting of the norms' own keeps both."""
+    model, batch = _model("gemma4_text")
+    results = {}
+    for name, slots in (("follow", {}), ("own", {"re:(q|k)_norm:input$": {"bits": 4}})):
+        patched = copy.deepcopy(model)
+        handle = hf_actq.apply(patched, hf_actq.ActQConfig.from_recipe("uniform", slots=slots))
+        norm = patched.model.layers[0].self_attn.q_norm
+        results[name] = (norm.__dict__[STATE].codecs["input"].bits, metered_step(patched, batch)[2])
+        assert f"bits={results[name][0]}" in handle.patched["model.layers.0.self_attn.q_norm"]
+    assert results["follow"][0] == 8 and results["own"][0] == 4
+    assert results["follow"][1] < results["own"][1]
