@@ -173,14 +173,14 @@ class Skip:
 def _recomputed_mixer(module, walk: Walk) -> Patch | None:
     if not walk.config.attention or not is_recomputed_mixer(module):
         return None
-    # Its projections, convolution and norm run stock inside it, in both passes.
+    # Its projections, convolution and norm run stock inside it, in both passes (under
+    # DeepSpeed ZeRO-3, with their own gathers, the mixer runs stock: see the op).
     return Patch(
         recomputed_mixer_forward,
         {"input": "attention"},
         "linear attention: its input {input}, the mixer run again in backward",
         fields={"reparametrized": Reparametrized(module)},
         claims=tuple(module.modules()),
-        reads_child_weights=True,
     )
 
 

@@ -13,7 +13,8 @@ forward again from the unpacked input, as the "checkpoint" recipe does for whole
 gradient is the stock backward's at the input rounded once, every tensor inside the mixer exact
 given that input.
 
-Where it runs stock: without grad, under torch.compile, and where the call would read or write
+Where it runs stock: without grad, under torch.compile, under DeepSpeed ZeRO-3 (which releases
+each projection's gathered weight after its forward), and where the call would read or write
 recurrent state other than its own (a cache that already holds this layer's state: generation,
 or intermediate states kept for speculative decoding). A cache the model makes for a training
 forward (``use_cache``) is written by the first pass as the stock forward writes it; the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import weakref
 
 import torch
@@ -31,6 +33,8 @@ from torch import nn
 
 from hf_actq.ops.packed_checkpoint import packed_checkpoint
 from hf_actq.ops.state import state_of
+
+logger = logging.getLogger("hf_actq")
 
 SLOTS = ("input",)
 
@@ -55,6 +59,7 @@ def recomputed_mixer_forward(self, *args, **kwargs):
         or not torch.is_grad_enabled()
         or torch.compiler.is_compiling()
         or not _fresh(cache, self.layer_idx)
+        or _sharded_by_zero3(self)
     ):
         return state.plain(*args, **kwargs)
     kwargs.pop(name, None)
@@ -67,6 +72,27 @@ def recomputed_mixer_forward(self, *args, **kwargs):
         pack=functools.partial(state.pack, slot="input"),
         **kwargs,
     )
+
+
+def _sharded_by_zero3(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 shards ``module``'s parameters: it gathers each projection for
+    its own forward and releases it after, so a recompute's backward would find it released.
+    Said once a process."""
+    global _told_zero3
+    if not any(hasattr(p, "ds_id") for p in module.parameters()):
+        return False
+    if not _told_zero3:
+        _told_zero3 = True
+        logger.warning(
+            "hf_actq: under DeepSpeed ZeRO-3 the linear-attention mixers (%s) run stock: they "
+            "keep what the stock forward keeps (ZeRO-2, DDP and one process run them again in "
+            "backward from their packed input)",
+            type(module).__name__,
+        )
+    return True
+
+
+_told_zero3 = False
 
 
 def _run(module: nn.Module, name: str, cache_ref, hidden_states, *args, **kwargs):

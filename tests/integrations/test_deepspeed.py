@@ -103,11 +103,13 @@ def test_zero2_and_zero3_gradients_equal_one_process_with_exact_codecs_and_meet_
 
 
 @pytest.mark.slow  # 20 s a launch
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "qwen3_5_text"])
 def test_zero2_and_zero3_gradients_of_moe_decoders_equal_one_process(tmp_path, model_type):
     # gpt-oss: eager attention with sinks (the module's own parameter, read in backward), the
     # experts op that recomputes the gate, fp32-scaled norms; DeepSeek-V3: latent attention and
-    # the few-bit experts op. Every parameter sharded under ZeRO-3 and gathered again in backward.
+    # the few-bit experts op; Qwen3.5: its delta-rule mixer run again in backward (its own
+    # parameters and its projections' read there). Every parameter sharded under ZeRO-3 and
+    # gathered again in backward.
     ranks = _torchrun(tmp_path, "engine", model_type)
     reference = script.single_process_gradients("uniform", None, True, model_type)
     for stage in (2, 3):
