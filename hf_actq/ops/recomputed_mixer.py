@@ -47,6 +47,8 @@ def is_recomputed_mixer(module: nn.Module) -> bool:
 
 def recomputed_mixer_forward(self, *args, **kwargs):
     state = state_of(self)
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return state.plain(*args, **kwargs)
     if "hidden_states" in kwargs:  # the decoder layer passes it by name
         args = (kwargs.pop("hidden_states"), *args)
     name = _cache_parameter(type(self))
@@ -54,13 +56,7 @@ def recomputed_mixer_forward(self, *args, **kwargs):
         kwargs[name] = args[1]
         args = (args[0], *args[2:])
     cache = kwargs.get(name)
-    if (
-        not args
-        or not torch.is_grad_enabled()
-        or torch.compiler.is_compiling()
-        or not _fresh(cache, self.layer_idx)
-        or _sharded_by_zero3(self)
-    ):
+    if not args or not _fresh(cache, self.layer_idx) or _sharded_by_zero3(self):
         return state.plain(*args, **kwargs)
     kwargs.pop(name, None)
     cache_ref = None if cache is None else weakref.ref(cache)

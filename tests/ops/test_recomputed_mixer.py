@@ -191,3 +191,13 @@ def test_under_stock_checkpointing_the_gradients_stay_the_stock_ones(reentrant):
     getattr(patched, f"{prefix}_checkpointing_enable")(**options)
     patched.train()
     assert _equal(metered_step(patched, batch)[1], grads)
+
+
+def test_under_torch_compile_the_mixer_runs_stock():
+    """A compiled model traces the mixer's stock forward (no graph break, no recompute node)."""
+    model, batch = _model("qwen3_5_text")
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert not any("PackedCheckpoint" in name for name in _graph_names(compiled(**batch).loss))
+    assert any("PackedCheckpoint" in name for name in _graph_names(model(**batch).loss))
