@@ -147,7 +147,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     # norms over all heads, a sliding window on three layers in four).
     "glm4": _SDPA,
     "olmo3": _SDPA_QK_FLAT,
-    # Ministral 3 (Mistral's attention, its RoPE scaled by position).
+    # Ministral 3: Mistral's attention, its queries scaled by position (Llama 4's attention scale).
     "ministral3": _SDPA,
     # Gemma 4: q/k norms per head before RoPE, a scale-free norm on v, layers that reuse an
     # earlier layer's k and v, per-layer token inputs; its head soft-caps when configured.

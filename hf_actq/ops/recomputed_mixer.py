@@ -4,8 +4,9 @@ Qwen3.5 and Qwen3-Next mix tokens with a gated delta rule in three layers of fou
 (``...GatedDeltaNet``): input projections, a causal depthwise convolution, the chunked delta
 rule, a gated RMSNorm and an output projection. Stock autograd keeps what each of those saves:
 without flash-linear-attention's kernels, the chunked rule's fp32 intra-chunk matrices and every
-chunk's state (on the tiny Qwen3.5 of the tests, 0.8 of its 1.0 MB); with them, still q, k, v,
-the gates and fp32 chunk matrices, several times the layer's input. Here the mixer keeps its
+chunk's state (on the tiny Qwen3.5 of the tests, 0.8 of its 1.0 MB); with them (a GPU; not
+measured here), what their autograd Function keeps of the rule's inputs and intermediates, and
+the projections' and the convolution's own tensors beside it. Here the mixer keeps its
 input alone, packed by the slot's codec (the norm before it offers its output, so under the
 recipes that share norm outputs it keeps nothing of its own), and its backward runs the stock
 forward again from the unpacked input, as the "checkpoint" recipe does for whole layers
@@ -35,8 +36,6 @@ from hf_actq.ops.packed_checkpoint import packed_checkpoint
 from hf_actq.ops.state import state_of
 
 logger = logging.getLogger("hf_actq")
-
-SLOTS = ("input",)
 
 
 def is_recomputed_mixer(module: nn.Module) -> bool:
