@@ -3,7 +3,9 @@ device (which gets no folder but the working tree) can re-run them: ``gemma3-1b-
 1B's shapes with a 32,768-token vocabulary (docs/memory.md, "Gemma"), ``gemma3-2l``, its
 first two layers (``benchmarks/results/memory_gemma3_2l``), and ``qwen3_5-text-defaults``,
 transformers' own Qwen3.5 text config (hidden 4096, 32 layers, three gated delta-rule layers in
-four, a 248,320-token vocabulary: the defaults, not a released checkpoint's shapes).
+four, a 248,320-token vocabulary: the defaults, not a released checkpoint's shapes), and
+``gemma4-text-defaults``, Gemma 4's (hidden 2304, 30 layers, five sliding layers to a full one
+with wider heads, per-layer token inputs, a 262,144-token vocabulary: the defaults too).
 
     python benchmarks/gpu/report_configs.py --out .
 """
@@ -36,9 +38,16 @@ def qwen3_5_text_defaults():
     return AutoConfig.for_model("qwen3_5_text")
 
 
+def gemma4_text_defaults():
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("gemma4_text")
+
+
 CONFIGS = {
     "gemma3-1b-v32k": gemma3_1b_v32k,
     "gemma3-2l": gemma3_2l,
+    "gemma4-text-defaults": gemma4_text_defaults,
     "qwen3_5-text-defaults": qwen3_5_text_defaults,
 }
 

@@ -187,12 +187,17 @@ _ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 
 def layer_period(config) -> int:
     """How many layers repeat: 1, or for a text config whose ``layer_types`` mix layers of other
-    modules (Qwen3.5: three linear-attention layers, then an attention one) the shortest
-    repeating run of them, which a scaled report measures once and twice."""
-    kinds = getattr(text_config(config), "layer_types", None)
+    modules (Qwen3.5: three linear-attention layers, then an attention one; Gemma 4: five
+    sliding layers, then a full one with wider heads) the shortest repeating run of them, which
+    a scaled report measures once and twice."""
+    text = text_config(config)
+    kinds = getattr(text, "layer_types", None)
     if not isinstance(kinds, list) or not kinds:
         return 1
-    kinds = ["attention" if kind in _ATTENTION_KINDS else kind for kind in kinds]
+    # Sliding and full attention layers hold the same tensors, unless the config sets layers
+    # apart (transformers' per-layer configs: Gemma 4's full layers have wider heads).
+    if not getattr(text, "is_heterogeneous", False):
+        kinds = ["attention" if kind in _ATTENTION_KINDS else kind for kind in kinds]
     return next(
         p for p in range(1, len(kinds) + 1) if all(k == kinds[i % p] for i, k in enumerate(kinds))
     )

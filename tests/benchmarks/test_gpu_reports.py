@@ -47,7 +47,9 @@ def _run_reports(tmp_path, stand_in: str, budget: int):
 
 # The config folders reports.sh writes (benchmarks/gpu/report_configs.py) for the reports that
 # name a folder, not a preset.
-CONFIG_FOLDERS = ("gemma3-1b-v32k", "gemma3-2l", "qwen3_5-text-defaults")
+CONFIG_FOLDERS = (
+    "gemma3-1b-v32k", "gemma3-2l", "gemma4-text-defaults", "qwen3_5-text-defaults",
+)  # fmt: skip
 CONFIGS_CALL = "benchmarks/gpu/report_configs.py --out ."
 
 

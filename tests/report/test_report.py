@@ -69,6 +69,7 @@ def test_a_hybrid_decoder_is_extrapolated_by_whole_runs_of_its_layer_kinds():
     config = AutoConfig.for_model("qwen3_5_text", **sizes)
     assert layer_period(config) == 2
     assert layer_period(AutoConfig.for_model("gemma3_text")) == 1
+    assert layer_period(AutoConfig.for_model("gemma4_text")) == 6  # full layers' wider heads
     kwargs = dict(batch_size=1, seq_len=8)
     whole = measure_model(config, ["uniform"], layers="all", **kwargs)
     scaled = measure_model(config, ["uniform"], layers="scaled", **kwargs)
