@@ -50,10 +50,11 @@ def recomputed_mixer_forward(self, *args, **kwargs):
         return state.plain(*args, **kwargs)
     if "hidden_states" in kwargs:  # the decoder layer passes it by name
         args = (kwargs.pop("hidden_states"), *args)
-    name = _cache_parameter(type(self))
-    if len(args) > 1:  # the cache goes by name, so that the recompute can leave it out
-        kwargs[name] = args[1]
-        args = (args[0], *args[2:])
+    # Everything but the input by name, so that the recompute can leave the cache out.
+    names = _parameter_names(type(self))
+    kwargs.update(zip(names[1:], args[1:]))
+    args = args[:1]
+    name = names[1] if len(names) > 1 and "cache" in names[1] else "cache"
     cache = kwargs.get(name)
     if not args or not _fresh(cache, self.layer_idx) or _sharded_by_zero3(self):
         return state.plain(*args, **kwargs)
@@ -98,11 +99,11 @@ def _run(module: nn.Module, name: str, cache_ref, hidden_states, *args, **kwargs
 
 
 @functools.cache
-def _cache_parameter(mixer_class: type) -> str:
-    """The name of the forward's cache parameter, the one after ``hidden_states``: ``cache``
-    (transformers 5.25), ``cache_params`` (before)."""
-    names = list(inspect.signature(mixer_class.forward).parameters)
-    return names[2] if len(names) > 2 and "cache" in names[2] else "cache"
+def _parameter_names(mixer_class: type) -> tuple[str, ...]:
+    """The forward's named parameters after ``self``: ``hidden_states``, then the cache
+    (``cache`` in transformers 5.25, ``cache_params`` before), then ``attention_mask``."""
+    parameters = list(inspect.signature(mixer_class.forward).parameters.values())[1:]
+    return tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
 
 
 def _fresh(cache, layer_idx: int) -> bool:

@@ -201,3 +201,20 @@ def test_under_torch_compile_the_mixer_runs_stock():
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     assert not any("PackedCheckpoint" in name for name in _graph_names(compiled(**batch).loss))
     assert any("PackedCheckpoint" in name for name in _graph_names(model(**batch).loss))
+
+
+def test_a_mixer_called_with_positional_arguments_recomputes_as_called_by_name():
+    """``mixer(x, cache, mask)`` positionally: the cache and the mask go where they belong."""
+    model, batch = _model("qwen3_5_text")
+    hf_actq.apply(model, ActQConfig(**_EXACT))
+    (mixer,) = _mixers(model).values()
+    x = torch.randn(2, 12, model.config.hidden_size, requires_grad=True)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    outs, grads = [], []
+    for positional in (True, False):
+        out = mixer(x, None, mask) if positional else mixer(hidden_states=x, attention_mask=mask)
+        assert any("PackedCheckpoint" in name for name in _graph_names(out))
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        outs.append(out.detach()), grads.append(grad)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
