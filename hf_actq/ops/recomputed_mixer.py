@@ -81,8 +81,8 @@ def _sharded_by_zero3(module: nn.Module) -> bool:
         _told_zero3 = True
         logger.warning(
             "hf_actq: under DeepSpeed ZeRO-3 the linear-attention mixers (%s) run stock: they "
-            "keep what the stock forward keeps (ZeRO-2, DDP and one process run them again in "
-            "backward from their packed input)",
+            "keep what the stock forward keeps (ZeRO-2, FSDP2, DDP and one process run them again "
+            "in backward from their packed input)",
             type(module).__name__,
         )
     return True

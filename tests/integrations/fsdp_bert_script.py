@@ -44,6 +44,13 @@ def main(out_dir, model_type=None):
     reference_loss = reference(**batch).loss
     reference_loss.backward()
 
+    # The linear-attention mixers (Qwen3.5) run again in backward, not stock: counted.
+    from hf_actq.ops import recomputed_mixer
+
+    recomputes = []
+    checkpoint = recomputed_mixer.packed_checkpoint
+    recomputed_mixer.packed_checkpoint = lambda *a, **k: recomputes.append(1) or checkpoint(*a, **k)
+
     mesh = init_device_mesh("cpu", (accelerator.num_processes,))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
@@ -61,6 +68,8 @@ def main(out_dir, model_type=None):
         "reference": {n: p.grad.clone() for n, p in reference.named_parameters()},
         "sharded": any(hasattr(p, "full_tensor") for p in model.parameters()),
         "norms": sum(d.startswith("norm") for d in handle.patched.values()),
+        "mixers": sum(recomputed_mixer.is_recomputed_mixer(m) for m in model.modules()),
+        "recomputes": len(recomputes),
     }
     torch.save(record, f"{out_dir}/rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()

@@ -117,14 +117,17 @@ def test_trainer_under_ddp_trains_the_checkpoint_recipe_without_find_unused_sett
 
 @pytest.mark.slow  # 14 s; tests/integrations/test_apply.py shares norm outputs in one process
 @pytest.mark.slow  # 15 s a launch
-@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
-def test_fsdp2_moe_decoders_give_the_unsharded_gradients(tmp_path, model_type):
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "qwen3_5_text"])
+def test_fsdp2_decoders_give_the_unsharded_gradients(tmp_path, model_type):
     # gpt-oss's attention sinks (read in backward through the module), its recomputed-gate
-    # experts and DeepSeek-V3's few-bit experts take FSDP2's unsharded parameters: with exact
-    # codecs the sharded step is the unsharded copy's.
+    # experts, DeepSeek-V3's few-bit experts and Qwen3.5's linear-attention mixers (their
+    # forward run again in backward) take FSDP2's unsharded parameters: with exact codecs the
+    # sharded step is the unsharded copy's.
     ranks = _launch(tmp_path, model_type, script_path=SCRIPT.with_name("fsdp_bert_script.py"))
     for record in ranks:
         assert record["sharded"]
+        # Every mixer ran again in backward (the tiny Qwen3.5 has one; the others none).
+        assert record["recomputes"] == record["mixers"] == (model_type == "qwen3_5_text")
         loss, reference_loss = record["losses"]
         assert loss == pytest.approx(reference_loss, rel=1e-6)
         assert record["grads"].keys() == record["reference"].keys()
