@@ -668,6 +668,31 @@ def more_model(name: str, **options):
     return model.train(), batch
 
 
+def hybrid_model(name: str):
+    """A tiny model of the Qwen3.5 family (``qwen3_5_text``, or ``qwen3_next``,
+    ``qwen3_5_moe_text`` from ``MORE_MODELS``) and its batch."""
+    if name == "qwen3_5_text":
+        return tiny_model(name), tiny_batch(name)
+    return more_model(name)
+
+
+# A Qwen3.5-family model with every op off but attention (its gated output too) and the
+# linear-attention mixers, and those exact: their own ops alone, each checked against stock.
+HYBRID_EXACT = dict(
+    linear=False,
+    norm=False,
+    gated_mlp=False,
+    activations=False,
+    dropout=False,
+    fused_loss=False,
+    share_norm_outputs=False,
+    slots={
+        "re:linear_attn:input$": {"codec": "exact"},
+        "re:self_attn:(q|k|v|output|gate)$": {"codec": "exact"},
+    },
+)
+
+
 def routed_tokens(tokens: int, hidden: int, experts: int, top_k: int, dtype=torch.float32):
     """MoE experts' inputs (seed 1): ``(hidden states, top-k expert ids, top-k weights)``, two
     distinct experts per token, the last expert routed no token (empty groups must work)."""

@@ -29,6 +29,9 @@ from hf_actq.ops.deberta_attention import (
     CompressedDisentangledSelfAttention,
     is_disentangled_attention,
 )
+from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.gated_output import SLOTS as GATED_SLOTS
+from hf_actq.ops.gated_output import gated_attention_forward
 from hf_actq.ops.rotary import NORMS, clamps_in_place, rotary_attention_forward
 from hf_actq.ops.state import STATE, OpState, remove_state, set_state
 
@@ -76,7 +79,9 @@ def _release(model_config, original: str | None) -> None:
 _ATTENTION_DROPOUT = ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout")
 
 
-def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> None:
+def patch_attention(
+    model: nn.Module, config: ActQConfig, handle, layout, cache: PackCache | None = None
+) -> None:
     """Compress attention in the ``layout.attention`` form ("eager": BERT's layout, as SDPA
     or, for models set to eager attention, with the probabilities; "sdpa": decoders; None
     leaves it exact)."""
@@ -143,16 +148,27 @@ def patch_attention(model: nn.Module, config: ActQConfig, handle, layout) -> Non
             key_layout=config.key_layout,
             attention_function=function,
         )
-        for slot in slots:
+        if cache is not None:  # the model's: the gated product offers o_proj its input there
+            state.cache = cache
+        module_slots = slots
+        if codec is not None and type(module).__name__ in layout.gated_output_classes:
+            module_slots += GATED_SLOTS
+            state.gated_output = True
+            state.offer_output = config.share_norm_outputs  # the product, to o_proj
+        for slot in module_slots:
             # Attention kept exact (no codec) takes no per-slot settings.
             state.codecs[slot] = (
                 ExactCodec() if codec is None else slot_codec(config, state.slot_id(slot), codec)
             )
         describe = functools.partial(_describe, kind, state)
-        if not _takes_norm_offers(module, layout, state, path, describe, handle, config):
+        if _takes_norm_offers(module, layout, state, path, describe, handle, config):
+            pass  # bound to the forward that takes the norms' packs (and gates, where it does)
+        elif state.gated_output:
+            bind_forward(module, gated_attention_forward, state, path, describe, handle)
+        else:
             handle.record(path, describe, undo=functools.partial(remove_state, module))
             set_state(module, state)
-        handle.add_slots(state, dict.fromkeys(slots, "attention"))
+        handle.add_slots(state, dict.fromkeys(module_slots, "attention"))
         own_config = getattr(module, "config", None)
         if own_config is not None and hasattr(own_config, "_attn_implementation"):
             configs.setdefault(id(own_config), own_config)
@@ -228,10 +244,11 @@ def _patch_disentangled(model: nn.Module, config: ActQConfig, handle, codec) -> 
 
 
 def _describe(kind: str, state: OpState) -> str:
+    gated = "; its output * sigmoid(gate) as the output's and the gate's packs"
+    gated = gated if state.gated_output else ""
     if state.codecs and all(isinstance(c, ExactCodec) for c in state.codecs.values()):
-        return f"attention ({kind}) exact operands, dropout mask as " + (
-            "a seed" if kind == "eager" else "its RNG state"
-        )
+        mask = "a seed" if kind == "eager" else "its RNG state"
+        return f"attention ({kind}) exact operands, dropout mask as {mask}{gated}"
     codecs = set(map(repr, state.codecs.values()))
     shown = (
         codecs.pop()
@@ -240,7 +257,7 @@ def _describe(kind: str, state: OpState) -> str:
     )
     if state.qk_norm_rotary is not None:
         shown += "; q, k as the q/k norms' packs, rotated again in backward, where they fit"
-    return f"attention ({kind}) {shown}"
+    return f"attention ({kind}) {shown}{gated}"
 
 
 def _attention_dropout(model) -> float:

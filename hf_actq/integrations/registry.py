@@ -55,6 +55,10 @@ class ModelLayout:
     # rounding at these bits instead; per-slot settings and plans still decide): for attention
     # whose logits a rounding of q, k or v moves further than usual (Gemma 4's, below).
     attention_min_bits: int | None = None
+    # The attention classes whose forward multiplies attention's output by a sigmoid of a gate
+    # before the output projection (Qwen3.5, Qwen3-Next): the product keeps the output and the
+    # gate packed (hf_actq.ops.gated_output).
+    gated_output_classes: tuple[str, ...] = ()
 
 
 _EAGER = ModelLayout("eager")
@@ -69,6 +73,13 @@ _SDPA_SOFTCAPPED = ModelLayout(
 # heads (OLMo-2, OLMo-3), or on attention's own layout (Gemma 3).
 _SDPA_QK_HEADS = ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="heads")
 _SDPA_QK_FLAT = ModelLayout("sdpa", causal_lm_loss=True, qk_norm_rotary="flat")
+# Qwen3.5 and Qwen3-Next (dense and with experts): Qwen3's q/k norms, and a gated output.
+_QWEN3_5 = ModelLayout(
+    "sdpa",
+    causal_lm_loss=True,
+    qk_norm_rotary="heads",
+    gated_output_classes=("Qwen3_5Attention", "Qwen3_5MoeAttention", "Qwen3NextAttention"),
+)
 _SDPA_LOGIT_SCALE = ModelLayout(
     "sdpa", causal_lm_loss=True, logit_scale=lambda config: config.logit_scale
 )
@@ -157,7 +168,7 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "gemma4": _GEMMA4,
     # Qwen3.5: three gated delta-rule (linear attention) layers in four, whose projections and
     # norms are found by type; its attention layers gate their output and norm q and k per head.
-    "qwen3_5_text": _SDPA_QK_HEADS,
+    "qwen3_5_text": _QWEN3_5,
     # Heads that scale their logits.
     "granite": ModelLayout(
         "sdpa", causal_lm_loss=True, logit_scale=lambda config: 1 / config.logits_scaling
@@ -170,8 +181,8 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen3_moe": _SDPA_QK_HEADS,
     "olmoe": _SDPA_QK_FLAT,  # q/k norms over all heads (not where clip_qkv clamps them in place)
     # Qwen3-Next and Qwen3.5-MoE: Qwen3.5's hybrid layers (see qwen3_5_text) with experts.
-    "qwen3_next": _SDPA_QK_HEADS,
-    "qwen3_5_moe_text": _SDPA_QK_HEADS,
+    "qwen3_next": _QWEN3_5,
+    "qwen3_5_moe_text": _QWEN3_5,
     "glm4_moe": _SDPA,  # GLM-4.5: group-limited routing, a shared expert
     "ernie4_5_moe": _SDPA,
     "deepseek_v3": _SDPA,  # latent attention: q, k, v (a narrower v) as AttentionInterface gets them
@@ -195,8 +206,8 @@ MODEL_LAYOUTS: dict[str, ModelLayout] = {
     "qwen2_vl": _SDPA,  # its vision attention calls the op one image at a time
     "qwen2_5_vl": _SDPA,
     # Qwen3.5 as released (dense and with experts): a ViT and the hybrid decoder of qwen3_5_text.
-    "qwen3_5": _SDPA_QK_HEADS,
-    "qwen3_5_moe": _SDPA_QK_HEADS,
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
     "bart": ModelLayout("eager", seq2seq_lm_loss=True),
     # T5 passes its relative position bias to the attention function, which takes its gradient;
     # only SDPA is patched (the compressed eager op has no bias input).
@@ -229,7 +240,7 @@ def apply_generic(
         # forward does (eval, no labels, return_logits), and then exactly.
         exclude[model.get_output_embeddings()] = "the fused linear + cross-entropy computes it"
     patch_layers(model, config, handle, exclude, cache)
-    patch_attention(model, config, handle, layout)
+    patch_attention(model, config, handle, layout, cache)
 
 
 MODEL_TYPE_TO_APPLY_FN = {

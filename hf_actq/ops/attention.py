@@ -26,6 +26,7 @@ import torch
 from hf_actq.codecs.packed import Codec, capturing_cuda_graph, draw_seed
 from hf_actq.ops.dedup import DEFAULT_CACHE, PackCache
 from hf_actq.ops.dropout import keep_mask
+from hf_actq.ops.gated_output import open_gate_window
 from hf_actq.ops.rotary import rotated_pack
 from hf_actq.ops.state import STATE, OpState, keep_rng_stream, once_differentiable, wants_backward
 
@@ -410,6 +411,7 @@ def compressed_sdpa_attention(
     output, _ = RecomputedAttentionFunction.apply(
         query, key, value, attention_mask, run_sdpa, float(dropout), state, *extras
     )
+    open_gate_window(module)
     return output, None
 
 
@@ -520,9 +522,11 @@ def compressed_eager_recompute_attention(
         output, weights = run_eager(query, key, value, attention_mask, *extras)
         keep_rng_stream(module, *(state.codecs.get(name) for name in SDPA_SLOTS))
         return output, weights
-    return RecomputedAttentionFunction.apply(
+    output, weights = RecomputedAttentionFunction.apply(
         query, key, value, attention_mask, run_eager, dropout, state, *extras
     )
+    open_gate_window(module)
+    return output, weights
 
 
 def register_eager_recompute_attention(name: str = EAGER_RECOMPUTE_NAME) -> str:

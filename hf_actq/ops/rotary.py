@@ -33,6 +33,7 @@ import torch
 
 from hf_actq.codecs.packed import Codec, Packed
 from hf_actq.ops.dedup import PackCache
+from hf_actq.ops.gated_output import run_gated
 from hf_actq.ops.state import STATE, OpState, has_hooks, state_of
 
 LAYOUTS = ("heads", "flat", "attention")
@@ -132,8 +133,13 @@ def _position_embeddings(args, kwargs):
 
 def rotary_attention_forward(self, *args, **kwargs):
     """The attention module's own forward, with its position embeddings and its q/k norms'
-    offers of this call at hand for :func:`rotated_pack`."""
+    offers of this call at hand for :func:`rotated_pack` (and its gated output kept packed,
+    where it has one: :mod:`hf_actq.ops.gated_output`)."""
     state = state_of(self)
+    return run_gated(state, _rotary_call, self, state, args, kwargs)
+
+
+def _rotary_call(self, state: OpState, args, kwargs):
     embeddings = _position_embeddings(args, kwargs)
     if (
         embeddings is None

@@ -101,6 +101,11 @@ class OpState:
     # (:mod:`hf_actq.ops.rotary`).
     qk_norm_rotary: str | None = None
     rotary: tuple | None = None
+    # Attention that gates its output by a sigmoid before its output projection (``ModelLayout.
+    # gated_output_classes``), and during a forward the window its attention function opens
+    # (:mod:`hf_actq.ops.gated_output`).
+    gated_output: bool = False
+    gate_window: object | None = None
     # Modules run again in backward from their packed input (ops/recomputed_mixer.py): the
     # module as the recompute swaps its trainable parameters in (a ``Reparametrized``).
     reparametrized: object | None = None

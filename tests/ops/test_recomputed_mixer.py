@@ -8,28 +8,7 @@ import torch
 
 import hf_actq
 from hf_actq import ActQConfig, SavedTensorMeter
-from hf_actq.testing import metered_step, more_model, tiny_batch, tiny_model
-
-# Everything else off, and the mixers' input and attention kept exact: the recompute alone.
-_EXACT = dict(
-    linear=False,
-    norm=False,
-    gated_mlp=False,
-    activations=False,
-    dropout=False,
-    fused_loss=False,
-    share_norm_outputs=False,
-    slots={
-        "re:linear_attn:input$": {"codec": "exact"},
-        "re:self_attn:(q|k|v)$": {"codec": "exact"},
-    },
-)
-
-
-def _model(name):
-    if name == "qwen3_5_text":
-        return tiny_model(name), tiny_batch(name)
-    return more_model(name)
+from hf_actq.testing import HYBRID_EXACT, hybrid_model, metered_step
 
 
 def _mixers(model):
@@ -44,10 +23,10 @@ def _equal(grads, want):
 def test_an_exact_recompute_gives_the_stock_forward_and_gradients_bit_for_bit(name):
     """With the input kept exact, the recompute's backward is the stock one: only the mixer's
     input is kept (its chunk matrices and states are not), and its patch says so."""
-    model, batch = _model(name)
+    model, batch = hybrid_model(name)
     forward, grads, nbytes = metered_step(model, batch)
     patched = copy.deepcopy(model)
-    handle = hf_actq.apply(patched, ActQConfig(**_EXACT))
+    handle = hf_actq.apply(patched, ActQConfig(**HYBRID_EXACT))
     assert set(_mixers(patched)) <= set(handle.patched) and _mixers(patched)
     assert all("run again in backward" in handle.patched[p] for p in _mixers(patched))
     got_forward, got_grads, got_bytes = metered_step(patched, batch)
@@ -69,7 +48,7 @@ def _mixer_bytes(model, batch):
 def test_the_mixer_keeps_the_norms_offered_pack_and_nothing_of_its_own():
     """Under "uniform" the norm before the mixer offers its output: the mixer keeps none of its
     own bytes; without the offer, exactly its input's pack."""
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     shared = copy.deepcopy(model)
     hf_actq.apply(shared, ActQConfig.from_recipe("uniform"))
     assert _mixer_bytes(shared, batch) == 0
@@ -82,7 +61,7 @@ def test_the_mixer_keeps_the_norms_offered_pack_and_nothing_of_its_own():
 
 
 def test_four_bits_keep_the_gradient_close():
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     _, grads, nbytes = metered_step(model, batch)
     patched = copy.deepcopy(model)
     hf_actq.apply(patched, ActQConfig.from_recipe("uniform", bits=4))
@@ -110,10 +89,10 @@ def test_a_cache_holding_state_runs_the_stock_mixer():
     runs stock, with grad enabled too: the same logits and cache as the unpatched model, and
     no recompute in its graph; a fresh cache (a training forward's ``use_cache``) takes the
     recompute."""
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     ids = batch["input_ids"]
     patched = copy.deepcopy(model)
-    hf_actq.apply(patched, ActQConfig(**_EXACT))
+    hf_actq.apply(patched, ActQConfig(**HYBRID_EXACT))
     results = []
     for m in (model, patched):
         with torch.no_grad():
@@ -130,9 +109,9 @@ def test_a_cache_holding_state_runs_the_stock_mixer():
 
 
 def test_a_forward_hook_on_the_mixer_runs_once_and_its_gradient_is_the_stock_one():
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     patched = copy.deepcopy(model)
-    hf_actq.apply(patched, ActQConfig(**_EXACT))
+    hf_actq.apply(patched, ActQConfig(**HYBRID_EXACT))
     calls = []
 
     def doubled(module, args, output):
@@ -150,7 +129,7 @@ def test_a_forward_hook_on_the_mixer_runs_once_and_its_gradient_is_the_stock_one
 
 
 def test_without_grad_and_in_eval_the_mixer_runs_stock():
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     patched = copy.deepcopy(model)
     hf_actq.apply(patched, ActQConfig.from_recipe("uniform"))
     with torch.no_grad():
@@ -164,13 +143,13 @@ def test_lora_on_the_mixers_projections_trains_as_stock():
     recompute swaps the trainable parameters in and returns their gradients)."""
     from peft import LoraConfig, get_peft_model
 
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     torch.manual_seed(0)
     targets = ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj", "v_proj"]
     lora = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
     _, grads, _ = metered_step(lora, batch)
     patched = copy.deepcopy(lora)
-    hf_actq.apply(patched, ActQConfig(**_EXACT))
+    hf_actq.apply(patched, ActQConfig(**HYBRID_EXACT))
     _, got, _ = metered_step(patched, batch)
     trained = [i for i, p in enumerate(lora.parameters()) if p.requires_grad]
     assert any("in_proj_qkv.lora_A" in n for n, p in lora.named_parameters() if p.requires_grad)
@@ -181,10 +160,10 @@ def test_lora_on_the_mixers_projections_trains_as_stock():
 def test_under_stock_checkpointing_the_gradients_stay_the_stock_ones(reentrant):
     """Inside a layer that transformers' checkpointing runs again, the mixer runs its own
     recompute in that recompute's backward: with its input exact, stock gradients bit for bit."""
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     _, grads, _ = metered_step(model, batch)
     patched = copy.deepcopy(model)
-    hf_actq.apply(patched, ActQConfig(**_EXACT))
+    hf_actq.apply(patched, ActQConfig(**HYBRID_EXACT))
     # activation_checkpointing_enable since transformers 5.23, gradient_... before
     prefix = "activation" if hasattr(patched, "activation_checkpointing_enable") else "gradient"
     options = {f"{prefix}_checkpointing_kwargs": {"use_reentrant": reentrant}}
@@ -195,7 +174,7 @@ def test_under_stock_checkpointing_the_gradients_stay_the_stock_ones(reentrant):
 
 def test_under_torch_compile_the_mixer_runs_stock():
     """A compiled model traces the mixer's stock forward (no graph break, no recompute node)."""
-    model, batch = _model("qwen3_5_text")
+    model, batch = hybrid_model("qwen3_5_text")
     hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
@@ -205,8 +184,8 @@ def test_under_torch_compile_the_mixer_runs_stock():
 
 def test_a_mixer_called_with_positional_arguments_recomputes_as_called_by_name():
     """``mixer(x, cache, mask)`` positionally: the cache and the mask go where they belong."""
-    model, batch = _model("qwen3_5_text")
-    hf_actq.apply(model, ActQConfig(**_EXACT))
+    model, batch = hybrid_model("qwen3_5_text")
+    hf_actq.apply(model, ActQConfig(**HYBRID_EXACT))
     (mixer,) = _mixers(model).values()
     x = torch.randn(2, 12, model.config.hidden_size, requires_grad=True)
     mask = torch.ones(2, 12, dtype=torch.long)
