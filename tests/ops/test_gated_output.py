@@ -32,16 +32,28 @@ def _count_products(monkeypatch) -> list:
     return calls
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize(
+    "name, implementation",
+    [
+        ("qwen3_5_text", "sdpa"),
+        ("qwen3_next", "sdpa"),
+        ("qwen3_5_moe_text", "sdpa"),
+        # The model's own eager function, run again in backward (the window opens there too).
+        ("qwen3_5_text", "eager"),
+    ],
+)
 def test_an_exact_gated_product_gives_the_stock_forward_and_gradients_bit_for_bit(
-    name, monkeypatch
+    name, implementation, monkeypatch
 ):
     model, batch = hybrid_model(name)
+    model.config._attn_implementation = implementation
     forward, grads, _ = metered_step(model, batch)
     patched = copy.deepcopy(model)
     handle = hf_actq.apply(patched, ActQConfig(**HYBRID_EXACT))
     gated = _gated(patched)
     assert gated and all("sigmoid(gate)" in handle.patched[s.path] for s in map(_state, gated))
+    kind = "sdpa" if implementation == "sdpa" else "eager, recomputed"
+    assert all(f"attention ({kind})" in handle.patched[_state(m).path] for m in gated)
     calls = _count_products(monkeypatch)
     got_forward, got_grads, _ = metered_step(patched, batch)
     assert len(calls) == len(gated)  # each gated layer's product ran through the op
