@@ -162,3 +162,21 @@ def test_without_grad_and_under_compile_the_product_is_stock(monkeypatch):
     (attention,) = _gated(model)
     state = _state(attention)
     assert gated_output.run_gated(state, lambda: state.gate_window) is None
+
+
+def test_the_window_sees_few_torch_calls(monkeypatch):
+    """A host budget: each torch call in the window (the rest of the attention forward after
+    attention returned: the product, o_proj and its pack) passes through the mode's handler in
+    Python. 25 in a tiny Qwen3.5's one gated layer under "uniform" (torch 2.13)."""
+    model, batch = hybrid_model("qwen3_5_text")
+    hf_actq.apply(model, ActQConfig.from_recipe("uniform"))
+    calls = []
+    handler = GateWindow.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return handler(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(GateWindow, "__torch_function__", counted)
+    model(**batch).loss.backward()
+    assert len(_gated(model)) == 1 and 0 < len(calls) <= 30
