@@ -326,7 +326,10 @@ def _norm(module, walk: Walk) -> Patch | Skip | None:
             eps=rms_norm_eps(module),
             norm_offset=offset,
             norm_fp32_scale=fp32_scale,
-            norm_forms={(module.weight.dtype, module.weight.dtype): form},
+            # A scale-free norm's form is checked per input dtype as met, on its device.
+            norm_forms={}
+            if getattr(module, "weight", None) is None
+            else {(module.weight.dtype, module.weight.dtype): form},
         )
     return None
 

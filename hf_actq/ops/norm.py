@@ -340,7 +340,8 @@ class CompressedRMSNormFunction(torch.autograd.Function):
         # HF's arithmetic row by row (the same bits), a chunk of rows at a time: HF makes three
         # full-size fp32 temporaries of a half-precision input here.
         offset, fp32_scale = state.norm_offset, state.norm_fp32_scale
-        codec = _kernel_codec(state, x)
+        # Without a weight (a scale-free norm) y is x_hat itself: the composition keeps it.
+        codec = None if weight is None else _kernel_codec(state, x)
         if codec is not None:  # the statistics here, then x_hat's pack and y in one kernel
             rstd = _rms_statistics(x, eps)
             y, packed = _kernel_pack(state, codec, x, None, rstd, weight)
@@ -362,7 +363,12 @@ class CompressedRMSNormFunction(torch.autograd.Function):
             else:
                 normed[rows] = hidden * rstd[rows]
         normed = normed.view(x.shape)
-        y = y.view(x.shape) if fp32_scale else weight * normed
+        if fp32_scale:
+            y = y.view(x.shape)
+        elif weight is None:  # a scale-free norm: its output is x_hat
+            y = normed
+        else:
+            y = weight * normed
         columns = lambda index: normed.reshape(-1, width).index_select(1, index)
         _keep(ctx, state, lambda: normed, y, weight, None, rstd, columns, rms=True)
         return y
@@ -372,7 +378,7 @@ class CompressedRMSNormFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         # Gemma's scale, 1 + w, is added in fp32 by the kernels (not a tensor of its own).
         (grad_x, grad_w, _), weight = _norm_grads(ctx, grad_y, False)
-        return grad_x, grad_w.to(weight.dtype), None, None
+        return grad_x, None if weight is None else grad_w.to(weight.dtype), None, None
 
 
 SLOTS = ("input",)
@@ -390,7 +396,7 @@ LLAMA_FORM, GEMMA_FORM, FP32_SCALE_FORM = (0.0, False), (1.0, True), (0.0, True)
 
 
 def rms_norm_form(
-    module: nn.Module, input_dtype: torch.dtype | None = None
+    module: nn.Module, input_dtype: torch.dtype | None = None, device=None
 ) -> tuple[float, bool] | None:
     """The form ``module`` computes (``LLAMA_FORM``, ``GEMMA_FORM`` or ``FP32_SCALE_FORM``), or
     None for anything else. Checked bit for bit on a random input of ``input_dtype`` (default:
@@ -405,6 +411,8 @@ def rms_norm_form(
     """
     eps = rms_norm_eps(module)
     weight = getattr(module, "weight", None)
+    if weight is None:
+        return _scale_free_form(module, eps, input_dtype or torch.float32, device)
     if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
     generator = torch.Generator().manual_seed(0)
@@ -427,6 +435,23 @@ def rms_norm_form(
             return GEMMA_FORM
         if torch.equal(got, (normed * probe_weight.float()).to(sample.dtype)):
             return FP32_SCALE_FORM
+    return None
+
+
+def _scale_free_form(module, eps, dtype, device) -> tuple[float, bool] | None:
+    """LLaMA's form without a weight, ``(x * rsqrt(mean(x^2) + eps)).to(dtype)`` (Gemma 4's
+    ``v_norm``), where a module with no parameters of its own computes it bit for bit on a
+    random input of ``dtype`` on ``device`` (default the CPU); else None."""
+    if eps is None or any(True for _ in module.parameters(recurse=False)):
+        return None
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn((3, 64), generator=generator).to(dtype).to(device or "cpu")
+    with torch.no_grad():
+        got = type(module).forward(module, sample)
+        hidden = sample.float()
+        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+        if isinstance(got, torch.Tensor) and torch.equal(got, normed.to(sample.dtype)):
+            return LLAMA_FORM
     return None
 
 
@@ -500,28 +525,32 @@ class CompressedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = state_of(self)
-        if not wants_backward(self, x, self.weight):
+        weight = getattr(self, "weight", None)  # none on a scale-free norm
+        if not wants_backward(self, x, weight):
             keep_rng_stream(self, *state.codecs.values())
             return state.plain(x)
-        form = _form_for(self, state, x.dtype)
+        form = _form_for(self, state, x)
         if form is None:  # in these dtypes the module computes another form: stock
             return state.plain(x)
         if form != (state.norm_offset, state.norm_fp32_scale):
             state = dataclasses.replace(state, norm_offset=form[0], norm_fp32_scale=form[1])
         state = _without_sharing_under_hooks(self, state)
-        return CompressedRMSNormFunction.apply(x, self.weight, state.eps, state)
+        return CompressedRMSNormFunction.apply(x, weight, state.eps, state)
 
     def extra_repr(self) -> str:
         state = state_of(self)
         return f"eps={state.eps}, codec={state.codecs.get('input')!r}"
 
 
-def _form_for(module: nn.Module, state, input_dtype: torch.dtype) -> tuple[float, bool] | None:
+def _form_for(module: nn.Module, state, x: torch.Tensor) -> tuple[float, bool] | None:
     """:func:`rms_norm_form` for this input's and weight's dtypes, checked once per pair (the
-    one it was patched in is known): a model cast after ``apply`` keeps its own form."""
-    key = (input_dtype, module.weight.dtype)
+    one it was patched in is known): a model cast after ``apply`` keeps its own form. A
+    scale-free norm is checked on the input's device (a weighted one on its weight's)."""
+    weight = getattr(module, "weight", None)
+    key = (x.dtype, None if weight is None else weight.dtype)
     if key not in state.norm_forms:
-        state.norm_forms[key] = rms_norm_form(module, input_dtype)
+        device = x.device if weight is None else None
+        state.norm_forms[key] = rms_norm_form(module, x.dtype, device)
     return state.norm_forms[key]
 
 

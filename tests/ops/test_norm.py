@@ -1,10 +1,14 @@
+import copy
+
 import pytest
 import torch
 from torch import nn
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
+import hf_actq
 from hf_actq import SavedTensorMeter
 from hf_actq.codecs import AverageQuantCodec, uniform
 from hf_actq.codecs.packed import ExactCodec
@@ -452,3 +456,47 @@ def test_fp32_scaled_norm_offers_its_output_in_its_own_form():
     x_hat = rebuilt.source.with_tensors(rebuilt.tensors[: rebuilt._split]).unpack()
     want = (x_hat.float() * norm.weight.float()).to(torch.bfloat16)
     assert torch.equal(rebuilt.unpack(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_scale_free_rms_norm_keeps_its_input_packed(dtype, caplog):
+    """Gemma 4's v_norm has no weight: ``(x * rsqrt(mean(x^2) + eps)).to(dtype)``, LLaMA's form
+    without w, found by the layer rules and checked bit for bit on the input's device. It kept
+    an fp32 copy of its input; now x_hat's pack and an fp32 rstd per row."""
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
+
+    import hf_actq
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(64, 64), Gemma4RMSNorm(64, with_scale=False)).to(dtype)
+    model = copy.deepcopy(stock)
+    codec = uniform(8)
+    config = hf_actq.ActQConfig.from_recipe("uniform", bits=8, linear=False)
+    handle = hf_actq.apply(model, config)
+    assert handle.patched["1"].startswith("norm ")
+    x = (torch.randn(4, 16, 64) * 2).to(dtype).requires_grad_()
+    with SavedTensorMeter(exclude=list(model.parameters())) as meter:
+        y = model[1](x)
+    assert torch.equal(y, stock[1](x))
+    assert meter.nbytes == codec.nbytes(x.shape) + 4 * 16 * 4
+    grad = torch.randn(x.shape).to(dtype)
+    ours = torch.autograd.grad(model(x), x, grad)[0]
+    with kernels_on_cpu():  # the backward kernel reading x_hat's pack, with no weight
+        kernel = torch.autograd.grad(model(x), x, grad)[0]
+    exact = torch.autograd.grad(stock.float()(x.float()), x, grad.float())[0]
+    for got in (ours, kernel):
+        assert (got.float() - exact).abs().max().item() <= 0.02 * exact.abs().max().item()
+
+
+def test_a_scale_free_rms_norm_shares_its_output_under_fewbit():
+    # Exact, keeping its output (which the next layer keeps) and rebuilding x_hat from it.
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Linear(64, 64), Gemma4RMSNorm(64, with_scale=False))
+    model = copy.deepcopy(stock)
+    handle = hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("fewbit"))
+    assert "keeps its output" in handle.patched["1"]
+    x = (torch.randn(4, 16, 64) * 2).requires_grad_()
+    stock_y, stock_grads = _next_layer_grads(stock[1], x)
+    y, grads = _next_layer_grads(model[1], x)
+    assert torch.equal(y, stock_y)
+    torch.testing.assert_close(grads[0], stock_grads[0], rtol=1e-5, atol=1e-6)
