@@ -326,12 +326,20 @@ def _norm(module, walk: Walk) -> Patch | Skip | None:
             eps=rms_norm_eps(module),
             norm_offset=offset,
             norm_fp32_scale=fp32_scale,
-            # A scale-free norm's form is checked per input dtype as met, on its device.
-            norm_forms={}
-            if getattr(module, "weight", None) is None
-            else {(module.weight.dtype, module.weight.dtype): form},
+            norm_forms=_norm_forms(module, form),
         )
     return None
+
+
+def _norm_forms(module, form) -> dict:
+    """The forms an RMSNorm is known to compute, by (input dtype, weight dtype): a scale-free
+    one's (no weight) checked now in each float dtype, so that no check runs inside a
+    torch.compile trace (the weight's dtype tells a weighted one's first input dtype)."""
+    weight = getattr(module, "weight", None)
+    if weight is not None:
+        return {(weight.dtype, weight.dtype): form}
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    return {(dtype, None): rms_norm_form(module, dtype) for dtype in floats}
 
 
 def _dropout(module, walk: Walk) -> Patch | None:

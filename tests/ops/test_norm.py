@@ -500,3 +500,14 @@ def test_a_scale_free_rms_norm_shares_its_output_under_fewbit():
     y, grads = _next_layer_grads(model[1], x)
     assert torch.equal(y, stock_y)
     torch.testing.assert_close(grads[0], stock_grads[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_scale_free_rms_norm_compiles_without_a_break():
+    # Its form is checked in each float dtype when patched: no check (a random input, an
+    # equality) runs inside a trace, where it broke the graph at every such norm.
+    model = nn.Sequential(nn.Linear(64, 64), Gemma4RMSNorm(64, with_scale=False))
+    hf_actq.apply(model, hf_actq.ActQConfig.from_recipe("uniform", bits=8, linear=False))
+    x = torch.randn(4, 64, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), model(x))
