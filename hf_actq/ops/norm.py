@@ -545,7 +545,8 @@ class CompressedRMSNorm(nn.Module):
 def _form_for(module: nn.Module, state, x: torch.Tensor) -> tuple[float, bool] | None:
     """:func:`rms_norm_form` for this input's and weight's dtypes, checked once per pair (the
     one it was patched in is known): a model cast after ``apply`` keeps its own form. A
-    scale-free norm is checked on the input's device (a weighted one on its weight's)."""
+    scale-free norm's float dtypes are known from when it was patched; another dtype is checked
+    on the input's device (a weighted norm's on its weight's)."""
     weight = getattr(module, "weight", None)
     key = (x.dtype, None if weight is None else weight.dtype)
     if key not in state.norm_forms:

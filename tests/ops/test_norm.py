@@ -461,8 +461,8 @@ def test_fp32_scaled_norm_offers_its_output_in_its_own_form():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_scale_free_rms_norm_keeps_its_input_packed(dtype, caplog):
     """Gemma 4's v_norm has no weight: ``(x * rsqrt(mean(x^2) + eps)).to(dtype)``, LLaMA's form
-    without w, found by the layer rules and checked bit for bit on the input's device. It kept
-    an fp32 copy of its input; now x_hat's pack and an fp32 rstd per row."""
+    without w, found by the layer rules and checked bit for bit in each float dtype. It kept an
+    fp32 copy of its input; now x_hat's pack and an fp32 rstd per row."""
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
 
     import hf_actq
