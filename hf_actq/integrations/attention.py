@@ -161,11 +161,12 @@ def patch_attention(
                 ExactCodec() if codec is None else slot_codec(config, state.slot_id(slot), codec)
             )
         describe = functools.partial(_describe, kind, state)
-        if _takes_norm_offers(module, layout, state, path, describe, handle, config):
-            pass  # bound to the forward that takes the norms' packs (and gates, where it does)
-        elif state.gated_output:
-            bind_forward(module, gated_attention_forward, state, path, describe, handle)
-        else:
+        # Bound to the forward that takes the norms' packs (and gates, where it does), else to
+        # the one that gates, else the state alone.
+        bound = _takes_norm_offers(module, layout, state, path, describe, handle, config)
+        if not bound and state.gated_output:
+            bound = bind_forward(module, gated_attention_forward, state, path, describe, handle)
+        if not bound:
             handle.record(path, describe, undo=functools.partial(remove_state, module))
             set_state(module, state)
         handle.add_slots(state, dict.fromkeys(module_slots, "attention"))

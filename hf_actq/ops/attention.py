@@ -411,7 +411,7 @@ def compressed_sdpa_attention(
     output, _ = RecomputedAttentionFunction.apply(
         query, key, value, attention_mask, run_sdpa, float(dropout), state, *extras
     )
-    open_gate_window(module)
+    open_gate_window(state)
     return output, None
 
 
@@ -525,7 +525,7 @@ def compressed_eager_recompute_attention(
     output, weights = RecomputedAttentionFunction.apply(
         query, key, value, attention_mask, run_eager, dropout, state, *extras
     )
-    open_gate_window(module)
+    open_gate_window(state)
     return output, weights
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hf_actq.codecs.packed import Packed
 from hf_actq.ops.dedup import may_offer
-from hf_actq.ops.state import STATE, OpState, once_differentiable, state_of
+from hf_actq.ops.gated_mlp import ProductPacked
+from hf_actq.ops.state import OpState, once_differentiable, state_of
 
 # The slots of a gated attention output: attention's output and the gate's logits.
 SLOTS = ("output", "gate")
@@ -93,17 +93,10 @@ class _Sigmoid(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
-class GatedPacked(Packed):
+class GatedPacked(ProductPacked):
     """The gated product ``x * sigmoid(gate)`` rebuilt from the packs its op keeps anyway,
-    offered to the output projection, whose input it is. ``tensors``: x's buffers, then the
-    gate's."""
-
-    operands: tuple[Packed, ...] = ()  # x's and the gate's packs, without their tensors
-    split: int = 0
-
-    @property
-    def sources(self) -> tuple[Packed, ...]:
-        return self.operands
+    offered to the output projection, whose input it is: a gated MLP's rebuilt product with a
+    sigmoid of its second operand. ``tensors``: x's buffers, then the gate's."""
 
     def _unpack(self) -> torch.Tensor:
         x, gate = self.operands
@@ -174,13 +167,12 @@ class GateWindow(TorchFunctionMode):
             self.__exit__(None, None, None)
 
 
-def open_gate_window(module) -> None:
-    """Called by the compressed attention functions as they return with an output that takes
-    a gradient: from here on, the module's forward runs in its window (where it has one)."""
-    state = getattr(module, "__dict__", {}).get(STATE)
-    window = getattr(state, "gate_window", None)
-    if window is not None:
-        window.enter()
+def open_gate_window(state: OpState) -> None:
+    """Called by the compressed attention functions with their module's state as they return
+    with an output that takes a gradient: from here on, the module's forward runs in its window
+    (where it has one)."""
+    if state.gate_window is not None:
+        state.gate_window.enter()
 
 
 def run_gated(state: OpState, forward, *args, **kwargs):
